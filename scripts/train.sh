@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Launch training: ./scripts/train.sh [configs/NAME.toml] [--section.key value ...]
+# CPU-only machines use gloo with 2 processes; with GPUs, one process per GPU on NCCL.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+cd "$ROOT"
+CONFIG="configs/debug_cpu.toml"
+if [ $# -gt 0 ] && [[ "$1" == *.toml ]]; then CONFIG="$1"; shift; fi
+if [ -z "${NPROC:-}" ]; then
+  NGPU="$(python -c 'import torch; print(torch.cuda.device_count())')"
+  if [ "$NGPU" -gt 0 ]; then NPROC="$NGPU"; else NPROC=2; fi
+fi
+exec torchrun --standalone --nproc_per_node="$NPROC" \
+  -m torchtitan_cp.train --config_file "$CONFIG" "$@"
