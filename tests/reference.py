@@ -1,0 +1,116 @@
+"""Float64 token-by-token oracles for the local kernels (shared by kernel and CP tests).
+
+Deliberately naive: one Python step per token, per sequence, in float64, so the math is easy to
+audit and autograd gives exact reference gradients. Only meant for small sizes (T of a few
+hundred, a couple of heads, K, V ≤ 32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["conv_reference", "delta_rule_reference", "seq_bounds"]
+
+
+def seq_bounds(cu_seqlens: Tensor | Sequence[int] | None, total: int) -> list[tuple[int, int]]:
+    """[(bos, eos), ...] for every sequence; a single sequence [0, total) when cu_seqlens is None."""
+    if cu_seqlens is None:
+        return [(0, total)]
+    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def delta_rule_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    kind: str,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Gated delta rule, one token at a time, in float64.
+
+    Shapes (FLA conventions): q, k ``[1,T,H,K]``; v ``[1,T,HV,V]``; g natural-log decay
+    ``[1,T,HV,K]`` (kind="kda") or ``[1,T,HV]`` (kind="gdn"); beta ``[1,T,HV]``;
+    initial_state ``[N,HV,K,V]`` (N = number of sequences). HV must be a multiple of H (q/k head
+    ``h`` serves value heads ``h*G .. h*G+G-1``).
+
+    Per sequence and value head: ``S_t = (I - b_t k_t k_tᵀ) Diag(exp g_t) S_{t-1} + b_t k_t v_tᵀ``,
+    ``o_t = S_tᵀ (scale q_t)``.
+
+    Returns ``(o [1,T,HV,V] float64, final_states [N,HV,K,V] float64)``; differentiable.
+    """
+    if kind not in ("kda", "gdn"):
+        raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
+    T, H, K = q.shape[1:]
+    HV, V = v.shape[2:]
+    scale = K**-0.5 if scale is None else scale
+    rep = HV // H
+    q64 = q[0].double().repeat_interleave(rep, dim=1) * scale
+    k64 = k[0].double().repeat_interleave(rep, dim=1)
+    v64, b64 = v[0].double(), beta[0].double()
+    g64 = g[0].double()
+    if kind == "gdn":
+        g64 = g64[..., None].expand(T, HV, K)
+    bounds = seq_bounds(cu_seqlens, T)
+    outs, finals = [], []
+    for n, (bos, eos) in enumerate(bounds):
+        if initial_state is None:
+            S = q64.new_zeros(HV, K, V)
+        else:
+            S = initial_state[n].double()
+        for t in range(bos, eos):
+            kt, bt = k64[t], b64[t]  # [HV,K], [HV]
+            S = g64[t].exp()[..., None] * S  # decay first
+            pred = torch.einsum("hk,hkv->hv", kt, S)  # current read-out of key k_t
+            S = S + bt[:, None, None] * kt[..., None] * (v64[t] - pred)[:, None, :]
+            outs.append(torch.einsum("hk,hkv->hv", q64[t], S))
+        finals.append(S)
+    o = torch.stack(outs, 0) if outs else v64.new_zeros(0, HV, V)
+    return o[None], torch.stack(finals, 0)
+
+
+def conv_reference(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    cu_seqlens: Tensor | Sequence[int] | None,
+    initial_state: Tensor | None = None,
+    activation: str | None = "silu",
+) -> Tensor:
+    """Causal depthwise conv per sequence, in float64.
+
+    x ``[1,T,D]``; weight ``[D,W]`` (column W-1 multiplies the current token); bias ``[D]``;
+    initial_state ``[N,D,W-1]`` = the W-1 tokens before each sequence, oldest first (zeros when
+    None). Returns ``[1,T,D]`` float64, differentiable.
+    """
+    T, D = x.shape[1:]
+    W = weight.shape[1]
+    w64 = weight.double()
+    outs = []
+    for n, (bos, eos) in enumerate(seq_bounds(cu_seqlens, T)):
+        if initial_state is None:
+            hist = x.new_zeros(W - 1, D, dtype=torch.float64)
+        else:
+            hist = initial_state[n].double().t()  # [W-1, D]
+        xe = torch.cat([hist, x[0, bos:eos].double()], 0)  # [W-1+L, D]
+        L = eos - bos
+        y = sum(w64[:, i] * xe[i : i + L] for i in range(W))
+        if bias is not None:
+            y = y + bias.double()
+        outs.append(y)
+    y = torch.cat(outs, 0) if outs else x.new_zeros(0, D, dtype=torch.float64)
+    if activation in ("silu", "swish"):
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    return y[None]

@@ -1,0 +1,250 @@
+"""Chunked gated delta rule (KDA and GDN) in plain PyTorch.
+
+Runs anywhere (CPU included), differentiates through ordinary autograd, and is the reference
+implementation of ``ops.local.chunk_delta_rule(backend="torch")``.
+
+Algorithm (per value head; see docs/kernels.md for the derivation):
+
+* The stream is cut into sequences (``cu_seqlens``) and every sequence into chunks of ``C``
+  tokens; the last chunk of a sequence is zero-padded (q = k = v = beta = 0, log gate 0, which
+  leaves the state untouched). All chunks of all sequences are packed into one batch.
+* Inside a chunk, with ``G_t`` the cumulative log gate since the chunk start and ``S0`` the
+  entry state, the rank-one corrections ``d_t`` satisfy a unit lower-triangular system
+  ``(I + A) d = beta * (v - (exp(G) * k) S0)`` with
+  ``A[t,s] = beta_t * sum_c k_t[c] k_s[c] exp(G_t[c] - G_s[c])`` for ``s < t``. Solving it once per
+  chunk (batched ``solve_triangular``) gives ``d = U - W S0`` (the WY / UT form).
+* Every chunk is then an affine map of its entry state, ``S_end = M S0 + E``; a short loop over
+  chunk positions (all sequences at once) carries the state; outputs follow in one batched step:
+  ``o = (scale q * exp(G)) S0 + Aqk d``.
+* Gates stay in log space relative to the chunk (or a sub-block of it), and every exponent is
+  masked to ``-inf`` before ``exp`` where the pair is not causal, so only ``exp(x)`` with
+  ``x <= 0`` is ever evaluated: strong gates underflow to zero instead of overflowing, in the
+  forward and in the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .utils import host_cu_seqlens, seq_ids_and_positions
+
+__all__ = ["chunk_delta_rule_torch"]
+
+
+def _causal_mask(n: int, strict: bool, device: torch.device) -> Tensor:
+    """[n, n] bool, True where column s may feed row t (s < t, or s <= t)."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril(-1 if strict else 0)
+
+
+def _gdn_scores(a: Tensor, b: Tensor, G: Tensor, strict: bool) -> Tensor:
+    """``[..., t, s] = (a_t · b_s) exp(G_t - G_s)`` on the causal triangle, zero elsewhere.
+
+    a, b ``[..., C, K]``; G ``[..., C]`` cumulative log gate (scalar per token).
+    """
+    C = a.shape[-2]
+    keep = _causal_mask(C, strict, a.device)
+    # Mask before exp: above the diagonal G_t - G_s > 0 and could overflow.
+    decay = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~keep, -math.inf))
+    return (a @ b.transpose(-1, -2)) * decay
+
+
+def _kda_scores(a: Tensor, b: Tensor, G: Tensor, strict: bool, sub: int) -> Tensor:
+    """``[..., t, s] = sum_c a_t[c] b_s[c] exp(G_t[c] - G_s[c])`` on the causal triangle.
+
+    a, b, G ``[..., C, K]`` (G cumulative log gate per channel); ``sub`` divides C.
+
+    A pairwise ``[C, C, K]`` decay tensor would be exact but large, and the factorisation
+    ``exp(G_t) * exp(-G_s)`` overflows for strong gates. So the chunk is split into sub-blocks of
+    ``sub`` tokens: for s in block j and t in a later block, ``exp(G_t - G_s)`` factors through
+    the log gate R_j at the end of block j as ``exp(G_t - R_j) * exp(R_j - G_s)``, both factors
+    ≤ 1 (a matmul); only the ``sub × sub`` diagonal blocks use the pairwise tensor.
+    """
+    C, K = a.shape[-2:]
+    n = C // sub
+    lead = a.shape[:-2]
+    dev = a.device
+    Gb = G.unflatten(-2, (n, sub))  # [..., n, sub, K]
+    ref = Gb[..., -1, :]  # [..., n, K] log gate at the end of every sub-block
+
+    # Off-diagonal blocks. Right factor exp(R_j - G_s) <= 1 for s in block j.
+    right = b.unflatten(-2, (n, sub)) * torch.exp(ref.unsqueeze(-2) - Gb)  # [..., n, sub, K]
+    # Left factor exp(G_t - R_j) only for t in a block after j; -inf elsewhere so exp gives 0
+    # (and a zero gradient) instead of a possibly huge number.
+    later = torch.arange(C, device=dev)[None, :] // sub > torch.arange(n, device=dev)[:, None]
+    left_exp = (G.unsqueeze(-3) - ref.unsqueeze(-2)).masked_fill(~later[:, :, None], -math.inf)
+    left = a.unsqueeze(-3) * torch.exp(left_exp)  # [..., n(j), C(t), K]
+    off = left @ right.transpose(-1, -2)  # [..., n(j), C(t), sub(s)]
+    off = off.movedim(-3, -2).reshape(*lead, C, C)  # column index j*sub + s
+
+    # Diagonal blocks: pairwise decay within a block, masked before exp.
+    keep = _causal_mask(sub, strict, dev)
+    diff = Gb.unsqueeze(-2) - Gb.unsqueeze(-3)  # [..., n, sub(t), sub(s), K]
+    decay = torch.exp(diff.masked_fill(~keep[..., None], -math.inf))
+    ab, bb = a.unflatten(-2, (n, sub)), b.unflatten(-2, (n, sub))
+    diag = torch.einsum("...tk,...sk,...tsk->...ts", ab, bb, decay)  # [..., n, sub, sub]
+    # Scatter the n diagonal blocks into [C, C]: diag_embed puts block j at (j, j).
+    blocks = torch.diag_embed(diag.movedim(-3, -1))  # [..., sub(t), sub(s), n, n]
+    blocks = blocks.permute(*range(len(lead)), -2, -4, -1, -3).reshape(*lead, C, C)
+    return off + blocks
+
+
+def _chunk_layout(cu: list[int], C: int) -> dict[str, Tensor | list[int]]:
+    """Host-side index tables that pack every sequence into whole chunks.
+
+    Returns:
+        src: ``[NC*C]`` token index of every packed slot (``T`` = the zero padding row).
+        dst: ``[T]`` packed slot of every token.
+        nch: chunks per sequence (list of ints).
+        order: sequences sorted by chunk count, descending (so the sequences still running at
+            chunk position i are a prefix of this order).
+        steps: number of active sequences at every chunk position.
+        perm: ``[NC]`` packed chunk ids in loop order (position 0 of every active sequence,
+            then position 1, ...).
+    """
+    T = cu[-1]
+    lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
+    nch = (lengths + C - 1) // C
+    first_chunk = torch.cumsum(nch, 0) - nch
+    NC = int(nch.sum())
+    seq, pos = seq_ids_and_positions(cu)
+    dst = first_chunk[seq] * C + pos
+    src = torch.full((NC * C,), T, dtype=torch.int64)
+    src[dst] = torch.arange(T)
+    order = torch.argsort(nch, descending=True, stable=True)
+    nch_sorted = nch[order]
+    max_nch = int(nch_sorted[0]) if len(nch_sorted) else 0
+    steps = [int((nch_sorted > i).sum()) for i in range(max_nch)]
+    perm = torch.cat([first_chunk[order[:a]] + i for i, a in enumerate(steps)]) if steps else nch
+    return {"src": src, "dst": dst, "order": order, "steps": steps, "perm": perm, "NC": NC}
+
+
+def chunk_delta_rule_torch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    kind: str,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    cu_seqlens_cpu: Tensor | None = None,
+    chunk_size: int = 64,
+    sub_chunk_size: int = 16,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked KDA / GDN forward (autograd gives the backward).
+
+    Args:
+        q, k: ``[1, T, H, K]``; v: ``[1, T, HV, V]`` with HV a multiple of H (GVA).
+        g: natural-log decay (≤ 0), ``[1, T, HV, K]`` for kind="kda", ``[1, T, HV]`` for "gdn".
+        beta: ``[1, T, HV]``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` entry state of every sequence (zeros when None).
+        cu_seqlens / cu_seqlens_cpu: ``[N+1]`` sequence offsets (host copy preferred).
+        chunk_size: tokens per chunk; ``sub_chunk_size`` (KDA only) must divide it, otherwise
+            the whole chunk is one sub-block.
+
+    Returns:
+        ``o [1, T, HV, V]`` in v's dtype and, if ``output_final_state``, the final states
+        ``[N, HV, K, V]`` in the compute dtype (float64 for float64 inputs, else float32).
+        Zero-length sequences return their initial state.
+    """
+    T, H, K = q.shape[1:]
+    HV, V = v.shape[2:]
+    scale = K**-0.5 if scale is None else scale
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dev = q.device
+    C = chunk_size
+    sub = sub_chunk_size if (sub_chunk_size and C % sub_chunk_size == 0) else C
+    cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
+    N = len(cu) - 1
+
+    if initial_state is None:
+        state0 = torch.zeros(N, HV, K, V, dtype=cd, device=dev)
+    else:
+        state0 = initial_state.to(cd)
+    if T == 0:
+        o = v.new_zeros(1, 0, HV, V)
+        return o, (state0.clone() if output_final_state else None)
+
+    lay = _chunk_layout(cu, C)
+    NC = lay["NC"]
+    src = lay["src"].to(dev)
+
+    def pack(x: Tensor) -> Tensor:
+        """[1, T, Hx, ...] -> [NC, Hx, C, ...] in compute dtype, padding with zeros."""
+        x = x[0].to(cd)
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])], 0)[src]
+        return x.unflatten(0, (NC, C)).movedim(1, 2)
+
+    rep = HV // H
+    qc = pack(q).repeat_interleave(rep, dim=1) * scale  # [NC, HV, C, K]
+    kc = pack(k).repeat_interleave(rep, dim=1)
+    vc = pack(v)  # [NC, HV, C, V]
+    bc = pack(beta)  # [NC, HV, C]
+    G = pack(g).cumsum(2)  # cumulative log gate inside the chunk, <= 0
+    if kind == "kda":
+        Gl = G[:, :, -1, :]  # [NC, HV, K] log gate over the whole chunk
+        decay_end = torch.exp(Gl.unsqueeze(-2) - G)  # exp(G_C - G_t) <= 1
+        kg, qg = kc * torch.exp(G), qc * torch.exp(G)
+        A = _kda_scores(kc, kc, G, strict=True, sub=sub)
+        Aqk = _kda_scores(qc, kc, G, strict=False, sub=sub)
+    elif kind == "gdn":
+        Gl = G[:, :, -1]  # [NC, HV]
+        decay_end = torch.exp(Gl.unsqueeze(-1) - G).unsqueeze(-1)
+        eG = torch.exp(G).unsqueeze(-1)
+        kg, qg = kc * eG, qc * eG
+        A = _gdn_scores(kc, kc, G, strict=True)
+        Aqk = _gdn_scores(qc, kc, G, strict=False)
+    else:
+        raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
+
+    # WY form: (I + beta*A) d = beta*v - beta*(k*exp(G)) S0  =>  d = U - W S0.
+    b = bc.unsqueeze(-1)
+    A = b * A
+    U = torch.linalg.solve_triangular(A, b * vc, upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(A, b * kg, upper=False, unitriangular=True)
+
+    # Chunk as an affine map of its entry state: S_end = M S0 + E.
+    kh = kc * decay_end  # k_t exp(G_C - G_t)
+    khT = kh.transpose(-1, -2)
+    if kind == "kda":
+        M = torch.diag_embed(torch.exp(Gl)) - khT @ W  # [NC, HV, K, K]
+    else:
+        eye = torch.eye(K, dtype=cd, device=dev)
+        M = torch.exp(Gl)[..., None, None] * eye - khT @ W
+    E = khT @ U  # [NC, HV, K, V]
+
+    # Inter-chunk recurrence: one step per chunk position, all sequences still running at once.
+    perm = lay["perm"].to(dev)
+    order = lay["order"].to(dev)
+    Ms, Es = M[perm], E[perm]
+    S = state0[order]
+    entry = []
+    start = 0
+    for a in lay["steps"]:
+        S_a = S[:a]
+        entry.append(S_a)
+        S_new = Ms[start : start + a] @ S_a + Es[start : start + a]
+        S = torch.cat([S_new, S[a:]], 0) if a < N else S_new
+        start += a
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(NC, device=dev)
+    S0 = torch.cat(entry, 0)[inv_perm]  # [NC, HV, K, V] entry state of every packed chunk
+
+    d = U - W @ S0
+    oc = qg @ S0 + Aqk @ d  # [NC, HV, C, V]
+    o = oc.movedim(1, 2).flatten(0, 1)[lay["dst"].to(dev)]  # [T, HV, V]
+    o = o.unsqueeze(0).to(v.dtype)
+
+    final = None
+    if output_final_state:
+        inv_order = torch.empty_like(order)
+        inv_order[order] = torch.arange(N, device=dev)
+        final = S[inv_order]
+    return o, final
