@@ -1,0 +1,35 @@
+"""Host-side routing for context parallelism over packed documents (torch + stdlib only).
+
+See docs/routing.md for the vocabulary and docs/CONTRACTS.md for the exact device fields.
+"""
+
+from .cache import PlanCache
+from .device import DeviceRouting, RoutingCaps
+from .layouts import (
+    FragmentTable,
+    contiguous_fragments,
+    cu_seqlens_from_positions,
+    cu_seqlens_tensor_from_positions,
+    format_fragments,
+    fragments_from_indices,
+    headtail_fragments,
+    parse_fragments,
+    ptrr_fragments_from_indices,
+)
+from .plan import RoutingPlan
+
+__all__ = [
+    "DeviceRouting",
+    "FragmentTable",
+    "PlanCache",
+    "RoutingCaps",
+    "RoutingPlan",
+    "contiguous_fragments",
+    "cu_seqlens_from_positions",
+    "cu_seqlens_tensor_from_positions",
+    "format_fragments",
+    "fragments_from_indices",
+    "headtail_fragments",
+    "parse_fragments",
+    "ptrr_fragments_from_indices",
+]

@@ -1,0 +1,54 @@
+"""The device-side routing record every CP op consumes (see docs/CONTRACTS.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+__all__ = ["DeviceRouting", "RoutingCaps"]
+
+
+@dataclass(frozen=True)
+class RoutingCaps:
+    """Fixed upper bounds that make every ``DeviceRouting`` shape independent of the layout.
+
+    ``None`` leaves that dimension at the layout's own size. ``slots`` bounds the fragments of
+    *any* rank (global slot ids use it), ``subsequences`` this rank's subsequences (N),
+    ``predecessors`` any local fragment's predecessors (P), ``terminal`` this rank's terminal
+    subsequences (Nt).
+    """
+
+    slots: int | None = None
+    subsequences: int | None = None
+    predecessors: int | None = None
+    terminal: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("slots", "subsequences", "predecessors", "terminal"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"RoutingCaps.{name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class DeviceRouting:
+    """One rank's routing tensors. Tensors are on the target device and int64 unless noted;
+    ``-1`` means "none". S = ``num_slots``, C = ``conv_history``, N = subsequences (capped),
+    P = predecessors per fragment (capped), Nt = terminal subsequences (capped).
+    """
+
+    rank: int
+    world_size: int
+    num_slots: int
+    conv_history: int
+    num_tokens: int
+    cu_seqlens: Tensor  # [N + 1] int32, local span offsets, padded with num_tokens
+    cu_seqlens_cpu: Tensor  # [N + 1] int32 on the host (pinned when CUDA is available)
+    frag_first: Tensor  # [S] local subsequence index of each fragment's first subsequence
+    frag_last: Tensor  # [S] ... of its last subsequence
+    publish: Tensor  # [S] bool, the last subsequence continues on a successor
+    pred_slots: Tensor  # [S, P] global slot ids of the predecessors, token order
+    terminal: Tensor  # [Nt] local subsequence indices that end their document
+    tail_index: Tensor  # [S, C] local token index of each fragment's last C tokens
+    halo_index: Tensor  # [S, C] index into the gathered [W * S * C] tail buffer

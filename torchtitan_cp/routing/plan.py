@@ -1,0 +1,369 @@
+"""Host-side routing plan of one rank: subsequences, state routes and conv halo sources.
+
+Everything is computed with vectorised CPU torch ops over the documents and *all* ranks'
+fragments at once (one sort, a few ``searchsorted``); the cost is linear in documents plus
+fragments and has no Python loop over documents.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .device import DeviceRouting, RoutingCaps
+from .layouts import int_tensor
+
+__all__ = ["RoutingPlan"]
+
+_I64 = torch.int64
+
+
+def _check_cu_seqlens(cu: Tensor) -> None:
+    if cu.numel() < 2:
+        raise ValueError(f"cu_seqlens needs at least 2 entries (one document), got {cu.tolist()}")
+    first, last = cu[[0, -1]].tolist()
+    if first != 0:
+        raise ValueError(f"cu_seqlens must start at 0, starts at {first}")
+    steps = cu[1:] - cu[:-1]
+    if bool((steps <= 0).any()):
+        i = int((steps <= 0).nonzero()[0])
+        raise ValueError(
+            f"cu_seqlens must be strictly increasing: cu_seqlens[{i}] = {int(cu[i])}, "
+            f"cu_seqlens[{i + 1}] = {int(cu[i + 1])}"
+        )
+
+
+def _diagnose_tiling(
+    starts: list[int], stops: list[int], ranks: list[int], locs: list[int], total: int
+) -> str:
+    """Explain why the fragments (already known not to tile [0, total)) fail. Slow path only."""
+    order = sorted(range(len(starts)), key=lambda i: (starts[i], stops[i]))
+
+    def name(i: int) -> str:
+        return f"rank {ranks[i]} fragment {locs[i]} [{starts[i]}, {stops[i]})"
+
+    if not order:
+        return f"no fragments, but cu_seqlens ends at {total}"
+    covered = 0
+    prev = None
+    for i in order:
+        if starts[i] < covered:
+            other = f"{name(prev)}" if prev is not None else "the stream start"
+            return f"overlap: {name(i)} overlaps {other}"
+        if starts[i] > covered:
+            after = f" after {name(prev)}" if prev is not None else ""
+            return f"gap: tokens [{covered}, {starts[i]}) are owned by no rank{after}"
+        covered, prev = stops[i], i
+    if covered != total:
+        what = "beyond" if covered > total else "short of"
+        return f"fragments end at {covered}, {what} the stream end {total} (cu_seqlens[-1])"
+    return "fragments do not tile the stream"  # unreachable in practice
+
+
+class RoutingPlan:
+    """Routing of one rank for one microbatch layout.
+
+    Host fields (int64 CPU tensors unless noted):
+      ``rank``, ``world_size``, ``num_slots`` (most fragments any rank owns), ``num_tokens``
+      (this rank's span length), ``total_tokens`` (T);
+      ``fragments``: this rank's ``(start, stop)`` in span order;
+      ``subsequences``: ``[N, 3]`` (document, global start, global stop) in span order;
+      ``cu_seqlens``: ``[N + 1]`` local span offsets of the subsequences;
+      ``terminal``: ``[Nt]`` local indices of the subsequences that end their document;
+      ``frag_first`` / ``frag_last``: ``[F_local]`` local subsequence index of each fragment's
+      first / last subsequence;
+      ``predecessors`` / ``successors`` (lists, built on access) and :meth:`conv_sources`.
+    """
+
+    def __init__(self) -> None:  # use RoutingPlan.build
+        self.rank = 0
+        self.world_size = 0
+        self.num_slots = 0
+        self.num_tokens = 0
+        self.total_tokens = 0
+        self.fragments: list[tuple[int, int]] = []
+        self.subsequences = torch.zeros(0, 3, dtype=_I64)
+        self.cu_seqlens = torch.zeros(1, dtype=_I64)
+        self.terminal = torch.zeros(0, dtype=_I64)
+        self.frag_first = torch.zeros(0, dtype=_I64)
+        self.frag_last = torch.zeros(0, dtype=_I64)
+        # Global fragments sorted by start: start, stop, owner rank, index within the owner.
+        self._sorted_start = torch.zeros(0, dtype=_I64)
+        self._sorted_stop = torch.zeros(0, dtype=_I64)
+        self._sorted_rank = torch.zeros(0, dtype=_I64)
+        self._sorted_local = torch.zeros(0, dtype=_I64)
+        # Per local fragment: sorted position, first predecessor's sorted position (== own
+        # position when none), one past the last successor's (== own + 1 when none), start of the
+        # document of its first subsequence, and its span offset.
+        self._pos = torch.zeros(0, dtype=_I64)
+        self._pred_begin = torch.zeros(0, dtype=_I64)
+        self._succ_end = torch.zeros(0, dtype=_I64)
+        self._doc_start = torch.zeros(0, dtype=_I64)
+        self._span_offset = torch.zeros(0, dtype=_I64)
+        self._lists: tuple[list[int], list[int], list[int], list[int]] | None = None
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def build(
+        cls,
+        cu_seqlens: Sequence[int] | Tensor,
+        fragments: Sequence[Sequence[tuple[int, int]]],
+        rank: int,
+    ) -> RoutingPlan:
+        """Plan for ``rank`` given the global document boundaries ``cu_seqlens`` ``[D + 1]`` and
+        every rank's fragments (``fragments[r]`` in rank ``r``'s span order).
+
+        Raises ``ValueError`` naming the problem for a bad ``cu_seqlens``, a rank out of range,
+        an empty or inverted fragment, or a table that does not tile ``[0, T)`` exactly once.
+        """
+        cu = int_tensor(cu_seqlens)
+        _check_cu_seqlens(cu)
+        total = int(cu[-1])
+        world = len(fragments)
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is out of range for {world} ranks in the fragment table")
+
+        counts = [len(f) for f in fragments]
+        flat = [x for frags in fragments for frag in frags for x in frag]
+        if len(flat) != 2 * sum(counts):
+            raise ValueError("every fragment must be a (start, stop) pair")
+        pairs = int_tensor(flat).view(-1, 2)
+        starts, stops = pairs[:, 0], pairs[:, 1]
+        nfrag = starts.numel()
+        count_t = torch.tensor(counts, dtype=_I64)
+        owner = torch.repeat_interleave(torch.arange(world), count_t)
+        first_of_rank = torch.cumsum(count_t, 0) - count_t
+        local = torch.arange(nfrag) - first_of_rank[owner]
+
+        if nfrag and bool((stops <= starts).any()):
+            i = int((stops <= starts).nonzero()[0])
+            r, j = int(owner[i]), int(local[i])
+            kind = "empty" if int(stops[i]) == int(starts[i]) else "start > stop"
+            raise ValueError(f"rank {r} fragment {j} ({int(starts[i])}, {int(stops[i])}) is {kind}")
+        order = torch.argsort(starts, stable=True)
+        s_start, s_stop = starts[order], stops[order]
+        tiles = (
+            nfrag > 0
+            and torch.equal(s_start[1:], s_stop[:-1])
+            and s_start[[0]].tolist() == [0]
+            and s_stop[[-1]].tolist() == [total]
+        )
+        if not tiles:
+            raise ValueError(
+                "fragment table does not tile [0, T) exactly once: "
+                + _diagnose_tiling(
+                    starts.tolist(), stops.tolist(), owner.tolist(), local.tolist(), total
+                )
+            )
+
+        plan = cls()
+        plan.rank, plan.world_size, plan.total_tokens = rank, world, total
+        plan.num_slots = max(counts)
+        plan.fragments = [(int(a), int(b)) for a, b in fragments[rank]]
+        plan._sorted_start, plan._sorted_stop = s_start, s_stop
+        plan._sorted_rank, plan._sorted_local = owner[order], local[order]
+
+        n_local = counts[rank]
+        lo = int(first_of_rank[rank])
+        a, b = starts[lo : lo + n_local], stops[lo : lo + n_local]
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(nfrag)
+        plan._pos = inverse[lo : lo + n_local]
+
+        # Document of each fragment's first token and of its last token.
+        docs_ab = torch.searchsorted(cu, torch.cat([a, b - 1]), right=True) - 1
+        d_first, d_last = docs_ab[:n_local], docs_ab[n_local:]
+        nsub = d_last - d_first + 1
+        ends = torch.cumsum(nsub, 0)
+        plan.frag_first = ends - nsub
+        plan.frag_last = ends - 1
+        # Subsequences: fragment j covers documents d_first[j] .. d_last[j].
+        sub_frag = torch.repeat_interleave(torch.arange(n_local), nsub)
+        docs = d_first[sub_frag] + torch.arange(sub_frag.numel()) - plan.frag_first[sub_frag]
+        doc_bounds = cu[torch.stack([docs, docs + 1])]
+        sub_start = torch.maximum(doc_bounds[0], a[sub_frag])
+        sub_stop = torch.minimum(doc_bounds[1], b[sub_frag])
+        plan.subsequences = torch.stack([docs, sub_start, sub_stop], dim=1)
+        plan.cu_seqlens = torch.cat(
+            [torch.zeros(1, dtype=_I64), torch.cumsum(sub_stop - sub_start, 0)]
+        )
+        plan.terminal = (sub_stop == doc_bounds[1]).nonzero().reshape(-1)
+        lengths = b - a
+        plan._span_offset = torch.cumsum(lengths, 0) - lengths
+        plan.num_tokens = int(plan.cu_seqlens[-1])
+
+        # Predecessors are the sorted fragments from the one holding the first-subsequence
+        # document's start up to (excluding) this one; successors from the next one up to the one
+        # holding the last-subsequence document's final token. Tiling makes this exact.
+        doc_start = cu[d_first]
+        doc_stop = cu[d_last + 1]
+        where = torch.searchsorted(s_start, torch.cat([doc_start, doc_stop - 1]), right=True)
+        plan._pred_begin = where[:n_local] - 1
+        plan._succ_end = where[n_local:]
+        plan._doc_start = doc_start
+        return plan
+
+    # ------------------------------------------------------------------ host views
+    @property
+    def num_subsequences(self) -> int:
+        return self.subsequences.shape[0]
+
+    def _host_lists(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        if self._lists is None:
+            self._lists = (
+                self._sorted_rank.tolist(),
+                self._sorted_local.tolist(),
+                self._sorted_start.tolist(),
+                self._sorted_stop.tolist(),
+            )
+        return self._lists
+
+    @property
+    def predecessors(self) -> list[list[tuple[int, int]]]:
+        """Per local fragment, ``(rank, fragment)`` of the earlier pieces of its first
+        subsequence's document, increasing token order (empty when that document starts here)."""
+        ranks, locs, _, _ = self._host_lists()
+        return [
+            [(ranks[q], locs[q]) for q in range(begin, pos)]
+            for begin, pos in zip(self._pred_begin.tolist(), self._pos.tolist())
+        ]
+
+    @property
+    def successors(self) -> list[list[tuple[int, int]]]:
+        """Per local fragment, ``(rank, fragment)`` of the later pieces of its last
+        subsequence's document, increasing token order (empty when that document ends here)."""
+        ranks, locs, _, _ = self._host_lists()
+        return [
+            [(ranks[q], locs[q]) for q in range(pos + 1, end)]
+            for pos, end in zip(self._pos.tolist(), self._succ_end.tolist())
+        ]
+
+    def conv_sources(self, conv_history: int = 3) -> list[list[tuple[int, int, int]]]:
+        """Per local fragment, the owners ``(rank, fragment, offset within that fragment)`` of the
+        up to ``conv_history`` tokens before the fragment start that belong to the same document,
+        oldest first. They may lie in several short fragments on several ranks."""
+        if conv_history < 0:
+            raise ValueError(f"conv_history must be >= 0, got {conv_history}")
+        ranks, locs, s_start, _ = self._host_lists()
+        out = []
+        for (start, _), doc_start in zip(self.fragments, self._doc_start.tolist()):
+            srcs = []
+            for t in range(max(doc_start, start - conv_history), start):
+                q = bisect.bisect_right(s_start, t) - 1
+                srcs.append((ranks[q], locs[q], t - s_start[q]))
+            out.append(srcs)
+        return out
+
+    # ------------------------------------------------------------------ device
+    def to_device(
+        self,
+        device: torch.device | str,
+        *,
+        caps: RoutingCaps | None = None,
+        conv_history: int = 3,
+    ) -> DeviceRouting:
+        """Device tensors of this plan (fields and shapes in docs/CONTRACTS.md).
+
+        Builds fresh host tensors on every call (pinned when CUDA is available) and copies them
+        with ``non_blocking=True``, packed into one int64 buffer so there is a single copy.
+        """
+        if conv_history < 0:
+            raise ValueError(f"conv_history must be >= 0, got {conv_history}")
+        caps = caps or RoutingCaps()
+        n_local = len(self.fragments)
+        n_sub = self.num_subsequences
+        n_pred = self._pos - self._pred_begin
+        need_pred = int(n_pred.max()) if n_local else 0
+        n_term = self.terminal.numel()
+        slots = _capped("slots", caps.slots, self.num_slots, "fragments on one rank")
+        n_cap = _capped(
+            "subsequences", caps.subsequences, n_sub, f"subsequences on rank {self.rank}"
+        )
+        p_cap = _capped("predecessors", caps.predecessors, need_pred, "predecessors of a fragment")
+        t_cap = _capped(
+            "terminal", caps.terminal, n_term, f"terminal subsequences on rank {self.rank}"
+        )
+        C = conv_history
+
+        slot_of_sorted = self._sorted_rank * slots + self._sorted_local
+        nfrag = slot_of_sorted.numel()
+
+        def per_slot(values: Tensor, width: int | None = None) -> Tensor:
+            shape = (slots,) if width is None else (slots, width)
+            out = torch.full(shape, -1, dtype=_I64)
+            out[:n_local] = values
+            return out
+
+        frag_first = per_slot(self.frag_first)
+        frag_last = per_slot(self.frag_last)
+        publish = per_slot((self._succ_end > self._pos + 1).to(_I64))
+        publish[n_local:] = 0
+
+        q = self._pred_begin.unsqueeze(1) + torch.arange(p_cap)
+        pred = slot_of_sorted[q.clamp(max=nfrag - 1)]
+        pred = torch.where(q < self._pos.unsqueeze(1), pred, -1)
+        pred_slots = per_slot(pred, p_cap)
+
+        terminal = torch.full((t_cap,), -1, dtype=_I64)
+        terminal[:n_term] = self.terminal
+
+        starts = torch.tensor([a for a, _ in self.fragments], dtype=_I64).reshape(-1)
+        lengths = torch.tensor([b - a for a, b in self.fragments], dtype=_I64).reshape(-1)
+        back = C - torch.arange(C)  # column c holds the token `back[c]` before the end
+        tail = self._span_offset.unsqueeze(1) + lengths.unsqueeze(1) - back
+        tail = torch.where(lengths.unsqueeze(1) >= back, tail, -1)
+        tail_index = per_slot(tail, C)
+
+        tok = starts.unsqueeze(1) - back  # global ids of the C tokens before each fragment
+        owner = torch.searchsorted(self._sorted_start, tok.clamp(min=0), right=True) - 1
+        halo = slot_of_sorted[owner] * C + C - (self._sorted_stop[owner] - tok)
+        halo = torch.where(tok >= self._doc_start.unsqueeze(1), halo, -1)
+        halo_index = per_slot(halo, C)
+
+        cu_cpu = torch.full((n_cap + 1,), self.num_tokens, dtype=torch.int32)
+        cu_cpu[: n_sub + 1] = self.cu_seqlens
+        fields = (frag_first, frag_last, publish, pred_slots, terminal, tail_index, halo_index)
+        packed = torch.cat([f.reshape(-1) for f in fields])
+        pin = torch.cuda.is_available()
+        if pin:
+            packed, cu_cpu = packed.pin_memory(), cu_cpu.pin_memory()
+        dev = torch.device(device)
+        packed_dev = packed.to(dev, non_blocking=True)
+        # On a CPU target `.to` would alias the host copy; keep the two cu_seqlens independent.
+        cu_dev = cu_cpu.to(dev, non_blocking=True, copy=True)
+        parts = torch.split(packed_dev, [f.numel() for f in fields])
+        views = [p.view(f.shape) for p, f in zip(parts, fields)]
+        return DeviceRouting(
+            rank=self.rank,
+            world_size=self.world_size,
+            num_slots=slots,
+            conv_history=C,
+            num_tokens=self.num_tokens,
+            cu_seqlens=cu_dev,
+            cu_seqlens_cpu=cu_cpu,
+            frag_first=views[0],
+            frag_last=views[1],
+            publish=views[2].to(torch.bool),
+            pred_slots=views[3],
+            terminal=views[4],
+            tail_index=views[5],
+            halo_index=views[6],
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"RoutingPlan(rank={self.rank}, world_size={self.world_size}, "
+            f"num_slots={self.num_slots}, fragments={self.fragments}, "
+            f"subsequences={self.num_subsequences}, num_tokens={self.num_tokens})"
+        )
+
+
+def _capped(name: str, cap: int | None, need: int, what: str) -> int:
+    if cap is None:
+        return need
+    if need > cap:
+        raise ValueError(f"layout exceeds RoutingCaps.{name}={cap}: needs {need} {what}")
+    return cap
