@@ -1,0 +1,230 @@
+"""Run a function on N gloo processes on this machine and surface their failures in pytest.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes (spawn start
+method, one thread each), initialises a gloo process group on a free localhost port, calls
+``fn(rank, world_size, *args)`` in every child and returns the list of their return values
+(rank order). A child's exception is re-raised in the caller with the child's traceback; a
+child that dies or a run that exceeds ``timeout`` fails the test and the children are
+killed, so a mismatched collective cannot hang the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind to port 0 and let the OS choose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+    timeout: float,
+) -> None:
+    # Several processes share two cores: one intra-op thread each avoids oversubscription.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+class ChildFailure(AssertionError):
+    """A spawned rank raised, died or timed out; the message carries its traceback."""
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 150.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+
+    ``fn`` and ``args`` must be picklable (module-level functions). Raises ``ChildFailure``
+    naming the first failing rank.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(rank, world_size, port, fn, args, results, timeout),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    failures: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                failures.append(f"timed out after {timeout:.0f}s; finished ranks {sorted(outputs)}")
+                break
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and p.exitcode not in (0, None) and r not in outputs
+                ]
+                if dead:
+                    # Give a dying rank's report a moment to arrive before blaming the exit code.
+                    try:
+                        rank, ok, payload = results.get(timeout=2.0)
+                    except queue.Empty:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        failures.append(f"ranks exited without a report: {codes}")
+                        break
+                else:
+                    continue
+            if ok:
+                outputs[rank] = payload
+            else:
+                failures.append(f"rank {rank} raised:\n{payload}")
+                break  # the other ranks are probably blocked in a collective now
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if failures else 10.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise ChildFailure("\n".join(failures))
+    return [outputs[r] for r in range(world_size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout cases shared by the context-parallel tests. A case is (cu_seqlens, fragment table):
+# global document offsets of the flattened [B, L] microbatch and, per rank, its fragments
+# (start, stop) in span order.
+# ---------------------------------------------------------------------------------------------
+
+Layout = tuple[list[int], list[list[tuple[int, int]]]]
+
+
+def random_cu_seqlens(gen: Any, rows: int, row_len: int, max_doc: int) -> list[int]:
+    """Random document offsets for ``rows`` rows of ``row_len`` tokens (every row start is a
+    document start); about a fifth of the documents have a single token."""
+    import torch
+
+    cu = [0]
+    for r in range(rows):
+        end = (r + 1) * row_len
+        while cu[-1] < end:
+            if torch.rand((), generator=gen).item() < 0.2:
+                n = 1
+            else:
+                n = int(torch.randint(1, max_doc + 1, (), generator=gen))
+            cu.append(min(cu[-1] + n, end))
+    return cu
+
+
+def random_layout(
+    gen: Any, total: int, world: int, tiny: float = 0.5
+) -> list[list[tuple[int, int]]]:
+    """Random tiling of [0, total) into fragments (about ``tiny`` of them 1-3 tokens long),
+    dealt to random ranks (each rank at least one) in a random span order."""
+    import torch
+
+    cuts = [0]
+    while cuts[-1] < total:
+        if torch.rand((), generator=gen).item() < tiny:
+            n = int(torch.randint(1, 4, (), generator=gen))
+        else:
+            n = int(torch.randint(4, max(5, total // world), (), generator=gen))
+        cuts.append(min(cuts[-1] + n, total))
+    frags = list(zip(cuts[:-1], cuts[1:]))
+    assert len(frags) >= world, "layout too coarse for the world size"
+    owner = torch.randperm(len(frags), generator=gen).tolist()
+    table: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for i, f in enumerate(frags):
+        # The first `world` fragments of the permutation seed one per rank; the rest are random.
+        r = owner.index(i)
+        table[r if r < world else int(torch.randint(0, world, (), generator=gen))].append(f)
+    for fl in table:
+        order = torch.randperm(len(fl), generator=gen).tolist()
+        fl[:] = [fl[i] for i in order]
+    return table
+
+
+def explicit_layout_4() -> Layout:
+    """Hand-made 4-rank case: two rows of 24 tokens; single-token documents (one at a row
+    start); document [2, 20) in six pieces on ranks 0, 2, 3, 1, 0, 2 (1-token fragments
+    included); rank 1 holds only document interiors; span orders are not increasing."""
+    cu = [0, 1, 2, 20, 21, 24, 25, 45, 48]
+    table = [
+        [(30, 33), (0, 3), (14, 15)],
+        [(33, 40), (10, 14)],
+        [(3, 4), (15, 21), (40, 48)],
+        [(21, 30), (4, 10)],
+    ]
+    return cu, table
+
+
+def span_index(fragments: list[tuple[int, int]]) -> list[int]:
+    """Global token ids of a rank's span, in span order."""
+    return [t for a, b in fragments for t in range(a, b)]
+
+
+def local_subsequences(
+    cu: list[int], fragments: list[tuple[int, int]]
+) -> list[tuple[int, int, int]]:
+    """(global start, global stop, document index) of every subsequence, in span order."""
+    import bisect
+
+    out = []
+    for a, b in fragments:
+        cuts = [a] + [c for c in cu if a < c < b] + [b]
+        for x, y in zip(cuts[:-1], cuts[1:]):
+            out.append((x, y, bisect.bisect_right(cu, x) - 1))
+    return out
+
+
+def device_routing(
+    cu: list[int], table: list[list[tuple[int, int]]], rank: int, conv_history: int = 3
+):
+    """This rank's DeviceRouting on CPU, from the real routing package."""
+    import torch
+
+    from torchtitan_cp.routing import RoutingPlan
+
+    return RoutingPlan.build(cu, table, rank).to_device(
+        torch.device("cpu"), conv_history=conv_history
+    )

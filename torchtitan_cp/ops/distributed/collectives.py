@@ -1,0 +1,75 @@
+"""Differentiable collectives used by the context-parallel ops.
+
+Only one primitive is needed: an all-gather along dim 0 whose backward is a sum
+reduce-scatter, so every rank's contribution to a gathered tensor's gradient
+reaches the rank that owns those rows. Works on gloo (CPU) and NCCL (CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["all_gather_autograd", "all_gather_plain", "group_rank", "group_size"]
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """World size of ``group``; 1 when ``group`` is None or distributed is not initialised."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank inside ``group``; 0 when running unsharded."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _gather_flat(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    # gloo rejects a stacked [world, n, ...] output for the single-tensor gather, so the
+    # output is always the flat [world * n, ...] layout (the same bytes either way).
+    x = x.contiguous()
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        ctx.rows = x.shape[0]
+        return _gather_flat(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        # Rows of the gathered tensor belong to their source rank: summing every rank's
+        # cotangent for those rows and handing the sum to the owner is a reduce-scatter.
+        grad = grad.contiguous()
+        out = grad.new_empty((ctx.rows, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+def all_gather_autograd(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """All-gather ``x [n, ...]`` into ``[world * n, ...]`` (rank r's rows at ``r*n:(r+1)*n``).
+
+    Differentiable: the backward reduce-scatters (sums) the cotangent to the owning ranks.
+    Every rank must call it with the same shape and dtype; with ``group=None`` (or world 1)
+    it returns ``x`` unchanged. If ``x`` requires grad on one rank it must on all of them,
+    and every rank must then run the backward, or the reduce-scatter waits forever.
+    """
+    if group_size(group) == 1:
+        return x
+    return _AllGather.apply(x, group)
+
+
+def all_gather_plain(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Non-differentiable all-gather of ``x [n, ...]`` into ``[world * n, ...]`` (for ids)."""
+    if group_size(group) == 1:
+        return x
+    with torch.no_grad():
+        return _gather_flat(x, group)
