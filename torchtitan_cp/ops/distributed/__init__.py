@@ -1,5 +1,6 @@
 """Context-parallel ops: one all-gather per layer, arbitrary fragment layouts (docs/cp.md)."""
 
+from .conv_halo import context_parallel_conv_history
 from .delta_rule import context_parallel_delta_rule
 
-__all__ = ["context_parallel_delta_rule"]
+__all__ = ["context_parallel_conv_history", "context_parallel_delta_rule"]
