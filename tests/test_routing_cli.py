@@ -1,0 +1,85 @@
+"""The explain CLI: JSON, table, plot and one-line errors with exit status 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from torchtitan_cp.routing.__main__ import main
+
+ARGS = [
+    "explain",
+    "--cu-seqlens",
+    "0,40,232,384",
+    "--fragments",
+    "0:96,288:384;96:192,192:288",
+    "--rank",
+    "1",
+]
+
+
+def test_json(capsys):
+    assert main([*ARGS, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == {
+        "subsequences": [[1, 96, 192], [1, 192, 232], [2, 232, 288]],
+        "cu_seqlens": [0, 96, 136, 192],
+        "predecessors": [[[0, 0]], [[0, 0], [1, 0]]],
+        "successors": [[[1, 1]], [[0, 1]]],
+        "terminal": [1],
+    }
+
+
+def test_table(capsys):
+    assert main(ARGS) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 of 2" in out and "r0f0 r1f0" in out and "[192, 232)" in out
+
+
+def test_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "layout.png"
+    assert main([*ARGS, "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["explain", "--cu-seqlens", "0,x", "--fragments", "0:4", "--rank", "0"], "integers"),
+        (["explain", "--cu-seqlens", "0,4", "--fragments", "0-4", "--rank", "0"], "cannot parse"),
+        (["explain", "--cu-seqlens", "0,4", "--fragments", "0:3", "--rank", "0"], "short of"),
+        (["explain", "--cu-seqlens", "0,4", "--fragments", "0:4", "--rank", "3"], "out of range"),
+        (["explain", "--cu-seqlens", "0,4", "--fragments", "0:4"], "required"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_bad_arguments_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_subprocess_exit_code():
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchtitan_cp.routing",
+            "explain",
+            "--cu-seqlens",
+            "0,4",
+            "--fragments",
+            "0:2;3:4",
+            "--rank",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.count("\n") == 1 and "gap: tokens [2, 3)" in bad.stderr
+    assert "Traceback" not in bad.stderr
