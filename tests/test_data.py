@@ -77,7 +77,7 @@ def test_corpus_is_real_text_with_varied_lengths(tokenizer):
     train, val = read_texts(BUNDLED_TRAIN_PATH), read_texts(BUNDLED_VALIDATION_PATH)
     assert len(train) > 300 and len(val) > 10
     assert not set(train) & set(val)
-    lengths = [len(tokenizer.encode(t)) for t in train]
+    lengths = [len(e.ids) for e in tokenizer.tokenizer.encode_batch(train)]
     assert min(lengths) < 100 and max(lengths) > 5000
 
 
