@@ -1,0 +1,98 @@
+"""Per-microbatch sequence metadata handed to every mixing layer of the decoder."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_cp.routing import DeviceRouting, RoutingPlan, cu_seqlens_from_positions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceContext:
+    """What a KDA/GDN/attention layer needs to know about the microbatch it is processing.
+
+    One instance serves every layer of one microbatch; it is never mutated, so a backward
+    that still runs on an older batch keeps reading that batch's tensors.
+
+    Attributes:
+        routing: this rank's device routing (a single-rank routing when CP is off).
+        group: the context-parallel process group, or None without CP.
+        token_ids: ``[T_local]`` int64, global stream index of every local token (span order).
+        doc_ids: ``[T_local]`` int64, document index of every local token.
+        source: "host" or "device_readback": how the routing was built (for logging).
+    """
+
+    routing: DeviceRouting
+    group: dist.ProcessGroup | None
+    token_ids: torch.Tensor
+    doc_ids: torch.Tensor
+    source: str = "host"
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.group is not None and dist.get_world_size(self.group) > 1
+
+
+def build_sequence_context(
+    plan: RoutingPlan,
+    device: torch.device | str,
+    group: dist.ProcessGroup | None,
+    *,
+    source: str = "host",
+    conv_history: int = 3,
+) -> SequenceContext:
+    """Materialise ``plan`` on ``device``: the routing plus per-token global and document ids.
+
+    Every call creates new device tensors (copied non-blocking from host memory), so no two
+    microbatches share routing storage.
+    """
+    routing = plan.to_device(device, conv_history=conv_history)
+    subs = plan.subsequences
+    lengths = subs[:, 2] - subs[:, 1]
+    local_starts = plan.cu_seqlens[:-1]
+    doc_ids = torch.repeat_interleave(subs[:, 0], lengths)
+    token_ids = torch.repeat_interleave(subs[:, 1] - local_starts, lengths) + torch.arange(
+        plan.num_tokens, dtype=torch.int64
+    )
+    ids = torch.stack([token_ids, doc_ids])
+    if torch.device(device).type == "cuda":
+        ids = ids.pin_memory()
+    ids = ids.to(device, non_blocking=True)
+    return SequenceContext(
+        routing=routing, group=group, token_ids=ids[0], doc_ids=ids[1], source=source
+    )
+
+
+_warned_no_host_metadata = False
+
+
+def context_from_device_positions(
+    tokens: torch.Tensor, positions: torch.Tensor | None
+) -> SequenceContext:
+    """Single-rank context for a direct model call that brings no ``SequenceContext``.
+
+    Documents come from ``positions`` (a document starts where ``positions == 0`` and at every
+    row start); without positions each row is one document. Reading device positions back
+    blocks the host, so this warns once per process.
+    """
+    global _warned_no_host_metadata
+    bsz, seqlen = tokens.shape
+    if positions is None:
+        cu = list(range(0, bsz * seqlen + 1, seqlen))
+    else:
+        if not _warned_no_host_metadata:
+            logger.warning(
+                "HybridDecoder called without a SequenceContext: deriving document boundaries "
+                "from device positions (a device->host copy per forward). Pass host metadata "
+                "to avoid it."
+            )
+            _warned_no_host_metadata = True
+        cu = cu_seqlens_from_positions(positions)
+    plan = RoutingPlan.build(cu, [[(0, bsz * seqlen)]], 0)
+    return build_sequence_context(plan, tokens.device, None, source="device_readback")

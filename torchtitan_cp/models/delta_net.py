@@ -1,0 +1,199 @@
+"""KDA (Kimi Delta Attention) and GDN (Gated DeltaNet) token mixers.
+
+Both follow the published layers (Kimi Linear; Qwen3-Next / Gated DeltaNet): q/k/v projections,
+a width-4 causal depthwise convolution with SiLU per projection, L2-normalised q and k,
+``beta = sigmoid(b_proj(x))``, a natural-log decay gate, the delta-rule recurrence, a gated RMSNorm
+on the output and an output projection. KDA's gate is per channel,
+``-exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)`` with shape ``[.., H, K]``; GDN's is one scalar per
+head, ``-exp(A_log) * softplus(a_proj(x) + dt_bias)``. Every document starts from a zero state
+and zero convolution history; under context parallelism both are carried in from other ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtitan.protocols.module import Module
+
+from torchtitan_cp.models.context import SequenceContext
+from torchtitan_cp.models.init import linear
+from torchtitan_cp.ops import (
+    causal_conv1d,
+    chunk_delta_rule,
+    context_parallel_conv_history,
+    context_parallel_delta_rule,
+)
+
+Kind = Literal["kda", "gdn"]
+
+
+class ShortConvolution(Module):
+    """Causal depthwise convolution over the packed stream, per document, SiLU activation.
+
+    Weight ``[D, W]``; input/output ``[1, T, D]``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        channels: int
+        width: int = 4
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.width = config.width
+        self.weight = nn.Parameter(torch.empty(config.channels, config.width))
+
+    def reset_parameters(self) -> None:
+        # nn.Conv1d's default for a depthwise kernel: fan_in = width.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor, ctx: SequenceContext, backend: str) -> torch.Tensor:
+        routing = ctx.routing
+        history = None
+        if ctx.cp_enabled:
+            # Tokens before each continued fragment come from the ranks that own them.
+            history = context_parallel_conv_history(x, routing=routing, group=ctx.group)
+        return causal_conv1d(
+            x,
+            self.weight,
+            None,
+            cu_seqlens=routing.cu_seqlens,
+            cu_seqlens_cpu=routing.cu_seqlens_cpu,
+            initial_state=history,
+            activation="silu",
+            backend=backend,
+        )
+
+
+class GatedRMSNorm(Module):
+    """RMSNorm over the head dimension followed by an output gate: ``norm(o) * act(gate)``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        dim: int
+        eps: float = 1e-5
+        activation: Literal["sigmoid", "silu"] = "silu"
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.eps = config.eps
+        self.activation = config.activation
+        self.weight = nn.Parameter(torch.empty(config.dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = o.dtype
+        o32 = o.float()
+        o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
+        act = torch.sigmoid(gate.float()) if self.activation == "sigmoid" else F.silu(gate.float())
+        return (o32 * self.weight.float() * act).to(dtype)
+
+
+class DeltaNetMixer(Module):
+    """A KDA or GDN token mixer. Input/output ``[B, L, D]``; B·L is the local span."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        kind: Kind
+        dim: int
+        n_heads: int
+        head_dim: int
+        value_head_dim: int | None = None
+        conv_width: int = 4
+        norm_eps: float = 1e-5
+        layer_id: int = 0
+        backend: Literal["auto", "torch", "fla"] = "auto"
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.kind = config.kind
+        self.n_heads = h = config.n_heads
+        self.head_dim = k = config.head_dim
+        self.value_head_dim = v = config.value_head_dim or config.head_dim
+        self.backend = config.backend
+        d = config.dim
+        self.q_proj = linear(d, h * k)
+        self.k_proj = linear(d, h * k)
+        self.v_proj = linear(d, h * v)
+        self.q_conv = ShortConvolution.Config(channels=h * k, width=config.conv_width).build()
+        self.k_conv = ShortConvolution.Config(channels=h * k, width=config.conv_width).build()
+        self.v_conv = ShortConvolution.Config(channels=h * v, width=config.conv_width).build()
+        self.b_proj = linear(d, h)
+        if self.kind == "kda":
+            # Low-rank per-channel decay and output gate, as in Kimi Linear.
+            self.f_a_proj = linear(d, k)
+            self.f_b_proj = linear(k, h * k)
+            self.g_a_proj = linear(d, v)
+            self.g_b_proj = linear(v, h * v, bias=True)
+            self.dt_bias = nn.Parameter(torch.empty(h * k))
+            gate_act = "sigmoid"
+        elif self.kind == "gdn":
+            self.a_proj = linear(d, h)
+            self.g_proj = linear(d, h * v)
+            self.dt_bias = nn.Parameter(torch.empty(h))
+            gate_act = "silu"
+        else:
+            raise ValueError(f"DeltaNetMixer kind must be 'kda' or 'gdn', got {config.kind!r}")
+        self.A_log = nn.Parameter(torch.empty(h))
+        self.o_norm = GatedRMSNorm.Config(dim=v, eps=config.norm_eps, activation=gate_act).build()
+        # Depth-scaled output projection, as torchtitan's decoders do.
+        self.o_proj = linear(h * v, d, std=0.02 / math.sqrt(2 * (config.layer_id + 1)))
+
+    def reset_parameters(self) -> None:
+        # A in [1, 16] and dt in [1e-3, 1e-1] log-uniform (Mamba-2 / GDN initialisation), so the
+        # initial per-token decays span short to long memories.
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            dt = torch.exp(
+                torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1))
+            ).clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def _gate(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.n_heads
+        if self.kind == "kda":
+            f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (h, self.head_dim))
+            bias = self.dt_bias.view(h, self.head_dim)
+            a = self.A_log.float().exp().view(h, 1)
+        else:
+            f = self.a_proj(x)
+            bias = self.dt_bias
+            a = self.A_log.float().exp()
+        return -a * F.softplus(f.float() + bias.float())
+
+    def forward(self, x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        h, k, v = self.n_heads, self.head_dim, self.value_head_dim
+        # The local span is the B rows' local pieces back to back: one packed stream.
+        xs = x.reshape(1, bsz * seqlen, -1)
+        q = self.q_conv(self.q_proj(xs), ctx, self.backend).unflatten(-1, (h, k))
+        kk = self.k_conv(self.k_proj(xs), ctx, self.backend).unflatten(-1, (h, k))
+        vv = self.v_conv(self.v_proj(xs), ctx, self.backend).unflatten(-1, (h, v))
+        q = F.normalize(q, p=2, dim=-1)
+        kk = F.normalize(kk, p=2, dim=-1)
+        beta = torch.sigmoid(self.b_proj(xs).float()).to(xs.dtype)
+        g = self._gate(xs)
+        if ctx.cp_enabled:
+            o, _ = context_parallel_delta_rule(
+                q, kk, vv, g, beta, kind=self.kind, routing=ctx.routing, group=ctx.group,
+                backend=self.backend,
+            )  # fmt: skip
+        else:
+            o, _ = chunk_delta_rule(
+                q, kk, vv, g, beta, kind=self.kind,
+                cu_seqlens=ctx.routing.cu_seqlens, cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu,
+                backend=self.backend,
+            )  # fmt: skip
+        if self.kind == "kda":
+            gate = self.g_b_proj(self.g_a_proj(xs))
+        else:
+            gate = self.g_proj(xs)
+        o = self.o_norm(o.to(xs.dtype), gate.unflatten(-1, (h, v)))
+        return self.o_proj(o.flatten(-2)).reshape(bsz, seqlen, -1)

@@ -1,0 +1,58 @@
+"""Model flavors (sizes) and the ``ModelSpec`` torchtitan's trainer consumes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan.protocols.model_spec import ModelSpec
+
+from torchtitan_cp.models.decoder import HybridDecoder, parse_layer_pattern
+from torchtitan_cp.models.parallelize import parallelize_hybrid
+
+# Sizes only; the layer pattern comes from config. Parameter counts are for the default
+# pattern of each flavor and the bundled tokenizer's vocabulary where it applies.
+FLAVORS: dict[str, dict] = {
+    # ~1 s per 2-rank CPU step at seq_len 256: for tests and the embedded default.
+    "debug": dict(
+        vocab_size=4096, dim=64, layer_pattern="KGKA", n_heads=2, head_dim=32,
+        attn_n_heads=4, attn_n_kv_heads=2, attn_head_dim=16, ffn_hidden_dim=192,
+        max_seq_len=8192,
+    ),
+    # ~150M parameters with a 32k vocabulary (12 layers, 3:1 linear to softmax attention).
+    "150M": dict(
+        vocab_size=32000, dim=768, layer_pattern="KKKAKKKAKKKA", n_heads=6, head_dim=128,
+        attn_n_heads=12, attn_n_kv_heads=4, attn_head_dim=64, ffn_hidden_dim=2304,
+        max_seq_len=131072,
+    ),
+    # ~1B parameters with a 128k vocabulary (20 layers, 3:1 linear to softmax attention).
+    "1B": dict(
+        vocab_size=128256, dim=1792, layer_pattern="KKKAKKKAKKKAKKKAKKKA", n_heads=14,
+        head_dim=128, attn_n_heads=14, attn_n_kv_heads=2, attn_head_dim=128,
+        ffn_hidden_dim=4864, max_seq_len=131072, enable_weight_tying=True,
+    ),
+}  # fmt: skip
+
+
+def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
+    """The flavor's config with ``overrides`` (any ``HybridDecoder.Config`` field) applied."""
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown model.flavor {flavor!r}; choose one of {sorted(FLAVORS)}")
+    fields = {f.name for f in dataclasses.fields(HybridDecoder.Config)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown model key(s) {', '.join(unknown)}")
+    cfg = HybridDecoder.Config(**{**FLAVORS[flavor], **overrides})
+    parse_layer_pattern(cfg.layer_pattern)
+    return cfg
+
+
+def model_spec(flavor: str, **overrides) -> ModelSpec:
+    return ModelSpec(
+        name="hybrid",
+        flavor=flavor,
+        model=model_config(flavor, **overrides),
+        parallelize_fn=parallelize_hybrid,
+        pipelining_fn=None,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=None,
+    )

@@ -1,0 +1,52 @@
+"""Apply activation checkpointing, compile and FSDP (over dp_shard × cp) to the hybrid decoder."""
+
+from __future__ import annotations
+
+from torch import nn
+from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+from torchtitan_cp import platform
+
+
+def parallelize_hybrid(
+    model: nn.Module,
+    *,
+    parallel_dims: ParallelDims,
+    training: TrainingConfig,
+    parallelism: ParallelismConfig,
+    compile_config: CompileConfig,
+    ac_config: ActivationCheckpointingConfig,
+    dump_folder: str,
+) -> nn.Module:
+    """Context parallelism needs no module rewrite here: the KDA/GDN/attention layers read the
+    per-microbatch ``SequenceContext`` and exchange states themselves. CP ranks hold the same
+    parameters, so FSDP shards (and reduces gradients) over the flattened dp_shard × cp mesh."""
+    if parallel_dims.tp_enabled:
+        raise NotImplementedError(
+            "parallelism.tensor_parallel_degree > 1 is not supported by the hybrid recipe"
+        )
+    if parallel_dims.ep_enabled:
+        raise NotImplementedError(
+            "the hybrid recipe has no experts: expert_parallel_degree must be 1"
+        )
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    if compile_config.enable and "model" in compile_config.components:
+        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+    if parallel_dims.fsdp_enabled:
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        apply_fsdp_to_decoder(
+            model,  # pyrefly: ignore [bad-argument-type]
+            parallel_dims.get_mesh(names),
+            param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+            pp_enabled=parallel_dims.pp_enabled,
+            cpu_offload=training.enable_cpu_offload,
+            reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
+        )
+        platform.force_sum_reduction_on_gloo(model)
+    return model

@@ -1,0 +1,72 @@
+"""Entry point: ``torchrun ... -m torchtitan_cp.train --config_file configs/NAME.toml [--a.b v]``.
+
+Precedence: command line > TOML > recipe defaults (``torchtitan_cp.trainer.recipe_config``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torchtitan_cp.config import ConfigError, apply_table, read_toml, split_config_file
+
+DEFAULT_CONFIG = "configs/debug_cpu.toml"
+
+
+def load_config(argv: list[str]):
+    """Recipe defaults, then the TOML file, then the command line (tyro, as torchtitan does)."""
+    import tyro
+    from torchtitan.config.manager import ConfigManager, custom_registry
+
+    from torchtitan_cp.trainer import recipe_config
+
+    path, rest = split_config_file(argv, DEFAULT_CONFIG)
+    config = recipe_config()
+    if path:
+        table = read_toml(path)
+        apply_table(config, table, where=path)
+    ConfigManager.register_tyro_rules(custom_registry)
+    description = (
+        "Train a hybrid KDA/GDN/attention model. --config_file PATH.toml sets any option below "
+        f"(default {DEFAULT_CONFIG}); flags given here override the file."
+    )
+    config = tyro.cli(
+        type(config), args=rest, default=config, registry=custom_registry, description=description
+    )
+    # Validate the model recipe now so a bad flavor or layer letter fails before any process
+    # group is created.
+    from torchtitan_cp.models import model_config
+
+    model_config(config.model.flavor, **config.model.overrides())
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torchtitan.tools.logging import init_logger, logger
+
+    init_logger()
+    try:
+        config = load_config(sys.argv[1:] if argv is None else argv)
+    except (ConfigError, ValueError) as e:
+        print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    trainer = None
+    try:
+        trainer = config.build()
+        trainer.train()
+    except Exception:
+        if trainer is not None:
+            trainer.close()
+        raise
+    else:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        logger.info("Process group destroyed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

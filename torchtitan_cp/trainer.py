@@ -1,0 +1,254 @@
+"""The hybrid-model trainer: torchtitan's ``Trainer`` with CP routing built per microbatch.
+
+What changes against torchtitan 0.3.0's trainer:
+* ``post_dataloading_process`` pops the batch's ``HostMetadata`` and hands the batch to one
+  ``SequencePreprocessor`` (shared with the validator) that shards it for this CP rank and builds
+  the microbatch's ``SequenceContext``; the model gets ``positions`` and ``seq_ctx``.
+* ``[model]`` (a ``ModelRecipe``) is the single source of the model spec.
+* Metrics add ``routing/*`` counters, a JSONL file and optional parameter checksums.
+"""
+
+from __future__ import annotations
+
+from torchtitan_cp import platform
+
+platform.apply()  # before torchtitan.trainer binds device names (see platform.py)
+
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # noqa: E402
+from torchtitan.components.metrics import (  # noqa: E402
+    BaseLogger,
+    LoggerContainer,
+    MetricsProcessor,
+    _get_metrics_rank,
+)
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
+from torchtitan.components.validate import Validator  # noqa: E402
+from torchtitan.config import DebugConfig as _TitanDebugConfig  # noqa: E402
+from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+from torchtitan_cp.config import LinearAttentionConfig, ModelRecipe  # noqa: E402
+from torchtitan_cp.data import (  # noqa: E402
+    PackedTextDataLoader,
+    PackedValidationDataLoader,
+    pop_host_metadata,
+)
+from torchtitan_cp.models import model_spec  # noqa: E402
+from torchtitan_cp.sequence import SequencePreprocessor  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+@dataclass(kw_only=True, slots=True)
+class DebugConfig(_TitanDebugConfig):
+    param_checksums: bool = False
+    """Log ``params_sha256`` (every parameter after the optimizer step, gathered to rank 0)
+    to metrics.jsonl at each log step, to compare runs bit for bit."""
+
+
+def params_sha256(model_parts: list[torch.nn.Module]) -> str:
+    """SHA-256 over every parameter's full value (name order). Collective under FSDP: every
+    rank must call it."""
+    h = hashlib.sha256()
+    for part in model_parts:
+        for name, p in sorted(part.named_parameters(), key=lambda kv: kv[0]):
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class JsonlLogger(BaseLogger):
+    """One JSON object per log call in ``<dump_folder>/metrics.jsonl``; floats at full
+    precision (``json`` writes ``repr``), for scripts and bitwise comparisons."""
+
+    ALIASES = {
+        "loss_metrics/global_avg_loss": "loss",
+        "grad_norm": "grad_norm",
+        "throughput(tps)": "tokens_per_s",
+        "validation_metrics/loss": "validation_loss",
+    }
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path = path
+        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the run
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        row: dict[str, Any] = {"step": step}
+        for k, v in metrics.items():
+            if k in self.ALIASES:
+                row[self.ALIASES[k]] = v
+            if k.startswith("lr"):
+                row.setdefault("lr", v)
+            row[k] = v
+        self._f.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class HybridMetricsProcessor(MetricsProcessor):
+    """torchtitan's metrics plus metrics.jsonl and the extra metrics the trainer supplies."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        jsonl_file: str = "metrics.jsonl"
+        """File under dump_folder written by the metrics rank; empty string disables it."""
+
+        wandb_mode: str = ""
+        """WANDB_MODE for this run ("offline" leaves a run to `wandb sync` later); empty keeps
+        the environment's setting."""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        if config.enable_wandb and config.wandb_mode:
+            os.environ["WANDB_MODE"] = config.wandb_mode
+        super().__init__(config, **kwargs)
+        self.extra_metrics_fn = None
+        dump_folder = kwargs.get("dump_folder", "./outputs")
+        rank = _get_metrics_rank(
+            parallel_dims=kwargs["parallel_dims"], pp_schedule=kwargs.get("pp_schedule", "1F1B")
+        )
+        if config.jsonl_file and dist.get_rank() == rank:
+            container = LoggerContainer()
+            container.add_logger(self.logger)
+            container.add_logger(JsonlLogger(os.path.join(dump_folder, config.jsonl_file)))
+            self.logger = container
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        extra = dict(extra_metrics or {})
+        if self.extra_metrics_fn is not None:
+            extra.update(self.extra_metrics_fn())
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+
+
+class HybridValidator(Validator):
+    """torchtitan's validator, preprocessing batches with the trainer's SequencePreprocessor."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Validator.Config):
+        dataloader: PackedValidationDataLoader.Config = field(
+            default_factory=PackedValidationDataLoader.Config
+        )
+
+    sequence: SequencePreprocessor | None = None
+
+    def post_dataloading_process(self, input_dict, labels, model_parts):
+        assert self.sequence is not None, "HybridTrainer sets the validator's preprocessor"
+        return _preprocess(self.sequence, input_dict, labels)
+
+
+def _preprocess(
+    sequence: SequencePreprocessor, input_dict: dict[str, Any], labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    host = pop_host_metadata(input_dict)
+    unknown = sorted(set(input_dict) - {"input", "positions"})
+    if unknown:
+        raise ValueError(f"batch has keys the hybrid model does not take: {unknown}")
+    inputs, labels, positions, ctx = sequence(
+        input_dict["input"], labels, input_dict.get("positions"), host
+    )
+    return inputs, labels, {"positions": positions, "seq_ctx": ctx}
+
+
+class HybridTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        model: ModelRecipe = field(default_factory=ModelRecipe)
+        linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
+        debug: DebugConfig = field(default_factory=DebugConfig)
+        metrics: HybridMetricsProcessor.Config = field(
+            default_factory=HybridMetricsProcessor.Config
+        )
+        validator: HybridValidator.Config = field(default_factory=HybridValidator.Config)
+
+    def __init__(self, config: Config):
+        spec = model_spec(config.model.flavor, **config.model.overrides())
+        config.model_spec = spec
+        vocab = spec.model.vocab_size
+        loss_fn_cfg = getattr(config.loss, "loss_fn", config.loss)
+        if hasattr(loss_fn_cfg, "global_vocab_size"):
+            loss_fn_cfg.global_vocab_size = vocab
+        super().__init__(config)
+        pd = self.parallel_dims
+        cp_group = pd.get_mesh("cp").get_group() if pd.cp_enabled else None
+        self.sequence = SequencePreprocessor(
+            device=self.device,
+            cp_group=cp_group,
+            load_balancer=config.parallelism.context_parallel_load_balancer,
+            routing_source=config.linear_attention.routing_source,
+            plan_cache_size=config.linear_attention.plan_cache_size,
+            conv_history=spec.model.conv_width - 1,
+        )
+        if config.validator.enable:
+            self.validator.sequence = self.sequence
+        self.metrics_processor.extra_metrics_fn = self._extra_metrics
+
+    def post_dataloading_process(self, input_dict, labels):
+        inputs, labels, extra = _preprocess(self.sequence, input_dict, labels)
+        # Count after CP sharding so ntokens reflects what this rank processes.
+        self.ntokens_seen += labels.numel()
+        return inputs, labels, extra
+
+    def train_step(self, data_iterator):
+        self.sequence.stats.take()  # counters cover this step only (not validation before it)
+        return super().train_step(data_iterator)
+
+    def _extra_metrics(self) -> dict[str, Any]:
+        stats = self.sequence.stats.take()
+        cache = self.sequence.cache.stats()
+        # The worst rank is what a dashboard should show: reduce max across all ranks.
+        local = torch.tensor([stats["readbacks"], stats["build_ms"]], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        out: dict[str, Any] = {
+            "routing/source": stats["source"],
+            "routing/readbacks": int(local[0]),
+            "routing/build_ms": float(local[1]),
+            "routing/cache_hits": cache["hits"],
+            "routing/cache_misses": cache["misses"],
+            "routing/cache_evictions": cache["evictions"],
+        }
+        if self.config.debug.param_checksums:
+            out["params_sha256"] = params_sha256(self.model_parts)
+        return out
+
+
+def recipe_config() -> HybridTrainer.Config:
+    """Recipe defaults (the TOML and the command line override any field)."""
+    return HybridTrainer.Config(
+        hf_assets_path=str(ASSETS / "tokenizer"),
+        model=ModelRecipe(),
+        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=1)),
+        optimizer=default_adamw(lr=3e-3),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
+        ),
+        training=TrainingConfig(
+            local_batch_size=2,
+            seq_len=256,
+            steps=20,
+            # The model takes a per-microbatch SequenceContext kwarg, which CUDA-graph capture
+            # of the forward/backward rejects.
+            disable_cuda_graphs=True,
+        ),
+        dataloader=PackedTextDataLoader.Config(),
+        metrics=HybridMetricsProcessor.Config(log_freq=1),
+        parallelism=ParallelismConfig(
+            spmd_backend="partial_dtensor", context_parallel_load_balancer="headtail"
+        ),
+        checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),
+        activation_checkpoint=None,
+        validator=HybridValidator.Config(freq=10, steps=4),
+    )
