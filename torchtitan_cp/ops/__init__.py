@@ -1,12 +1,17 @@
 """Delta-rule, short-convolution and attention ops: local kernels and their context-parallel
 versions (docs/CONTRACTS.md, docs/cp.md)."""
 
-from .distributed import context_parallel_conv_history, context_parallel_delta_rule
+from .distributed import (
+    context_parallel_attention,
+    context_parallel_conv_history,
+    context_parallel_delta_rule,
+)
 from .local import causal_conv1d, chunk_delta_rule
 
 __all__ = [
     "causal_conv1d",
     "chunk_delta_rule",
+    "context_parallel_attention",
     "context_parallel_conv_history",
     "context_parallel_delta_rule",
 ]
