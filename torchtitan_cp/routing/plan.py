@@ -103,6 +103,8 @@ class RoutingPlan:
         self._succ_end = torch.zeros(0, dtype=_I64)
         self._doc_start = torch.zeros(0, dtype=_I64)
         self._span_offset = torch.zeros(0, dtype=_I64)
+        self._frag_start = torch.zeros(0, dtype=_I64)
+        self._frag_len = torch.zeros(0, dtype=_I64)
         self._lists: tuple[list[int], list[int], list[int], list[int]] | None = None
 
     # ------------------------------------------------------------------ build
@@ -126,52 +128,52 @@ class RoutingPlan:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is out of range for {world} ranks in the fragment table")
 
-        counts = [len(f) for f in fragments]
-        flat = [x for frags in fragments for frag in frags for x in frag]
-        if len(flat) != 2 * sum(counts):
-            raise ValueError("every fragment must be a (start, stop) pair")
-        pairs = int_tensor(flat).view(-1, 2)
-        starts, stops = pairs[:, 0], pairs[:, 1]
-        nfrag = starts.numel()
-        count_t = torch.tensor(counts, dtype=_I64)
-        owner = torch.repeat_interleave(torch.arange(world), count_t)
-        first_of_rank = torch.cumsum(count_t, 0) - count_t
-        local = torch.arange(nfrag) - first_of_rank[owner]
-
-        if nfrag and bool((stops <= starts).any()):
+        # One host pass over the table (linear in fragments) into a single [F, 4] tensor of
+        # (start, stop, owner rank, index within the owner): one conversion instead of a dozen
+        # small ops, which dominate at a few hundred fragments.
+        try:
+            flat = [
+                x
+                for r, frags in enumerate(fragments)
+                for j, (a, b) in enumerate(frags)
+                for x in (a, b, r, j)
+            ]
+        except (TypeError, ValueError):
+            raise ValueError("every fragment must be a (start, stop) pair") from None
+        table = int_tensor(flat).view(-1, 4).t().contiguous()  # [4, F], rows contiguous
+        nfrag = table.shape[1]
+        if nfrag == 0:
+            raise ValueError(f"fragment table has no fragments, but cu_seqlens ends at {total}")
+        starts, stops = table[0], table[1]
+        if bool((stops <= starts).any()):
             i = int((stops <= starts).nonzero()[0])
-            r, j = int(owner[i]), int(local[i])
-            kind = "empty" if int(stops[i]) == int(starts[i]) else "start > stop"
-            raise ValueError(f"rank {r} fragment {j} ({int(starts[i])}, {int(stops[i])}) is {kind}")
+            a, b, r, j = table[:, i].tolist()
+            kind = "empty" if a == b else "start > stop"
+            raise ValueError(f"rank {r} fragment {j} ({a}, {b}) is {kind}")
         order = torch.argsort(starts, stable=True)
-        s_start, s_stop = starts[order], stops[order]
-        tiles = (
-            nfrag > 0
-            and torch.equal(s_start[1:], s_stop[:-1])
-            and s_start[[0]].tolist() == [0]
-            and s_stop[[-1]].tolist() == [total]
-        )
-        if not tiles:
+        ordered = table[:, order]
+        s_start, s_stop = ordered[0], ordered[1]
+        first_start, last_stop = int(s_start[0]), int(s_stop[-1])
+        if not (first_start == 0 and last_stop == total and torch.equal(s_start[1:], s_stop[:-1])):
+            starts_l, stops_l, owner_l, local_l = table.tolist()
             raise ValueError(
                 "fragment table does not tile [0, T) exactly once: "
-                + _diagnose_tiling(
-                    starts.tolist(), stops.tolist(), owner.tolist(), local.tolist(), total
-                )
+                + _diagnose_tiling(starts_l, stops_l, owner_l, local_l, total)
             )
 
         plan = cls()
         plan.rank, plan.world_size, plan.total_tokens = rank, world, total
-        plan.num_slots = max(counts)
+        plan.num_slots = max(len(f) for f in fragments)
         plan.fragments = [(int(a), int(b)) for a, b in fragments[rank]]
         plan._sorted_start, plan._sorted_stop = s_start, s_stop
-        plan._sorted_rank, plan._sorted_local = owner[order], local[order]
+        plan._sorted_rank, plan._sorted_local = ordered[2], ordered[3]
 
-        n_local = counts[rank]
-        lo = int(first_of_rank[rank])
+        n_local = len(plan.fragments)
+        lo = sum(len(f) for f in fragments[:rank])
         a, b = starts[lo : lo + n_local], stops[lo : lo + n_local]
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(nfrag)
-        plan._pos = inverse[lo : lo + n_local]
+        lengths = b - a
+        plan._frag_start, plan._frag_len = a, lengths
+        plan._span_offset = torch.cumsum(lengths, 0) - lengths
 
         # Document of each fragment's first token and of its last token.
         docs_ab = torch.searchsorted(cu, torch.cat([a, b - 1]), right=True) - 1
@@ -191,18 +193,20 @@ class RoutingPlan:
             [torch.zeros(1, dtype=_I64), torch.cumsum(sub_stop - sub_start, 0)]
         )
         plan.terminal = (sub_stop == doc_bounds[1]).nonzero().reshape(-1)
-        lengths = b - a
-        plan._span_offset = torch.cumsum(lengths, 0) - lengths
         plan.num_tokens = int(plan.cu_seqlens[-1])
 
         # Predecessors are the sorted fragments from the one holding the first-subsequence
         # document's start up to (excluding) this one; successors from the next one up to the one
-        # holding the last-subsequence document's final token. Tiling makes this exact.
-        doc_start = cu[d_first]
-        doc_stop = cu[d_last + 1]
-        where = torch.searchsorted(s_start, torch.cat([doc_start, doc_stop - 1]), right=True)
+        # holding the last-subsequence document's final token. Tiling makes this exact, and the
+        # same search finds each local fragment's own sorted position.
+        doc_edges = cu[torch.cat([d_first, d_last + 1])]
+        doc_start = doc_edges[:n_local]
+        where = torch.searchsorted(
+            s_start, torch.cat([doc_start, doc_edges[n_local:] - 1, a]), right=True
+        )
         plan._pred_begin = where[:n_local] - 1
-        plan._succ_end = where[n_local:]
+        plan._succ_end = where[n_local : 2 * n_local]
+        plan._pos = where[2 * n_local :] - 1
         plan._doc_start = doc_start
         return plan
 
@@ -310,8 +314,7 @@ class RoutingPlan:
         terminal = torch.full((t_cap,), -1, dtype=_I64)
         terminal[:n_term] = self.terminal
 
-        starts = torch.tensor([a for a, _ in self.fragments], dtype=_I64).reshape(-1)
-        lengths = torch.tensor([b - a for a, b in self.fragments], dtype=_I64).reshape(-1)
+        starts, lengths = self._frag_start, self._frag_len
         back = C - torch.arange(C)  # column c holds the token `back[c]` before the end
         tail = self._span_offset.unsqueeze(1) + lengths.unsqueeze(1) - back
         tail = torch.where(lengths.unsqueeze(1) >= back, tail, -1)
