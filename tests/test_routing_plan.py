@@ -183,3 +183,28 @@ def test_conv_history_must_be_non_negative():
     plan = RoutingPlan.build(CU, TABLE, 1)
     with pytest.raises(ValueError, match="conv_history"):
         plan.to_device("cpu", conv_history=-1)
+
+
+def test_host_buffers_pinned_when_cuda_available(monkeypatch):
+    """No GPU here: fake CUDA availability and record what gets pinned and how it is copied."""
+    pinned, copies = [], []
+    real_to = torch.Tensor.to
+
+    def fake_pin(self):
+        out = self.clone()
+        pinned.append(out)
+        return out
+
+    def recording_to(self, *args, **kwargs):
+        if args and isinstance(args[0], torch.device):
+            copies.append((any(self is p for p in pinned), kwargs.get("non_blocking")))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    r = RoutingPlan.build(CU, TABLE, 1).to_device(torch.device("cpu"))
+    assert len(pinned) == 2 and any(r.cu_seqlens_cpu is p for p in pinned)
+    assert copies == [(True, True), (True, True)]  # both device copies read pinned memory
+    assert r.halo_index.tolist() == [[0, 1, 2], [6, 7, 8]]
+    assert r.cu_seqlens.tolist() == [0, 96, 136, 192]
