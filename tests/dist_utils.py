@@ -217,8 +217,26 @@ def local_subsequences(
     return out
 
 
+def loose_caps(cu: list[int], table: list[list[tuple[int, int]]]):
+    """RoutingCaps above every rank's need, so the capped (padded) code paths run: padded
+    slots, zero-length subsequences, -1 predecessors and -1 terminal entries."""
+    from torchtitan_cp.routing import RoutingCaps
+
+    n_frags = sum(len(f) for f in table)
+    return RoutingCaps(
+        slots=max(len(f) for f in table) + 1,
+        subsequences=len(cu) - 1 + n_frags + 1,
+        predecessors=n_frags,
+        terminal=len(cu),
+    )
+
+
 def device_routing(
-    cu: list[int], table: list[list[tuple[int, int]]], rank: int, conv_history: int = 3
+    cu: list[int],
+    table: list[list[tuple[int, int]]],
+    rank: int,
+    conv_history: int = 3,
+    caps: Any = None,
 ):
     """This rank's DeviceRouting on CPU, from the real routing package."""
     import torch
@@ -226,5 +244,15 @@ def device_routing(
     from torchtitan_cp.routing import RoutingPlan
 
     return RoutingPlan.build(cu, table, rank).to_device(
-        torch.device("cpu"), conv_history=conv_history
+        torch.device("cpu"), caps=caps, conv_history=conv_history
     )
+
+
+def max_abs(a: Any, b: Any) -> float:
+    """max |a - b|, 0 for empty tensors (a rank may own no tokens)."""
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def empty_rank_layout(total: int) -> list[list[tuple[int, int]]]:
+    """Three ranks, the middle one without any fragment."""
+    return [[(0, total // 3), (2 * total // 3, total)], [], [(total // 3, 2 * total // 3)]]

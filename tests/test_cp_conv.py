@@ -1,6 +1,7 @@
 """Context-parallel short convolution (local causal_conv1d + gathered history) equals the
 unsharded varlen conv, forward and gradients (x, weight, bias), on 2, 3 and 4 gloo ranks,
-including fragments shorter than the conv width (multi-hop history).
+including fragments shorter than the conv width (multi-hop history), capped routing and a rank
+without tokens.
 
 Tolerances (max abs vs the unsharded run of the same local kernel): float64 <= 1e-10,
 float32 <= 2e-5.
@@ -12,7 +13,10 @@ import pytest
 import torch
 from dist_utils import (
     device_routing,
+    empty_rank_layout,
     explicit_layout_4,
+    loose_caps,
+    max_abs,
     random_cu_seqlens,
     random_layout,
     run_distributed,
@@ -50,12 +54,16 @@ def _layouts(world: int):
         ),
         ("one-doc", [0, total], random_layout(gen, total, world, tiny=0.9)),
     ]
+    cases = [(*c, False) for c in cases]
+    cases.append(("tiny-capped", cases[2][1], random_layout(gen, total, world, tiny=0.9), True))
+    if world == 3:
+        cases.append(("empty-rank", cases[0][1], empty_rank_layout(total), True))
     if world == 4:
-        cases.append(("explicit", *explicit_layout_4()))
+        cases.append(("explicit", *explicit_layout_4(), False))
     return cases
 
 
-def _check(rank, group, name, cu, table, width, dtype, seed) -> float:
+def _check(rank, group, name, cu, table, capped, width, dtype, seed) -> float:
     import torch.distributed as dist
 
     from torchtitan_cp.ops import causal_conv1d, context_parallel_conv_history
@@ -72,7 +80,8 @@ def _check(rank, group, name, cu, table, width, dtype, seed) -> float:
     y_ref = causal_conv1d(*ref, cu_seqlens=cu_t, cu_seqlens_cpu=cu_t, backend="torch")
     (y_ref * dy).sum().backward()
 
-    routing = device_routing(cu, table, rank, conv_history=width - 1)
+    caps = loose_caps(cu, table) if capped else None
+    routing = device_routing(cu, table, rank, conv_history=width - 1, caps=caps)
     span = torch.tensor(span_index(table[rank]), dtype=torch.int64)
     xl = x.index_select(1, span).clone().requires_grad_(True)
     wl, bl = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
@@ -92,10 +101,10 @@ def _check(rank, group, name, cu, table, width, dtype, seed) -> float:
     dist.all_reduce(dw, group=group)
     dist.all_reduce(db, group=group)
     errs = {
-        "y": (y - y_ref.index_select(1, span)).abs().max().item(),
-        "dx": (xl.grad - ref[0].grad.index_select(1, span)).abs().max().item(),
-        "dw": (dw - ref[1].grad).abs().max().item(),
-        "db": (db - ref[2].grad).abs().max().item(),
+        "y": max_abs(y, y_ref.index_select(1, span)),
+        "dx": max_abs(xl.grad, ref[0].grad.index_select(1, span)),
+        "dw": max_abs(dw, ref[1].grad),
+        "db": max_abs(db, ref[2].grad),
     }
     worst = max(errs.values())
     assert worst <= TOL[dtype], f"{name} W={width} {dtype} rank {rank}: {errs}"
@@ -111,10 +120,12 @@ def _worker(rank: int, world: int) -> float:
     for w in (2, 3, 4):
         if rank >= w:
             continue
-        for ci, (name, cu, table) in enumerate(_layouts(w)):
+        for ci, (name, cu, table, capped) in enumerate(_layouts(w)):
             for width in (4, 6):
                 for dtype in (torch.float64, torch.float32):
-                    err = _check(rank, groups[w], f"W{w}/{name}", cu, table, width, dtype, ci)
+                    err = _check(
+                        rank, groups[w], f"W{w}/{name}", cu, table, capped, width, dtype, ci
+                    )
                     worst = max(worst, err)
     return worst
 

@@ -28,12 +28,18 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
+# torch 2.14 renamed the single-tensor collectives (the old names warn); older torch has only
+# the old names. Same semantics either way.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _gather_flat(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     # gloo rejects a stacked [world, n, ...] output for the single-tensor gather, so the
     # output is always the flat [world * n, ...] layout (the same bytes either way).
     x = x.contiguous()
     out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_single(out, x, group=group)
     return out
 
 
@@ -50,7 +56,7 @@ class _AllGather(torch.autograd.Function):
         # cotangent for those rows and handing the sum to the owner is a reduce-scatter.
         grad = grad.contiguous()
         out = grad.new_empty((ctx.rows, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        _reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 
 

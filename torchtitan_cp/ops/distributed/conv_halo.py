@@ -20,6 +20,8 @@ __all__ = ["context_parallel_conv_history"]
 
 def _masked_rows(src: Tensor, index: Tensor) -> Tensor:
     # Rows of src [R, D] at index [...] (-1 -> zero row), differentiable in src.
+    if src.shape[0] == 0:  # a rank without tokens: all -1, but stay in src's autograd graph
+        return src.new_zeros(*index.shape, src.shape[-1]) + src.sum()
     rows = src.index_select(0, index.reshape(-1).clamp(min=0)).view(*index.shape, src.shape[-1])
     return torch.where((index >= 0).unsqueeze(-1), rows, torch.zeros_like(rows))
 
