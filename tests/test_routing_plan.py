@@ -140,13 +140,13 @@ def test_zero_conv_history_and_fragmentless_rank():
             [0, 40, 400],
             [[(0, 96), (288, 384)], [(96, 192), (192, 288)]],
             0,
-            r"end at 384, short of the stream end 400",
+            r"end at 384, short of cu_seqlens\[-1\] = T = 400",
         ),
         (
             [0, 40, 300],
             [[(0, 96), (288, 384)], [(96, 192), (192, 288)]],
             0,
-            r"beyond the stream end 300",
+            r"end at 384, past cu_seqlens\[-1\] = T = 300",
         ),
         (
             [0, 40, 384],

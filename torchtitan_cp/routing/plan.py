@@ -58,8 +58,8 @@ def _diagnose_tiling(
             return f"gap: tokens [{covered}, {starts[i]}) are owned by no rank{after}"
         covered, prev = stops[i], i
     if covered != total:
-        what = "beyond" if covered > total else "short of"
-        return f"fragments end at {covered}, {what} the stream end {total} (cu_seqlens[-1])"
+        what = "past" if covered > total else "short of"
+        return f"fragments end at {covered}, {what} cu_seqlens[-1] = T = {total}"
     return "fragments do not tile the stream"  # unreachable in practice
 
 
