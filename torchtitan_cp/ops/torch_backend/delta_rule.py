@@ -39,22 +39,24 @@ def _causal_mask(n: int, strict: bool, device: torch.device) -> Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril(-1 if strict else 0)
 
 
-def _gdn_scores(a: Tensor, b: Tensor, G: Tensor, strict: bool) -> Tensor:
-    """``[..., t, s] = (a_t · b_s) exp(G_t - G_s)`` on the causal triangle, zero elsewhere.
+def _gdn_scores(a: Tensor, b: Tensor, G: Tensor) -> Tensor:
+    """``[x, ..., t, s] = (a[x]_t · b_s) exp(G_t - G_s)`` for s <= t, zero above the diagonal.
 
-    a, b ``[..., C, K]``; G ``[..., C]`` cumulative log gate (scalar per token).
+    a ``[X, ..., C, K]`` (a stack of X operands sharing the decays), b ``[..., C, K]``;
+    G ``[..., C]`` cumulative log gate (scalar per token).
     """
     C = a.shape[-2]
-    keep = _causal_mask(C, strict, a.device)
+    keep = _causal_mask(C, False, a.device)
     # Mask before exp: above the diagonal G_t - G_s > 0 and could overflow.
     decay = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~keep, -math.inf))
     return (a @ b.transpose(-1, -2)) * decay
 
 
-def _kda_scores(a: Tensor, b: Tensor, G: Tensor, strict: bool, sub: int) -> Tensor:
-    """``[..., t, s] = sum_c a_t[c] b_s[c] exp(G_t[c] - G_s[c])`` on the causal triangle.
+def _kda_scores(a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
+    """``[x, ..., t, s] = sum_c a[x]_t[c] b_s[c] exp(G_t[c] - G_s[c])`` for s <= t, else 0.
 
-    a, b, G ``[..., C, K]`` (G cumulative log gate per channel); ``sub`` divides C.
+    a ``[X, ..., C, K]`` (a stack of X operands sharing the decays, e.g. q and k), b and G
+    ``[..., C, K]`` (G cumulative log gate per channel); ``sub`` divides C.
 
     A pairwise ``[C, C, K]`` decay tensor would be exact but large, and the factorisation
     ``exp(G_t) * exp(-G_s)`` overflows for strong gates. So the chunk is split into sub-blocks of
@@ -62,7 +64,7 @@ def _kda_scores(a: Tensor, b: Tensor, G: Tensor, strict: bool, sub: int) -> Tens
     the log gate R_j at the end of block j as ``exp(G_t - R_j) * exp(R_j - G_s)``, both factors
     ≤ 1 (a matmul); only the ``sub × sub`` diagonal blocks use the pairwise tensor.
     """
-    C, K = a.shape[-2:]
+    C, K = b.shape[-2:]
     n = C // sub
     lead = a.shape[:-2]
     dev = a.device
@@ -75,18 +77,19 @@ def _kda_scores(a: Tensor, b: Tensor, G: Tensor, strict: bool, sub: int) -> Tens
     # (and a zero gradient) instead of a possibly huge number.
     later = torch.arange(C, device=dev)[None, :] // sub > torch.arange(n, device=dev)[:, None]
     left_exp = (G.unsqueeze(-3) - ref.unsqueeze(-2)).masked_fill(~later[:, :, None], -math.inf)
-    left = a.unsqueeze(-3) * torch.exp(left_exp)  # [..., n(j), C(t), K]
-    off = left @ right.transpose(-1, -2)  # [..., n(j), C(t), sub(s)]
+    left = a.unsqueeze(-3) * torch.exp(left_exp)  # [X, ..., n(j), C(t), K]
+    off = left @ right.transpose(-1, -2)  # [X, ..., n(j), C(t), sub(s)]
     off = off.movedim(-3, -2).reshape(*lead, C, C)  # column index j*sub + s
 
     # Diagonal blocks: pairwise decay within a block, masked before exp.
-    keep = _causal_mask(sub, strict, dev)
+    keep = _causal_mask(sub, False, dev)
     diff = Gb.unsqueeze(-2) - Gb.unsqueeze(-3)  # [..., n, sub(t), sub(s), K]
     decay = torch.exp(diff.masked_fill(~keep[..., None], -math.inf))
-    ab, bb = a.unflatten(-2, (n, sub)), b.unflatten(-2, (n, sub))
-    diag = torch.einsum("...tk,...sk,...tsk->...ts", ab, bb, decay)  # [..., n, sub, sub]
+    bd = b.unflatten(-2, (n, sub)).unsqueeze(-3) * decay  # b_s exp(G_t - G_s), [..., n, t, s, K]
+    # One [X, K] x [K, sub] product per row t (einsum avoids expanding bd over X).
+    diag = torch.einsum("x...tk,...tsk->x...ts", a.unflatten(-2, (n, sub)), bd)
     # Scatter the n diagonal blocks into [C, C]: diag_embed puts block j at (j, j).
-    blocks = torch.diag_embed(diag.movedim(-3, -1))  # [..., sub(t), sub(s), n, n]
+    blocks = torch.diag_embed(diag.movedim(-3, -1))  # [X, ..., sub(t), sub(s), n, n]
     blocks = blocks.permute(*range(len(lead)), -2, -4, -1, -3).reshape(*lead, C, C)
     return off + blocks
 
@@ -192,21 +195,19 @@ def chunk_delta_rule_torch(
         Gl = G[:, :, -1, :]  # [NC, HV, K] log gate over the whole chunk
         decay_end = torch.exp(Gl.unsqueeze(-2) - G)  # exp(G_C - G_t) <= 1
         kg, qg = kc * torch.exp(G), qc * torch.exp(G)
-        A = _kda_scores(kc, kc, G, strict=True, sub=sub)
-        Aqk = _kda_scores(qc, kc, G, strict=False, sub=sub)
+        Aqk, A = _kda_scores(torch.stack([qc, kc]), kc, G, sub=sub)
     elif kind == "gdn":
         Gl = G[:, :, -1]  # [NC, HV]
         decay_end = torch.exp(Gl.unsqueeze(-1) - G).unsqueeze(-1)
         eG = torch.exp(G).unsqueeze(-1)
         kg, qg = kc * eG, qc * eG
-        A = _gdn_scores(kc, kc, G, strict=True)
-        Aqk = _gdn_scores(qc, kc, G, strict=False)
+        Aqk, A = _gdn_scores(torch.stack([qc, kc]), kc, G)
     else:
         raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
 
     # WY form: (I + beta*A) d = beta*v - beta*(k*exp(G)) S0  =>  d = U - W S0.
     b = bc.unsqueeze(-1)
-    A = b * A
+    A = b * A  # only its strictly lower part is read: the solve assumes a unit diagonal
     U = torch.linalg.solve_triangular(A, b * vc, upper=False, unitriangular=True)
     W = torch.linalg.solve_triangular(A, b * kg, upper=False, unitriangular=True)
 
