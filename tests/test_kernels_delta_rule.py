@@ -1,8 +1,9 @@
 """Pure-PyTorch chunked delta rule vs the float64 token-by-token oracle (tests/reference.py).
 
 Tolerances (max abs error divided by max(1, max |reference|), per tensor):
-  float64: 1e-10 for outputs, final states and every gradient.
-  float32: 2e-5 for outputs and final states, 1e-4 for gradients (they sum over T).
+  float64: 1e-12 for outputs, final states and every gradient (observed <= 7e-15).
+  float32: 2e-5 for outputs and final states, 1e-4 for gradients (they sum over T); observed
+  worst cases with per-token log gates down to -5 and 64-token chunks: 1.7e-6 and 6.1e-6.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torchtitan_cp.ops.local import chunk_delta_rule
 from torchtitan_cp.ops.torch_backend import chunk_delta_rule_torch
 
 TOL = {
-    torch.float64: {"value": 1e-10, "grad": 1e-10},
+    torch.float64: {"value": 1e-12, "grad": 1e-12},
     torch.float32: {"value": 2e-5, "grad": 1e-4},
 }
 
@@ -105,7 +106,7 @@ def test_strong_gates_default_chunk(kind, dtype):
     def run(*args, **kw):
         return chunk_delta_rule(*args, kind=kind, output_final_state=True, backend="torch", **kw)
 
-    _check(kind, "ragged_with_empty", "strong", dtype, run)
+    _check(kind, "ragged_with_empty", "strong", dtype, run, K=16, V=16)
 
 
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
