@@ -117,7 +117,14 @@ def _check(rank, group, name, cu, table, dtype, seed) -> float:
         errs[nm] = max_abs(a.grad, r.grad.index_select(1, span))
     worst = max(errs.values())
     assert worst <= TOL[dtype], f"{name} {dtype} rank {rank}: {errs}"
-    return worst / TOL[dtype]
+    return worst
+
+
+def _report(per_rank: list[dict[str, float]]) -> None:
+    # The ranks already asserted; print the observed maxima (pytest -s) for docs/cp.md.
+    worst = {dt: max(r[dt] for r in per_rank) for dt in per_rank[0]}
+    print(f"observed max abs error: {worst}")
+    assert all(worst[str(dt)] <= tol for dt, tol in TOL.items())
 
 
 def _worker(rank: int, world: int) -> float:
@@ -125,17 +132,19 @@ def _worker(rank: int, world: int) -> float:
 
     groups = {w: dist.new_group(list(range(w))) for w in (2, 3)}
     groups[world] = dist.group.WORLD
-    worst = 0.0
+    worst = {str(dt): 0.0 for dt in TOL}  # observed max abs error per dtype
     for w in (2, 3, 4):
         if rank >= w:
             continue
         for ci, (name, cu, table) in enumerate(_layouts(w)):
             device_routing(cu, table, rank)  # the routing package accepts the same table
             for dtype in (torch.float64, torch.float32):
-                worst = max(worst, _check(rank, groups[w], f"W{w}/{name}", cu, table, dtype, ci))
+                worst[str(dtype)] = max(
+                    worst[str(dtype)], _check(rank, groups[w], f"W{w}/{name}", cu, table, dtype, ci)
+                )
     return worst
 
 
 @pytest.mark.slow
 def test_cp_attention_matches_unsharded() -> None:
-    assert max(run_distributed(_worker, 4, timeout=240)) <= 1.0
+    _report(run_distributed(_worker, 4, timeout=240))

@@ -108,7 +108,14 @@ def _check(rank, group, name, cu, table, capped, width, dtype, seed) -> float:
     }
     worst = max(errs.values())
     assert worst <= TOL[dtype], f"{name} W={width} {dtype} rank {rank}: {errs}"
-    return worst / TOL[dtype]
+    return worst
+
+
+def _report(per_rank: list[dict[str, float]]) -> None:
+    # The ranks already asserted; print the observed maxima (pytest -s) for docs/cp.md.
+    worst = {dt: max(r[dt] for r in per_rank) for dt in per_rank[0]}
+    print(f"observed max abs error: {worst}")
+    assert all(worst[str(dt)] <= tol for dt, tol in TOL.items())
 
 
 def _worker(rank: int, world: int) -> float:
@@ -116,7 +123,7 @@ def _worker(rank: int, world: int) -> float:
 
     groups = {w: dist.new_group(list(range(w))) for w in (2, 3)}
     groups[world] = dist.group.WORLD
-    worst = 0.0
+    worst = {str(dt): 0.0 for dt in TOL}  # observed max abs error per dtype
     for w in (2, 3, 4):
         if rank >= w:
             continue
@@ -126,9 +133,9 @@ def _worker(rank: int, world: int) -> float:
                     err = _check(
                         rank, groups[w], f"W{w}/{name}", cu, table, capped, width, dtype, ci
                     )
-                    worst = max(worst, err)
+                    worst[str(dtype)] = max(worst[str(dtype)], err)
     return worst
 
 
 def test_cp_conv_matches_unsharded() -> None:
-    assert max(run_distributed(_worker, 4, timeout=240)) <= 1.0
+    _report(run_distributed(_worker, 4, timeout=240))

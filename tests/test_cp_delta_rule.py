@@ -133,7 +133,14 @@ def _check_case(rank, group, case: Case, kind, dtype, seed) -> float:
     owned: list[list[int]] = [[] for _ in range(dist.get_world_size(group))]
     dist.all_gather_object(owned, [subs[j][2] for j in term if j >= 0], group=group)
     assert sorted(d for ds in owned for d in ds) == list(range(len(cu) - 1)), name
-    return worst / TOL[dtype]
+    return worst
+
+
+def _report(per_rank: list[dict[str, float]]) -> None:
+    # The ranks already asserted; print the observed maxima (pytest -s) for docs/cp.md.
+    worst = {dt: max(r[dt] for r in per_rank) for dt in per_rank[0]}
+    print(f"observed max abs error: {worst}")
+    assert all(worst[str(dt)] <= tol for dt, tol in TOL.items())
 
 
 def _worker(rank: int, world: int, kind: str) -> float:
@@ -142,18 +149,19 @@ def _worker(rank: int, world: int, kind: str) -> float:
     # One spawn of 4 ranks serves worlds 2, 3 and 4 through subgroups (start-up is the cost).
     groups = {w: dist.new_group(list(range(w))) for w in (2, 3)}
     groups[world] = dist.group.WORLD
-    worst = 0.0
+    worst = {str(dt): 0.0 for dt in TOL}  # observed max abs error per dtype
     for w in (2, 3, 4):
         if rank >= w:
             continue
         for ci, case in enumerate(_layouts(w)):
             for dtype in (torch.float64, torch.float32):
                 case_w = (f"W{w}/{case[0]}", *case[1:])
-                worst = max(worst, _check_case(rank, groups[w], case_w, kind, dtype, ci))
+                worst[str(dtype)] = max(
+                    worst[str(dtype)], _check_case(rank, groups[w], case_w, kind, dtype, ci)
+                )
     return worst
 
 
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_cp_delta_rule_matches_unsharded(kind: str) -> None:
-    worst = run_distributed(_worker, 4, kind, timeout=240)
-    assert max(worst) <= 1.0
+    _report(run_distributed(_worker, 4, kind, timeout=240))
