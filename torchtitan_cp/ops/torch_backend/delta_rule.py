@@ -60,8 +60,8 @@ def _kda_scores(a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
 
     A pairwise ``[C, C, K]`` decay tensor would be exact but large, and the factorisation
     ``exp(G_t) * exp(-G_s)`` overflows for strong gates. So the chunk is split into sub-blocks of
-    ``sub`` tokens: for s in block j and t in a later block, ``exp(G_t - G_s)`` factors through
-    the log gate R_j at the end of block j as ``exp(G_t - R_j) * exp(R_j - G_s)``, both factors
+    ``sub`` tokens: for t in block i and s in an earlier block, ``exp(G_t - G_s)`` factors through
+    the log gate R_i just before block i as ``exp(G_t - R_i) * exp(R_i - G_s)``, both factors
     ≤ 1 (a matmul); only the ``sub × sub`` diagonal blocks use the pairwise tensor.
     """
     C, K = b.shape[-2:]
@@ -69,17 +69,18 @@ def _kda_scores(a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
     lead = a.shape[:-2]
     dev = a.device
     Gb = G.unflatten(-2, (n, sub))  # [..., n, sub, K]
-    ref = Gb[..., -1, :]  # [..., n, K] log gate at the end of every sub-block
+    # R_i: cumulative log gate just before block i (0 before the chunk).
+    ref = torch.cat([torch.zeros_like(Gb[..., :1, -1, :]), Gb[..., :-1, -1, :]], -2)
 
-    # Off-diagonal blocks. Right factor exp(R_j - G_s) <= 1 for s in block j.
-    right = b.unflatten(-2, (n, sub)) * torch.exp(ref.unsqueeze(-2) - Gb)  # [..., n, sub, K]
-    # Left factor exp(G_t - R_j) only for t in a block after j; -inf elsewhere so exp gives 0
+    # Off-diagonal blocks. Row factor exp(G_t - R_i) <= 1 for t in block i; one per token, so
+    # the stacked operands a need no per-block copies.
+    left = a.unflatten(-2, (n, sub)) * torch.exp(Gb - ref.unsqueeze(-2))  # [X, ..., n, sub, K]
+    # Column factor exp(R_i - G_s) only for s in a block before i; -inf elsewhere so exp gives 0
     # (and a zero gradient) instead of a possibly huge number.
-    later = torch.arange(C, device=dev)[None, :] // sub > torch.arange(n, device=dev)[:, None]
-    left_exp = (G.unsqueeze(-3) - ref.unsqueeze(-2)).masked_fill(~later[:, :, None], -math.inf)
-    left = a.unsqueeze(-3) * torch.exp(left_exp)  # [X, ..., n(j), C(t), K]
-    off = left @ right.transpose(-1, -2)  # [X, ..., n(j), C(t), sub(s)]
-    off = off.movedim(-3, -2).reshape(*lead, C, C)  # column index j*sub + s
+    earlier = torch.arange(C, device=dev)[None, :] // sub < torch.arange(n, device=dev)[:, None]
+    right_exp = (ref.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~earlier[:, :, None], -math.inf)
+    right = b.unsqueeze(-3) * torch.exp(right_exp)  # [..., n(i), C(s), K]
+    off = (left @ right.transpose(-1, -2)).reshape(*lead, C, C)  # row index i*sub + t
 
     # Diagonal blocks: pairwise decay within a block, masked before exp.
     keep = _causal_mask(sub, False, dev)
@@ -138,7 +139,7 @@ def chunk_delta_rule_torch(
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
     chunk_size: int = 64,
-    sub_chunk_size: int = 16,
+    sub_chunk_size: int = 8,
 ) -> tuple[Tensor, Tensor | None]:
     """Chunked KDA / GDN forward (autograd gives the backward).
 
