@@ -38,6 +38,17 @@ def _failing_worker(rank: int, world: int) -> None:
         raise ValueError("boom from rank one")
 
 
+def _hanging_worker(rank: int, world: int) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins: must not hang the suite
+    else:
+        time.sleep(120)
+
+
 def test_all_gather_autograd_three_ranks() -> None:
     errs = run_distributed(_gather_worker, 3)
     assert max(errs) <= 1e-6  # pure data movement; float32 sums of 3 terms
@@ -46,3 +57,8 @@ def test_all_gather_autograd_three_ranks() -> None:
 def test_child_failure_propagates() -> None:
     with pytest.raises(ChildFailure, match="boom from rank one"):
         run_distributed(_failing_worker, 2, timeout=60)
+
+
+def test_hang_is_reported_not_waited_out() -> None:
+    with pytest.raises(ChildFailure, match="timed out|rank 0 raised"):
+        run_distributed(_hanging_worker, 2, timeout=10)
