@@ -29,8 +29,6 @@ from dist_utils import (
 
 from torchtitan_cp.routing import contiguous_fragments, headtail_fragments
 
-pytestmark = pytest.mark.slow
-
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 H, HV, K, V = 1, 2, 8, 6  # HV = 2 H exercises grouped value heads
 
@@ -162,6 +160,54 @@ def _worker(rank: int, world: int, kind: str) -> float:
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_cp_delta_rule_matches_unsharded(kind: str) -> None:
     _report(run_distributed(_worker, 4, kind, timeout=240))
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_single_rank_out_of_order_span(kind: str) -> None:
+    # World 1 (group=None) but the span lists its fragments out of token order: the fold
+    # still has to carry document [3, 17) from fragment (0, 6) into (6, 11) and (11, 20).
+    cu, table = [0, 3, 17, 20], [[(11, 20), (0, 6), (6, 11)]]
+    routing = device_routing(cu, table, 0)
+    full = _inputs(kind, 20, torch.float64, 5)
+    from torchtitan_cp.ops import chunk_delta_rule, context_parallel_delta_rule
+
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    o_ref, _ = chunk_delta_rule(*full, kind=kind, cu_seqlens=cu_t, cu_seqlens_cpu=cu_t)
+    span = torch.tensor(span_index(table[0]))
+    loc = [x.index_select(1, span) for x in full]
+    o, fin = context_parallel_delta_rule(*loc, kind=kind, routing=routing, group=None)
+    assert fin is None
+    assert max_abs(o, o_ref.index_select(1, span)) <= TOL[torch.float64]
+
+
+def test_bfloat16_inputs_fold_in_float32() -> None:
+    # Smoke test of the mixed-precision path: bf16 activations, float32 summaries and states.
+    cu, table = [0, 3, 17, 20], [[(11, 20), (0, 6), (6, 11)]]
+    routing = device_routing(cu, table, 0)
+    full = _inputs("kda", 20, torch.float64, 6)
+    from torchtitan_cp.ops import chunk_delta_rule, context_parallel_delta_rule
+
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    o_ref, f_ref = chunk_delta_rule(*full, kind="kda", cu_seqlens=cu_t, output_final_state=True)
+    span = torch.tensor(span_index(table[0]))
+    loc = [x.index_select(1, span).to(torch.bfloat16).requires_grad_(True) for x in full]
+    o, fin = context_parallel_delta_rule(
+        *loc, kind="kda", routing=routing, group=None, output_final_state=True
+    )
+    assert o.dtype == torch.bfloat16 and fin.dtype == torch.float32
+    assert max_abs(o.double(), o_ref.index_select(1, span)) <= 0.05  # bf16 inputs
+    o.float().sum().backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in loc)
+
+
+def test_routing_for_another_rank_is_rejected() -> None:
+    from torchtitan_cp.ops import context_parallel_delta_rule
+
+    routing = device_routing([0, 8], [[(0, 4)], [(4, 8)]], 1)
+    x = _inputs("gdn", 4, torch.float64, 0)
+    with pytest.raises(ValueError, match="routing is for rank 1 of 2"):
+        context_parallel_delta_rule(*x, kind="gdn", routing=routing, group=None)

@@ -11,7 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather_autograd", "all_gather_plain", "group_rank", "group_size"]
+__all__ = [
+    "all_gather_autograd",
+    "all_gather_plain",
+    "check_routing_group",
+    "group_rank",
+    "group_size",
+]
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -32,6 +38,21 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 # the old names. Same semantics either way.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def check_routing_group(routing, group: dist.ProcessGroup | None, num_tokens: int) -> None:
+    """Fail early (host ints only) if ``routing`` was built for another rank, world or span:
+    slot ids would silently index the wrong rows of the gathered buffers."""
+    world, rank = group_size(group), group_rank(group)
+    if (routing.world_size, routing.rank) != (world, rank):
+        raise ValueError(
+            f"routing is for rank {routing.rank} of {routing.world_size}, but this process is "
+            f"rank {rank} of {world} in the given group"
+        )
+    if routing.num_tokens != num_tokens:
+        raise ValueError(
+            f"inputs have {num_tokens} tokens but routing.num_tokens is {routing.num_tokens}"
+        )
 
 
 def _gather_flat(x: Tensor, group: dist.ProcessGroup) -> Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .collectives import all_gather_autograd
+from .collectives import all_gather_autograd, check_routing_group
 
 __all__ = ["context_parallel_conv_history"]
 
@@ -37,6 +37,7 @@ def context_parallel_conv_history(x: Tensor, *, routing, group: dist.ProcessGrou
     tokens is reduce-scattered back to the ranks that own them. One collective per call of
     ``W_cp * S * C * D`` elements in x's dtype.
     """
+    check_routing_group(routing, group, x.shape[1])
     C = routing.conv_history
     D = x.shape[-1]
     N = routing.cu_seqlens.numel() - 1

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._plan import summary_plan
-from .collectives import all_gather_autograd
+from .collectives import all_gather_autograd, check_routing_group
 
 __all__ = ["context_parallel_delta_rule", "fold_dtype"]
 
@@ -61,6 +61,7 @@ def context_parallel_delta_rule(
     """
     from ..local import chunk_delta_rule  # local kernels; imported late to avoid a cycle
 
+    check_routing_group(routing, group, q.shape[1])
     HV, V = v.shape[2], v.shape[3]
     K = k.shape[3]
     S = routing.num_slots
