@@ -187,3 +187,39 @@ def test_bf16_inputs_keep_float32_state():
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
     o_ref, ht_ref = delta_rule_reference(*(a.bfloat16() for a in args), kind="kda")
     assert _rel_err(o, o_ref) < 2e-2 and _rel_err(ht, ht_ref) < 1e-4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_layouts_and_chunkings(seed):
+    """Random document lengths (0 and 1 included) and chunk / sub-block sizes, float64.
+
+    Chunk 12 with sub-block 8 exercises the fallback to one sub-block per chunk.
+    """
+    gen = torch.Generator().manual_seed(100 + seed)
+    lengths = torch.randint(0, 40, (6,), generator=gen).tolist() + [0, 1]
+    perm = torch.randperm(len(lengths), generator=gen).tolist()
+    cu = [0, *torch.tensor([lengths[i] for i in perm]).cumsum(0).tolist()]
+    chunk, sub = [(8, 4), (16, 8), (32, 4), (12, 8)][seed]
+    kind = ("kda", "gdn")[seed % 2]
+    T, N, H, K, V = cu[-1], len(cu) - 1, 1, 6, 5
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k = F.normalize(rnd(1, T, H, K), dim=-1), F.normalize(rnd(1, T, H, K), dim=-1)
+    g = -3 * torch.rand(*((1, T, H, K) if kind == "kda" else (1, T, H)), generator=gen).double()
+    inputs = [q, k, rnd(1, T, H, V), g, torch.rand(1, T, H, generator=gen).double()]
+    inputs.append(rnd(N, H, K, V))
+    ref = [x.clone().requires_grad_() for x in inputs]
+    new = [x.clone().requires_grad_() for x in inputs]
+    o_ref, ht_ref = delta_rule_reference(*ref[:5], kind=kind, initial_state=ref[5], cu_seqlens=cu)
+    o, ht = chunk_delta_rule_torch(
+        *new[:5], kind=kind, initial_state=new[5], output_final_state=True,
+        cu_seqlens_cpu=torch.tensor(cu), chunk_size=chunk, sub_chunk_size=sub,
+    )  # fmt: skip
+    assert _rel_err(o, o_ref) < 1e-12 and _rel_err(ht, ht_ref) < 1e-12
+    do, dht = rnd(*o.shape), rnd(*ht.shape)
+    g_ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), ref)
+    g_new = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), new)
+    for name, a, r in zip(NAMES, g_new, g_ref):
+        assert _rel_err(a, r) < 1e-12, f"d{name}"
