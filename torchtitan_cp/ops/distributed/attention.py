@@ -69,6 +69,11 @@ def context_parallel_attention(
     """
     B, T, Hq, _ = q.shape
     Dk = k.shape[-1]
+    if token_ids.shape != doc_ids.shape or token_ids.shape not in ((T,), (B, T)):
+        raise ValueError(
+            f"token_ids {list(token_ids.shape)} and doc_ids {list(doc_ids.shape)} must both be "
+            f"[{T}] or [{B}, {T}] for q {list(q.shape)}"
+        )
     world = group_size(group)
     ids = torch.stack([token_ids, doc_ids], dim=-1)  # [T, 2] or [B, T, 2]
     if world == 1:
