@@ -25,6 +25,7 @@ Algorithm (per value head; see docs/kernels.md for the derivation):
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -95,22 +96,32 @@ def _kda_scores(a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
     return off + blocks
 
 
-def _chunk_layout(cu: list[int], C: int) -> dict[str, Tensor | list[int]]:
-    """Host-side index tables that pack every sequence into whole chunks.
+class _ChunkLayout(NamedTuple):
+    """Host-side index tables that pack every sequence into whole chunks (int64 CPU tensors).
 
-    Returns:
-        src: ``[NC*C]`` token index of every packed slot (``T`` = the zero padding row).
-        dst: ``[T]`` packed slot of every token.
-        nch: chunks per sequence (list of ints).
-        order: sequences sorted by chunk count, descending (so the sequences still running at
-            chunk position i are a prefix of this order).
-        steps: number of active sequences at every chunk position.
-        perm: ``[NC]`` packed chunk ids in loop order (position 0 of every active sequence,
-            then position 1, ...).
+    src: ``[NC*C]`` token index of every packed slot (``T`` = the zero padding row).
+    dst: ``[T]`` packed slot of every token.
+    order: sequences sorted by chunk count, descending, so the sequences still running at chunk
+        position p are a prefix of this order; inv_order undoes it.
+    steps: number of sequences still running at every chunk position (Python ints).
+    perm: ``[NC]`` packed chunk ids in loop order (position 0 of every running sequence, then
+        position 1, ...); inv_perm undoes it.
     """
+
+    num_chunks: int
+    src: Tensor
+    dst: Tensor
+    order: Tensor
+    inv_order: Tensor
+    steps: list[int]
+    perm: Tensor
+    inv_perm: Tensor
+
+
+def _chunk_layout(cu: list[int], C: int) -> _ChunkLayout:
     T = cu[-1]
     lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
-    nch = (lengths + C - 1) // C
+    nch = (lengths + C - 1) // C  # chunks per sequence (0 for an empty one)
     first_chunk = torch.cumsum(nch, 0) - nch
     NC = int(nch.sum())
     seq, pos = seq_ids_and_positions(cu)
@@ -119,10 +130,9 @@ def _chunk_layout(cu: list[int], C: int) -> dict[str, Tensor | list[int]]:
     src[dst] = torch.arange(T)
     order = torch.argsort(nch, descending=True, stable=True)
     nch_sorted = nch[order]
-    max_nch = int(nch_sorted[0]) if len(nch_sorted) else 0
-    steps = [int((nch_sorted > i).sum()) for i in range(max_nch)]
-    perm = torch.cat([first_chunk[order[:a]] + i for i, a in enumerate(steps)]) if steps else nch
-    return {"src": src, "dst": dst, "order": order, "steps": steps, "perm": perm, "NC": NC}
+    steps = [int((nch_sorted > p).sum()) for p in range(int(nch.max()))]
+    perm = torch.cat([first_chunk[order[:a]] + p for p, a in enumerate(steps)])
+    return _ChunkLayout(NC, src, dst, order, torch.argsort(order), steps, perm, torch.argsort(perm))
 
 
 def chunk_delta_rule_torch(
@@ -158,6 +168,8 @@ def chunk_delta_rule_torch(
         ``[N, HV, K, V]`` in the compute dtype (float64 for float64 inputs, else float32).
         Zero-length sequences return their initial state.
     """
+    if kind not in ("kda", "gdn"):
+        raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
     T, H, K = q.shape[1:]
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale
@@ -177,8 +189,8 @@ def chunk_delta_rule_torch(
         return o, (state0.clone() if output_final_state else None)
 
     lay = _chunk_layout(cu, C)
-    NC = lay["NC"]
-    src = lay["src"].to(dev)
+    NC = lay.num_chunks
+    src = lay.src.to(dev)
 
     def pack(x: Tensor) -> Tensor:
         """[1, T, Hx, ...] -> [NC, Hx, C, ...] in compute dtype, padding with zeros."""
@@ -197,14 +209,12 @@ def chunk_delta_rule_torch(
         decay_end = torch.exp(Gl.unsqueeze(-2) - G)  # exp(G_C - G_t) <= 1
         kg, qg = kc * torch.exp(G), qc * torch.exp(G)
         Aqk, A = _kda_scores(torch.stack([qc, kc]), kc, G, sub=sub)
-    elif kind == "gdn":
+    else:
         Gl = G[:, :, -1]  # [NC, HV]
         decay_end = torch.exp(Gl.unsqueeze(-1) - G).unsqueeze(-1)
         eG = torch.exp(G).unsqueeze(-1)
         kg, qg = kc * eG, qc * eG
         Aqk, A = _gdn_scores(torch.stack([qc, kc]), kc, G)
-    else:
-        raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
 
     # WY form: (I + beta*A) d = beta*v - beta*(k*exp(G)) S0  =>  d = U - W S0.
     b = bc.unsqueeze(-1)
@@ -223,30 +233,25 @@ def chunk_delta_rule_torch(
     E = khT @ U  # [NC, HV, K, V]
 
     # Inter-chunk recurrence: one step per chunk position, all sequences still running at once.
-    perm = lay["perm"].to(dev)
-    order = lay["order"].to(dev)
+    perm = lay.perm.to(dev)
     Ms, Es = M[perm], E[perm]
-    S = state0[order]
+    S = state0[lay.order.to(dev)]
     entry = []
     start = 0
-    for a in lay["steps"]:
+    for a in lay.steps:
         S_a = S[:a]
         entry.append(S_a)
         S_new = Ms[start : start + a] @ S_a + Es[start : start + a]
         S = torch.cat([S_new, S[a:]], 0) if a < N else S_new
         start += a
-    inv_perm = torch.empty_like(perm)
-    inv_perm[perm] = torch.arange(NC, device=dev)
-    S0 = torch.cat(entry, 0)[inv_perm]  # [NC, HV, K, V] entry state of every packed chunk
+    S0 = torch.cat(entry, 0)[
+        lay.inv_perm.to(dev)
+    ]  # [NC, HV, K, V] entry state of every packed chunk
 
     d = U - W @ S0
     oc = qg @ S0 + Aqk @ d  # [NC, HV, C, V]
-    o = oc.movedim(1, 2).flatten(0, 1)[lay["dst"].to(dev)]  # [T, HV, V]
+    o = oc.movedim(1, 2).flatten(0, 1)[lay.dst.to(dev)]  # [T, HV, V]
     o = o.unsqueeze(0).to(v.dtype)
 
-    final = None
-    if output_final_state:
-        inv_order = torch.empty_like(order)
-        inv_order[order] = torch.arange(N, device=dev)
-        final = S[inv_order]
+    final = S[lay.inv_order.to(dev)] if output_final_state else None
     return o, final
