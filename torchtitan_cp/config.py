@@ -140,6 +140,13 @@ def apply_table(obj: Any, table: dict[str, Any], *, where: str, prefix: str = ""
         if isinstance(current, float) and isinstance(value, int):
             value = float(value)
         setattr(obj, key, value)
+    post_init = getattr(obj, "__post_init__", None)
+    if prefix and post_init is not None:
+        # Re-run the section's own validation on the values the file set.
+        try:
+            post_init()
+        except ValueError as e:
+            raise ConfigError(f"{where}: [{prefix.rstrip('.')}] {e}") from None
 
 
 def _same_kind(value: Any, current: Any) -> bool:

@@ -5,6 +5,7 @@ Precedence: command line > TOML > recipe defaults (``torchtitan_cp.trainer.recip
 
 from __future__ import annotations
 
+import os
 import sys
 
 from torchtitan_cp.config import ConfigError, apply_table, read_toml, split_config_file
@@ -52,10 +53,23 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    if config.checkpoint.create_seed_checkpoint:
+        if int(os.environ.get("WORLD_SIZE", "1")) != 1 or not config.checkpoint.enable:
+            print(
+                "torchtitan_cp.train: error: --checkpoint.create_seed_checkpoint needs one "
+                "process and --checkpoint.enable",
+                file=sys.stderr,
+            )
+            return 2
     trainer = None
     try:
         trainer = config.build()
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:
+            # One unsharded initialisation that runs of any sharding can start from.
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
     except Exception:
         if trainer is not None:
             trainer.close()

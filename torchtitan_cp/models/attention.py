@@ -16,10 +16,11 @@ from torchtitan_cp.ops import context_parallel_attention
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding of ``x [1, T, H, D]`` at document-relative ``positions [T]``."""
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(0, half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = theta ** (-torch.arange(0, half, device=x.device, dtype=acc) / half)
+    angles = positions.to(acc)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
-    x1, x2 = x.float()[..., :half], x.float()[..., half:]
+    x1, x2 = x.to(acc)[..., :half], x.to(acc)[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -70,7 +71,10 @@ class SoftmaxAttention(Module):
         if self.use_rope:
             pos = positions.reshape(-1) if positions is not None else ctx.token_ids
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
+        # Every CP rank holds B·L/W tokens (torch's load balancers split evenly), so the gather
+        # size is known without asking the other ranks.
         o = context_parallel_attention(
-            q, k, v, token_ids=ctx.token_ids, doc_ids=ctx.doc_ids, group=ctx.group
-        )
+            q, k, v, token_ids=ctx.token_ids, doc_ids=ctx.doc_ids, group=ctx.group,
+            max_tokens=ctx.routing.num_tokens,
+        )  # fmt: skip
         return self.wo(o.flatten(-2)).reshape(bsz, seqlen, -1)

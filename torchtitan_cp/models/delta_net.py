@@ -32,6 +32,11 @@ from torchtitan_cp.ops import (
 Kind = Literal["kda", "gdn"]
 
 
+def upcast(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: at least float32, float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class ShortConvolution(Module):
     """Causal depthwise convolution over the packed stream, per document, SiLU activation.
 
@@ -90,10 +95,12 @@ class GatedRMSNorm(Module):
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = o.dtype
-        o32 = o.float()
+        acc = upcast(dtype)
+        o32 = o.to(acc)
         o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
-        act = torch.sigmoid(gate.float()) if self.activation == "sigmoid" else F.silu(gate.float())
-        return (o32 * self.weight.float() * act).to(dtype)
+        gate = gate.to(acc)
+        act = torch.sigmoid(gate) if self.activation == "sigmoid" else F.silu(gate)
+        return (o32 * self.weight.to(acc) * act).to(dtype)
 
 
 class DeltaNetMixer(Module):
@@ -161,12 +168,14 @@ class DeltaNetMixer(Module):
         if self.kind == "kda":
             f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (h, self.head_dim))
             bias = self.dt_bias.view(h, self.head_dim)
-            a = self.A_log.float().exp().view(h, 1)
+            a = self.A_log.exp().view(h, 1)
         else:
             f = self.a_proj(x)
             bias = self.dt_bias
-            a = self.A_log.float().exp()
-        return -a * F.softplus(f.float() + bias.float())
+            a = self.A_log.exp()
+        acc = upcast(x.dtype)
+        # Gates stay in at least float32: they are summed over long ranges inside the kernel.
+        return -a.to(acc) * F.softplus(f.to(acc) + bias.to(acc))
 
     def forward(self, x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -178,7 +187,7 @@ class DeltaNetMixer(Module):
         vv = self.v_conv(self.v_proj(xs), ctx, self.backend).unflatten(-1, (h, v))
         q = F.normalize(q, p=2, dim=-1)
         kk = F.normalize(kk, p=2, dim=-1)
-        beta = torch.sigmoid(self.b_proj(xs).float()).to(xs.dtype)
+        beta = torch.sigmoid(self.b_proj(xs).to(upcast(xs.dtype))).to(xs.dtype)
         g = self._gate(xs)
         if ctx.cp_enabled:
             o, _ = context_parallel_delta_rule(

@@ -45,30 +45,36 @@ def causal_conv1d_torch(
     W = weight.shape[1]
     cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
     N = len(cu) - 1
-    dev = x.device
+    # Accumulate the W taps in float32 (float64 for float64 inputs), like FLA's kernel.
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
     seq, pos = seq_ids_and_positions(cu)
 
-    parts = [x[0]]
-    if initial_state is not None and W > 1:
-        # [N, D, W-1] -> rows (n, j) of a [N*(W-1), D] block, j = 0 oldest.
-        parts.append(initial_state.to(x.dtype).transpose(1, 2).reshape(N * (W - 1), D))
-    zero_row = T + (N * (W - 1) if len(parts) == 2 else 0)
-    parts.append(x.new_zeros(1, D))
+    # Source rows: the T tokens, then (if given) the N*(W-1) history tokens, then one zero row.
+    parts = [x[0].to(cd)]
+    with_hist = initial_state is not None and W > 1
+    if with_hist:
+        # [N, D, W-1] -> row T + n*(W-1) + j holds history token j (0 = oldest) of sequence n.
+        parts.append(initial_state.to(cd).transpose(1, 2).reshape(N * (W - 1), D))
+    zero_row = T + (N * (W - 1) if with_hist else 0)
+    parts.append(x.new_zeros(1, D, dtype=cd))
     src = torch.cat(parts, 0)
 
-    y = x[0] * weight[:, W - 1]
+    # Gather index of the tap at distance s (s = 1..W-1) for every token, built on the host
+    # and moved to the device once.
+    shift = torch.arange(1, W)[:, None]  # [W-1, 1]
+    back = pos[None, :] - shift  # position of the tapped token inside its sequence
+    if with_hist:
+        outside = T + seq[None, :] * (W - 1) + (W - 1) + back  # history column (W-1) + back
+    else:
+        outside = torch.full_like(back, zero_row)
+    idx = torch.where(back >= 0, torch.arange(T)[None, :] - shift, outside).to(x.device)
+
+    w = weight.to(cd)
+    y = src[:T] * w[:, W - 1]
     for s in range(1, W):
-        inside = pos >= s
-        idx = torch.arange(T) - s
-        if initial_state is not None:
-            # Position pos - s < 0 is history column (W-1) + (pos - s) of this sequence.
-            hist = T + seq * (W - 1) + (W - 1) + (pos - s)
-            idx = torch.where(inside, idx, hist)
-        else:
-            idx = torch.where(inside, idx, torch.full_like(idx, zero_row))
-        y = y + src[idx.to(dev)] * weight[:, W - 1 - s]
+        y = y + src[idx[s - 1]] * w[:, W - 1 - s]
     if bias is not None:
-        y = y + bias
+        y = y + bias.to(cd)
     if activation is not None:
         y = F.silu(y)
-    return y.unsqueeze(0)
+    return y.unsqueeze(0).to(x.dtype)

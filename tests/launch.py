@@ -1,0 +1,45 @@
+"""Run the real entry point under torchrun from tests, and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_train(
+    args: list[str], *, nproc: int, dump_folder: Path, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=nproc -m torchtitan_cp.train ARGS --dump_folder DUMP``."""
+    env = dict(os.environ)
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "-m", "torchtitan_cp.train", *args, "--dump_folder", str(dump_folder),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"training failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+def read_metrics(dump_folder: Path) -> list[dict]:
+    """Training rows of ``metrics.jsonl`` (validation rows are left out)."""
+    rows = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r]

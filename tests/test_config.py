@@ -1,0 +1,99 @@
+"""TOML + CLI configuration: precedence, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import REPO
+from torchtitan_cp.config import ConfigError
+from torchtitan_cp.train import load_config
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path):
+    path = write(
+        tmp_path,
+        '[model]\nflavor = "debug"\nlayer_pattern = "GGGA"\n'
+        "[training]\nsteps = 7\nseq_len = 128\n"
+        '[linear_attention]\nrouting_source = "device_readback"\n',
+    )
+    cfg = load_config(["--config_file", path, "--training.steps", "3"])
+    assert cfg.training.steps == 3  # CLI beats TOML
+    assert cfg.training.seq_len == 128  # TOML beats default
+    assert cfg.training.local_batch_size == 2  # recipe default
+    assert cfg.model.layer_pattern == "GGGA"
+    assert cfg.linear_attention.routing_source == "device_readback"
+    cfg = load_config(["--config_file", path, "--model.layer_pattern", "KA"])
+    assert cfg.model.layer_pattern == "KA"
+
+
+def test_shipped_configs_load():
+    for name in ("debug_cpu", "gpu_kda_1b", "gpu_gdn_1b"):
+        cfg = load_config(["--config_file", str(REPO / "configs" / f"{name}.toml")])
+        assert cfg.model.flavor
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[training]\nstepz = 3\n", "unknown key 'training.stepz'"),
+        ("[training]\nsteps = 'three'\n", "key 'training.steps' expects int"),
+        ("[metrics]\nenable_wandb = 1\n", "key 'metrics.enable_wandb' expects bool"),
+        ("[nonsense]\nx = 1\n", "unknown key 'nonsense'"),
+        ("[linear_attention]\nrouting_source = 'gpu'\n", "linear_attention.routing_source"),
+        ("[training\n", "invalid TOML"),
+    ],
+)
+def test_bad_toml_is_a_clear_error(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(["--config_file", path])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[model]\nflavor = "huge"\n', "unknown model.flavor 'huge'"),
+        ('[model]\nlayer_pattern = "KXA"\n', "unknown layer letter(s) X"),
+        ("[linear_attention]\nplan_cache_size = 0\n", "plan_cache_size must be >= 1"),
+    ],
+)
+def test_bad_model_or_cache_values(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(["--config_file", path])
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torchtitan_cp.train", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_errors_are_one_line_and_exit_2(tmp_path):
+    proc = run_cli("--config_file", str(tmp_path / "missing.toml"))
+    assert proc.returncode == 2
+    assert "config file not found" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    bad = write(tmp_path, "[training]\nstepz = 3\n")
+    proc = run_cli("--config_file", bad)
+    assert proc.returncode == 2 and "unknown key 'training.stepz'" in proc.stderr
+
+
+def test_help_lists_options():
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    for option in ("--config_file", "--linear-attention.routing-source", "--model.flavor"):
+        assert option.replace("-", "_") in proc.stdout.replace("-", "_")

@@ -1,0 +1,84 @@
+"""The whole hybrid model under context parallelism equals the unsharded model (float64).
+
+Every rank builds the same float64 model and batch; the CP=W loss (sum over ranks) and
+gradients (all-reduced) must equal the CP=1 ones for every layout torch's balancers produce.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+
+TOL = 1e-10  # float64
+
+
+def make_batch(seed: int, bsz: int, seqlen: int, vocab: int):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (bsz, seqlen), generator=g)
+    positions = torch.empty(bsz, seqlen, dtype=torch.int64)
+    for b in range(bsz):
+        t = 0
+        while t < seqlen:
+            n = int(torch.randint(1, seqlen // 2, (1,), generator=g))
+            n = min(n, seqlen - t)
+            positions[b, t : t + n] = torch.arange(n)
+            t += n
+    labels = torch.roll(tokens, -1, dims=1)
+    return tokens, positions, labels
+
+
+def loss_and_grads(model, sequence, tokens, positions, labels, host):
+    from torchtitan_cp.data import HostMetadata
+
+    meta = HostMetadata(positions.clone()) if host else None
+    inp, lab, pos, ctx = sequence(tokens, labels, positions, meta)
+    logits = model(inp, pos, ctx)
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), reduction="sum"
+    )
+    model.zero_grad()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _cp_model(rank: int, world: int, pattern: str, balancer: str, bsz: int, seqlen: int):
+    from torchtitan_cp.models import model_config
+    from torchtitan_cp.sequence import SequencePreprocessor
+
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = model_config("debug", layer_pattern=pattern, vocab_size=97).build()
+    model.init_states()
+    model = model.double()
+    tokens, positions, labels = make_batch(1, bsz, seqlen, 97)
+    common = dict(device=torch.device("cpu"), load_balancer=balancer, ptrr_block_size=16)
+    ref_seq = SequencePreprocessor(cp_group=None, **common)
+    ref_loss, ref_grads = loss_and_grads(model, ref_seq, tokens, positions, labels, True)
+    cp_seq = SequencePreprocessor(cp_group=dist.group.WORLD, **common)
+    loss, grads = loss_and_grads(model, cp_seq, tokens, positions, labels, True)
+    dist.all_reduce(loss)
+    worst = {"loss": float((loss - ref_loss).abs())}
+    for name, g in grads.items():
+        dist.all_reduce(g)
+        worst[name] = float((g - ref_grads[name]).abs().max())
+    return worst
+
+
+@pytest.mark.parametrize(
+    "world, pattern, balancer, bsz, seqlen",
+    [
+        (2, "KGA", "headtail", 2, 64),
+        (2, "GKA", "contiguous", 1, 96),
+        (3, "KA", "headtail", 2, 48),
+        (2, "GA", "ptrr", 2, 64),
+        (4, "KG", "headtail", 1, 64),
+    ],
+)
+def test_whole_model_cp_equals_unsharded(world, pattern, balancer, bsz, seqlen):
+    results = run_distributed(_cp_model, world, pattern, balancer, bsz, seqlen)
+    for worst in results:
+        bad = {k: v for k, v in worst.items() if v > TOL}
+        assert not bad, bad

@@ -1,0 +1,81 @@
+"""Each torchtitan 0.3.0 compatibility shim in torchtitan_cp.platform, one test apiece."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from torchtitan_cp import platform
+
+cpu_only = pytest.mark.skipif(platform.accelerator_available(), reason="CPU-only shims")
+
+
+@cpu_only
+def test_device_bindings_point_at_cpu():
+    platform.apply()
+    for module_name, names in platform._DEVICE_BINDINGS:
+        module = importlib.import_module(module_name)
+        for name in names:
+            value = getattr(module, name)
+            if name == "device_type":
+                assert value == "cpu", module_name
+            else:
+                assert value is platform.CPU_DEVICE_MODULE, module_name
+    utils = importlib.import_module("torchtitan.tools.utils")
+    assert utils.get_local_device() == torch.device("cpu")
+    # The memory monitor torchtitan builds must work with the CPU device module.
+    from torchtitan.components.metrics import build_device_memory_monitor
+
+    stats = build_device_memory_monitor().get_peak_stats()
+    assert stats.max_reserved_gib > 0
+
+
+def _pg_timeouts(rank: int, world: int) -> bool:
+    from datetime import timedelta
+
+    platform.apply()
+    dist_utils = importlib.import_module("torchtitan.distributed.utils")
+    dims = SimpleNamespace(get_all_one_dimensional_meshes=lambda: {})
+    dist_utils.set_pg_timeouts(timedelta(seconds=30), dims)
+    return True
+
+
+@cpu_only
+def test_set_pg_timeouts_works_on_gloo():
+    assert run_distributed(_pg_timeouts, 2) == [True, True]
+
+
+def _fsdp_sum(rank: int, world: int) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2, bias=False)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    platform.force_sum_reduction_on_gloo(model)
+    x = torch.full((1, 4), float(rank + 1))
+    model(x).sum().backward()
+    return model.weight.grad.full_tensor().reshape(-1).tolist()
+
+
+def test_fsdp_gradients_are_summed_on_gloo():
+    # d(sum(W x))/dW = x per output row: rank 0 contributes 1s, rank 1 contributes 2s.
+    grads = run_distributed(_fsdp_sum, 2)
+    assert grads[0] == grads[1] == [3.0] * 8
+
+
+@cpu_only
+def test_grad_norm_is_taken_in_float64_on_cpu():
+    platform.apply()
+    dist_utils = importlib.import_module("torchtitan.distributed.utils")
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(1_000_000)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    exact = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params))
+    norm = dist_utils.clip_grad_norm_(params, max_norm=1e9)
+    assert abs(float(norm) - float(exact)) <= 1e-12 * float(exact)

@@ -1,0 +1,79 @@
+"""End-to-end runs of the real entry point under torchrun (gloo, 2 CPU processes)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.launch import read_metrics, torchrun_train
+
+pytestmark = pytest.mark.slow
+
+DEFAULT = ["--config_file", "configs/debug_cpu.toml"]
+
+
+def test_default_config_trains_and_logs(tmp_path):
+    """The embedded default with 2 ranks: loss falls, metrics.jsonl and an offline wandb run."""
+    dump = tmp_path / "run"
+    torchrun_train([*DEFAULT, "--training.steps", "16", "--validator.freq", "8"], nproc=2,
+                   dump_folder=dump)  # fmt: skip
+    rows = read_metrics(dump)
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
+        assert all(isinstance(r[key], float) for r in rows), key
+    first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-3:]) / 3
+    assert last < first - 0.5, (first, last)
+    lines = (dump / "metrics.jsonl").read_text().splitlines()
+    assert any("validation_loss" in line for line in lines)
+    runs = list(dump.glob("tb/*/wandb/offline-run-*"))
+    assert runs, "expected an offline wandb run to sync later"
+
+
+def run_steps(tmp_path, name: str, nproc: int, *extra: str) -> list[dict]:
+    dump = tmp_path / name
+    torchrun_train(
+        [*DEFAULT, "--training.steps", "3", "--validator.no-enable", "--metrics.no-enable-wandb",
+         "--debug.deterministic", *extra],
+        nproc=nproc, dump_folder=dump,
+    )  # fmt: skip
+    return read_metrics(dump)
+
+
+def seed_checkpoint(tmp_path, *extra: str) -> str:
+    """One initial model for runs with different sharding (FSDP initialises per shard)."""
+    dump = tmp_path / "seed"
+    torchrun_train(
+        [*DEFAULT, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+         "--metrics.no-enable-wandb", *extra],
+        nproc=1, dump_folder=dump,
+    )  # fmt: skip
+    return str(dump / "checkpoint" / "step-0")
+
+
+@pytest.mark.parametrize("pattern", ["KKA", "GGA"])
+def test_context_parallel_matches_unsharded(tmp_path, pattern):
+    """CP=2 (head-tail) gives the CP=1 loss and grad norm within 1e-5 over 3 AdamW steps."""
+    seed = seed_checkpoint(tmp_path, "--model.layer_pattern", pattern)
+    common = ["--model.layer_pattern", pattern, "--checkpoint.enable",
+              "--checkpoint.initial_load_path", seed]  # fmt: skip
+    ref = run_steps(tmp_path, "cp1", 1, *common)
+    cp = run_steps(tmp_path, "cp2", 2, *common, "--parallelism.context_parallel_degree", "2")
+    for a, b in zip(ref, cp, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a["step"], a["grad_norm"])
+
+
+def test_checkpoint_resume_continues_the_loss_curve(tmp_path):
+    dump = tmp_path / "ckpt"
+    args = [*DEFAULT, "--training.steps", "6", "--validator.no-enable", "--metrics.no-enable-wandb",
+            "--checkpoint.enable", "--checkpoint.interval", "3"]  # fmt: skip
+    torchrun_train(args, nproc=2, dump_folder=dump)
+    full = {r["step"]: r["loss"] for r in read_metrics(dump)}
+    shutil.rmtree(dump / "checkpoint" / "step-6")
+    torchrun_train(args, nproc=2, dump_folder=dump)
+    rows = read_metrics(dump)
+    resumed = {r["step"]: r["loss"] for r in rows[6:]}
+    assert sorted(resumed) == [4, 5, 6], "the resumed run starts after the step-3 checkpoint"
+    for step, loss in resumed.items():
+        assert loss == full[step], (step, loss, full[step])
