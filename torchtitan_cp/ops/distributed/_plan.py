@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torchtitan_cp.routing import DeviceRouting
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class SummaryPlan:
 _CACHE: dict[int, tuple[weakref.ref, SummaryPlan]] = {}
 
 
-def _build(routing) -> SummaryPlan:
+def _build(routing: DeviceRouting) -> SummaryPlan:
     device = routing.cu_seqlens.device
     cu = [int(c) for c in routing.cu_seqlens_cpu.tolist()]
     publish = routing.publish.detach().to("cpu").tolist()
@@ -58,7 +62,7 @@ def _build(routing) -> SummaryPlan:
     )
 
 
-def summary_plan(routing) -> SummaryPlan:
+def summary_plan(routing: DeviceRouting) -> SummaryPlan:
     """The (cached) summary-pass plan of ``routing``."""
     key = id(routing)
     hit = _CACHE.get(key)

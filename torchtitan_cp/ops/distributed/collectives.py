@@ -7,9 +7,14 @@ reaches the rank that owns those rows. Works on gloo (CPU) and NCCL (CUDA).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torchtitan_cp.routing import DeviceRouting
 
 __all__ = [
     "all_gather_autograd",
@@ -40,7 +45,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def check_routing_group(routing, group: dist.ProcessGroup | None, num_tokens: int) -> None:
+def check_routing_group(
+    routing: DeviceRouting, group: dist.ProcessGroup | None, num_tokens: int
+) -> None:
     """Fail early (host ints only) if ``routing`` was built for another rank, world or span:
     slot ids would silently index the wrong rows of the gathered buffers."""
     world, rank = group_size(group), group_rank(group)

@@ -9,9 +9,14 @@ ranks when fragments are shorter than C (the routing plan resolves those hops).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torchtitan_cp.routing import DeviceRouting
 
 from .collectives import all_gather_autograd, check_routing_group
 
@@ -26,7 +31,9 @@ def _masked_rows(src: Tensor, index: Tensor) -> Tensor:
     return torch.where((index >= 0).unsqueeze(-1), rows, torch.zeros_like(rows))
 
 
-def context_parallel_conv_history(x: Tensor, *, routing, group: dist.ProcessGroup | None) -> Tensor:
+def context_parallel_conv_history(
+    x: Tensor, *, routing: DeviceRouting, group: dist.ProcessGroup | None
+) -> Tensor:
     """Conv ``initial_state`` for every local subsequence under context parallelism.
 
     ``x [1, T_local, D]`` is the conv input of this rank's span. Returns ``[N, D, C]``

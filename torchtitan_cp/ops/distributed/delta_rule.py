@@ -11,9 +11,14 @@ reduce-scatters the summary cotangents to the ranks that computed them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torchtitan_cp.routing import DeviceRouting
 
 from ._plan import summary_plan
 from .collectives import all_gather_autograd, check_routing_group
@@ -41,7 +46,7 @@ def context_parallel_delta_rule(
     beta: Tensor,
     *,
     kind: str,
-    routing,
+    routing: DeviceRouting,
     group: dist.ProcessGroup | None,
     scale: float | None = None,
     output_final_state: bool = False,
