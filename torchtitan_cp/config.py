@@ -61,8 +61,14 @@ class LinearAttentionConfig:
     device_readback: read document offsets and load-balancer layouts back from the device."""
     plan_cache_size: int = 16
     """Routing plans kept in the LRU cache (>= 1)."""
+    ptrr_block_size: int = 128
+    """Block size of the document block mask the ptrr load balancer schedules."""
 
     def __post_init__(self) -> None:
+        if self.ptrr_block_size < 1:
+            raise ConfigError(
+                f"linear_attention.ptrr_block_size must be >= 1, got {self.ptrr_block_size}"
+            )
         if self.plan_cache_size < 1:
             raise ConfigError(
                 f"linear_attention.plan_cache_size must be >= 1, got {self.plan_cache_size}"

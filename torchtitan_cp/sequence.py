@@ -136,9 +136,11 @@ class SequencePreprocessor:
     def __init__(
         self,
         *,
-        device: torch.device,
+        device: torch.device | str,
         cp_group: dist.ProcessGroup | None,
         load_balancer: str | None,
+        cp_rank: int | None = None,
+        cp_world_size: int | None = None,
         routing_source: str = "host",
         plan_cache_size: int = 16,
         conv_history: int = 3,
@@ -154,10 +156,11 @@ class SequencePreprocessor:
                 f"parallelism.context_parallel_load_balancer must be one of {LOAD_BALANCERS}, "
                 f"got {load_balancer!r}"
             )
-        self.device = device
+        self.device = torch.device(device)
         self.group = cp_group
-        self.world = dist.get_world_size(cp_group) if cp_group is not None else 1
-        self.rank = dist.get_rank(cp_group) if cp_group is not None else 0
+        # Explicit rank/world let tools and tests lay out any rank without a process group.
+        self.world = cp_world_size or (dist.get_world_size(cp_group) if cp_group is not None else 1)
+        self.rank = cp_rank if cp_rank is not None else (dist.get_rank(cp_group) if cp_group else 0)
         self.load_balancer = lb
         self.routing_source = routing_source
         self.cache = PlanCache(plan_cache_size)
@@ -231,7 +234,7 @@ class SequencePreprocessor:
         ctx = build_sequence_context(
             plan,
             self.device,
-            self.group if self.world > 1 else None,
+            self.group if self.world > 1 else None,  # no group: the layers run unsharded
             source=source,
             conv_history=self.conv_history,
         )

@@ -54,16 +54,19 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 class DebugConfig(_TitanDebugConfig):
     param_checksums: bool = False
     """Log ``params_sha256`` (every parameter after the optimizer step, gathered to rank 0)
-    to metrics.jsonl at each log step, to compare runs bit for bit."""
+    and ``grads_sha256`` (the step's gradients) at each log step, to compare runs bit for bit."""
 
 
-def params_sha256(model_parts: list[torch.nn.Module]) -> str:
-    """SHA-256 over every parameter's full value (name order). Collective under FSDP: every
-    rank must call it."""
+def tensors_sha256(model_parts: list[torch.nn.Module], *, grads: bool) -> str:
+    """SHA-256 over every parameter's (or its gradient's) full value, in name order.
+    Collective under FSDP: every rank must call it."""
     h = hashlib.sha256()
     for part in model_parts:
         for name, p in sorted(part.named_parameters(), key=lambda kv: kv[0]):
-            t = p.full_tensor() if isinstance(p, DTensor) else p
+            t = p.grad if grads else p
+            if t is None:
+                continue
+            t = t.full_tensor() if isinstance(t, DTensor) else t
             h.update(name.encode())
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -116,6 +119,7 @@ class HybridMetricsProcessor(MetricsProcessor):
             os.environ["WANDB_MODE"] = config.wandb_mode
         super().__init__(config, **kwargs)
         self.extra_metrics_fn = None
+        self.validation_metrics_fn = None
         dump_folder = kwargs.get("dump_folder", "./outputs")
         rank = _get_metrics_rank(
             parallel_dims=kwargs["parallel_dims"], pp_schedule=kwargs.get("pp_schedule", "1F1B")
@@ -131,6 +135,12 @@ class HybridMetricsProcessor(MetricsProcessor):
         if self.extra_metrics_fn is not None:
             extra.update(self.extra_metrics_fn())
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+
+    def log_validation(self, loss, step, extra_metrics=None):
+        extra = dict(extra_metrics or {})
+        if self.validation_metrics_fn is not None:
+            extra.update(self.validation_metrics_fn())
+        super().log_validation(loss, step, extra_metrics=extra)
 
 
 class HybridValidator(Validator):
@@ -190,10 +200,12 @@ class HybridTrainer(Trainer):
             routing_source=config.linear_attention.routing_source,
             plan_cache_size=config.linear_attention.plan_cache_size,
             conv_history=spec.model.conv_width - 1,
+            ptrr_block_size=config.linear_attention.ptrr_block_size,
         )
         if config.validator.enable:
             self.validator.sequence = self.sequence
         self.metrics_processor.extra_metrics_fn = self._extra_metrics
+        self.metrics_processor.validation_metrics_fn = self._validation_metrics
 
     def post_dataloading_process(self, input_dict, labels):
         inputs, labels, extra = _preprocess(self.sequence, input_dict, labels)
@@ -205,24 +217,33 @@ class HybridTrainer(Trainer):
         self.sequence.stats.take()  # counters cover this step only (not validation before it)
         return super().train_step(data_iterator)
 
-    def _extra_metrics(self) -> dict[str, Any]:
+    def _routing_metrics(self, prefix: str) -> dict[str, Any]:
+        """Routing counters since the last call; readbacks and build time are the worst rank's
+        (a collective: every rank calls this at the same log step)."""
         stats = self.sequence.stats.take()
         cache = self.sequence.cache.stats()
-        # The worst rank is what a dashboard should show: reduce max across all ranks.
         local = torch.tensor([stats["readbacks"], stats["build_ms"]], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        out: dict[str, Any] = {
-            "routing/source": stats["source"],
-            "routing/readbacks": int(local[0]),
-            "routing/build_ms": float(local[1]),
-            "routing/cache_hits": cache["hits"],
-            "routing/cache_misses": cache["misses"],
-            "routing/cache_evictions": cache["evictions"],
+        return {
+            f"{prefix}/source": stats["source"],
+            f"{prefix}/microbatches": stats["microbatches"],
+            f"{prefix}/readbacks": int(local[0]),
+            f"{prefix}/build_ms": float(local[1]),
+            f"{prefix}/cache_hits": cache["hits"],
+            f"{prefix}/cache_misses": cache["misses"],
+            f"{prefix}/cache_evictions": cache["evictions"],
         }
+
+    def _extra_metrics(self) -> dict[str, Any]:
+        out = self._routing_metrics("routing")
         if self.config.debug.param_checksums:
-            out["params_sha256"] = params_sha256(self.model_parts)
+            out["params_sha256"] = tensors_sha256(self.model_parts, grads=False)
+            out["grads_sha256"] = tensors_sha256(self.model_parts, grads=True)
         return out
+
+    def _validation_metrics(self) -> dict[str, Any]:
+        return self._routing_metrics("validation_routing")
 
 
 def recipe_config() -> HybridTrainer.Config:

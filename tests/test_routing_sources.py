@@ -1,0 +1,156 @@
+"""Host-metadata routing vs the device-readback path: same layout, same tensors, no readback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchtitan_cp.data import HostMetadata
+from torchtitan_cp.sequence import SequencePreprocessor
+
+ROUTING_FIELDS = (
+    "cu_seqlens", "cu_seqlens_cpu", "frag_first", "frag_last", "publish", "pred_slots",
+    "terminal", "tail_index", "halo_index",
+)  # fmt: skip
+
+
+def positions_from_lengths(bsz: int, seqlen: int, lengths: list[int]) -> torch.Tensor:
+    """Rows filled with documents of the given lengths (cycled), cut at row ends."""
+    pos = torch.empty(bsz, seqlen, dtype=torch.int64)
+    it = 0
+    for b in range(bsz):
+        t = 0
+        while t < seqlen:
+            n = min(lengths[it % len(lengths)], seqlen - t)
+            pos[b, t : t + n] = torch.arange(n)
+            t, it = t + n, it + 1
+    return pos
+
+
+def preprocessors(rank: int, world: int, balancer: str, device="cpu", block=4):
+    common = dict(
+        device=device, cp_group=None, load_balancer=balancer, cp_rank=rank,
+        cp_world_size=world, ptrr_block_size=block,
+    )  # fmt: skip
+    return (
+        SequencePreprocessor(routing_source="host", **common),
+        SequencePreprocessor(routing_source="device_readback", **common),
+    )
+
+
+def run(pre, tokens, positions, host=True):
+    meta = HostMetadata(positions.clone()) if host else None
+    labels = tokens + 1
+    return pre(tokens, labels, positions, meta)
+
+
+def assert_same_context(a, b):
+    for name in ROUTING_FIELDS:
+        x, y = getattr(a.routing, name), getattr(b.routing, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    for name in ("rank", "world_size", "num_slots", "conv_history", "num_tokens"):
+        assert getattr(a.routing, name) == getattr(b.routing, name), name
+    assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.doc_ids, b.doc_ids)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    world=st.sampled_from([2, 3, 4, 8]),
+    balancer=st.sampled_from(["contiguous", "headtail", "ptrr"]),
+    bsz=st.integers(1, 3),
+    chunks=st.integers(1, 3),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    data=st.data(),
+)
+def test_host_and_readback_build_identical_routing(world, balancer, bsz, chunks, lengths, data):
+    unit = {"contiguous": world, "headtail": 2 * world, "ptrr": 4 * world}[balancer]
+    seqlen = unit * chunks * (2 if world < 4 else 1)
+    rank = data.draw(st.integers(0, world - 1))
+    positions = positions_from_lengths(bsz, seqlen, lengths)
+    tokens = torch.arange(bsz * seqlen).reshape(bsz, seqlen)
+    host, readback = preprocessors(rank, world, balancer)
+    out_h = run(host, tokens, positions)
+    out_r = run(readback, tokens, positions)
+    for x, y in zip(out_h[:3], out_r[:3], strict=True):
+        assert torch.equal(x, y)
+    assert_same_context(out_h[3], out_r[3])
+    assert host.stats.readbacks == 0
+    assert readback.stats.readbacks == (1 if balancer == "contiguous" else 2)
+    # The local tokens are exactly the ones the routing says this rank holds.
+    assert torch.equal(out_h[0].reshape(-1), out_h[3].token_ids)
+
+
+@pytest.mark.parametrize("balancer", ["contiguous", "headtail", "ptrr"])
+def test_host_path_reads_no_device_tensor(balancer):
+    """Device copies on the meta device cannot be read: the host path never tries."""
+    positions = positions_from_lengths(2, 32, [5, 11, 3, 20])
+    tokens = torch.arange(64).reshape(2, 32)
+    meta = {k: v.to("meta") for k, v in {"t": tokens, "p": positions}.items()}
+    host, readback = preprocessors(1, 2, balancer, device="meta")
+    inputs, labels, pos, ctx = host(meta["t"], meta["t"], meta["p"], HostMetadata(positions))
+    assert inputs.device.type == "meta" and ctx.routing.cu_seqlens.device.type == "meta"
+    assert host.stats.readbacks == 0
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        readback(meta["t"], meta["t"], meta["p"], HostMetadata(positions))
+
+
+def test_consecutive_microbatches_share_no_storage():
+    positions = positions_from_lengths(2, 32, [7, 9])
+    tokens = torch.arange(64).reshape(2, 32)
+    host, _ = preprocessors(0, 2, "headtail")
+    a, b = run(host, tokens, positions)[3], run(host, tokens, positions)[3]
+    assert host.cache.stats()["hits"] == 1  # the same layout reuses the host plan ...
+    ptrs_a = {getattr(a.routing, n).untyped_storage().data_ptr() for n in ROUTING_FIELDS}
+    ptrs_a |= {a.token_ids.untyped_storage().data_ptr()}
+    ptrs_b = {getattr(b.routing, n).untyped_storage().data_ptr() for n in ROUTING_FIELDS}
+    ptrs_b |= {b.token_ids.untyped_storage().data_ptr()}
+    assert not ptrs_a & ptrs_b  # ... but never the device tensors
+
+
+def test_cache_keys_follow_layout_and_capacity():
+    tokens = torch.arange(64).reshape(2, 32)
+    host = SequencePreprocessor(
+        device="cpu", cp_group=None, load_balancer="headtail", cp_rank=0, cp_world_size=2,
+        plan_cache_size=2,
+    )  # fmt: skip
+    for lengths in ([5], [6], [7], [5], [7]):  # LRU: 5 is evicted by 7, 6 by the second 5
+        run(host, tokens, positions_from_lengths(2, 32, lengths))
+    assert host.cache.stats() == {
+        "hits": 1, "misses": 4, "evictions": 2, "size": 2, "capacity": 2,
+    }  # fmt: skip
+
+
+def test_missing_host_metadata_falls_back_once(caplog):
+    host, _ = preprocessors(0, 2, "headtail")
+    positions = positions_from_lengths(1, 16, [3, 13])
+    tokens = torch.arange(16).reshape(1, 16)
+    with caplog.at_level(logging.WARNING):
+        run(host, tokens, positions, host=False)
+        run(host, tokens, positions, host=False)
+    warnings = [r for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(warnings) == 1
+    assert host.stats.readbacks == 4 and host.stats.sources == {"device_readback"}
+
+
+@pytest.mark.parametrize(
+    "host_positions, message",
+    [
+        (torch.zeros(2, 16, dtype=torch.int64), r"host positions have shape \[2, 16\]"),
+        (torch.arange(1, 33).reshape(1, 32), "row 0 starts at position 1"),
+        (
+            torch.cat([torch.arange(32), torch.tensor([0, -3] + [1] * 30)]).reshape(2, 32),
+            "row 1 has negative position -3",
+        ),
+    ],
+)
+def test_bad_host_positions_name_the_problem(host_positions, message):
+    host, _ = preprocessors(0, 2, "contiguous")
+    tokens = torch.zeros(host_positions.shape[0], 32, dtype=torch.int64)
+    if host_positions.shape[1] != 32:
+        tokens = torch.zeros(1, 32, dtype=torch.int64)
+    with pytest.raises(ValueError, match=message):
+        host(tokens, tokens, None, HostMetadata(host_positions))
