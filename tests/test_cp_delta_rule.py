@@ -211,3 +211,36 @@ def test_routing_for_another_rank_is_rejected() -> None:
     x = _inputs("gdn", 4, torch.float64, 0)
     with pytest.raises(ValueError, match="routing is for rank 1 of 2"):
         context_parallel_delta_rule(*x, kind="gdn", routing=routing, group=None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core needs CUDA")
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_fla_backend_out_of_order_span(kind: str) -> None:
+    # World 1 on CUDA through fla-core: the summary pass runs FLA with value width V+K and a
+    # float32 [0 | I] initial state. Tolerance as tests/test_kernels_fla.py (TF32 matmuls):
+    # 5e-3 of max(1, max |oracle|). Not run where the CP ops were developed (no GPU there).
+    from reference import delta_rule_reference
+
+    from torchtitan_cp.ops import context_parallel_delta_rule
+    from torchtitan_cp.routing import RoutingPlan
+
+    cu = [0, 1, 70, 200, 333]
+    table = [[(150, 333), (0, 40), (40, 41), (41, 150)]]  # doc [70, 200) in 2 pieces, [1, 70) in 3
+    Hk, Kd = 2, 64
+    gen = torch.Generator().manual_seed(0)
+    T = cu[-1]
+    q = F.normalize(torch.randn(1, T, Hk, Kd, generator=gen, dtype=torch.float64), dim=-1)
+    k = F.normalize(torch.randn(1, T, Hk, Kd, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(1, T, Hk, Kd, generator=gen, dtype=torch.float64)
+    gshape = (1, T, Hk, Kd) if kind == "kda" else (1, T, Hk)
+    g = -torch.rand(*gshape, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, T, Hk, generator=gen, dtype=torch.float64)
+    full = [q, k, v, g, beta]
+    o_ref, _ = delta_rule_reference(*full, kind=kind, cu_seqlens=cu)
+    routing = RoutingPlan.build(cu, table, 0).to_device(torch.device("cuda"))
+    span = torch.tensor(span_index(table[0]))
+    loc = [x.index_select(1, span).float().cuda() for x in full]
+    o, _ = context_parallel_delta_rule(*loc, kind=kind, routing=routing, group=None, backend="fla")
+    ref = o_ref.index_select(1, span)
+    err = ((o.double().cpu() - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
+    assert err < 5e-3
