@@ -219,8 +219,8 @@ def chunk_delta_rule_torch(
     # WY form: (I + beta*A) d = beta*v - beta*(k*exp(G)) S0  =>  d = U - W S0.
     b = bc.unsqueeze(-1)
     A = b * A  # only its strictly lower part is read: the solve assumes a unit diagonal
-    U = torch.linalg.solve_triangular(A, b * vc, upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(A, b * kg, upper=False, unitriangular=True)
+    rhs = torch.cat([b * vc, b * kg], -1)  # one solve for both right-hand sides
+    U, W = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([V, K], -1)
 
     # Chunk as an affine map of its entry state: S_end = M S0 + E.
     kh = kc * decay_end  # k_t exp(G_C - G_t)
