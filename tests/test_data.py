@@ -157,13 +157,12 @@ def test_host_metadata_survives_device_moves(tokenizer):
 
 
 def test_cu_seqlens_hand_examples():
-    meta = HostMetadata(torch.tensor([[0, 1, 2, 0, 1], [2, 3, 0, 1, 2]]))
-    # Row 1 starts mid-document (position 2): still a boundary at global index 5.
+    meta = HostMetadata(torch.tensor([[0, 1, 2, 0, 1], [0, 3, 0, 1, 2]]))
+    # Every row start is a document start: a boundary at global index 5.
     assert meta.cu_seqlens().tolist() == [0, 3, 5, 7, 10]
     assert meta.seqlens().tolist() == [3, 2, 2, 3]
     assert meta.num_documents == 4 and meta.num_tokens == 10
     assert (meta.batch_size, meta.seq_len) == (2, 5)
-    assert HostMetadata(torch.tensor([[5, 6, 7, 8]])).cu_seqlens().tolist() == [0, 4]
     assert HostMetadata(torch.zeros(2, 2, dtype=torch.long)).cu_seqlens().tolist() == [
         0,
         1,
@@ -171,11 +170,13 @@ def test_cu_seqlens_hand_examples():
         3,
         4,
     ]
-    three_rows = HostMetadata(torch.tensor([[0, 1, 2], [3, 4, 5], [6, 0, 1]]))
+    three_rows = HostMetadata(torch.tensor([[0, 1, 2], [0, 4, 5], [0, 0, 1]]))
     assert three_rows.cu_seqlens().tolist() == [0, 3, 6, 7, 9]
     assert three_rows.cu_seqlens().dtype == torch.int64
-    # The helper must not write into the stored positions.
-    assert three_rows.positions[1, 0] == 3
+    # torchtitan's packing restarts positions at 0 in every row; anything else is bad input
+    # that the routing would silently misplace, so it is an error naming the row.
+    with pytest.raises(ValueError, match="row 1 starts at position 2"):
+        HostMetadata(torch.tensor([[0, 1, 2, 0, 1], [2, 3, 0, 1, 2]])).cu_seqlens()
 
 
 def test_host_metadata_rejects_bad_positions():

@@ -204,7 +204,10 @@ def test_host_buffers_pinned_when_cuda_available(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
     monkeypatch.setattr(torch.Tensor, "to", recording_to)
     r = RoutingPlan.build(CU, TABLE, 1).to_device(torch.device("cpu"))
-    assert len(pinned) == 2 and any(r.cu_seqlens_cpu is p for p in pinned)
+    storage = r.cu_seqlens_cpu.untyped_storage().data_ptr()
+    assert len(pinned) == 2 and any(p.untyped_storage().data_ptr() == storage for p in pinned)
+    summary = r.summary_cu_seqlens_cpu.untyped_storage().data_ptr()
+    assert summary == storage  # host offsets of the summary pass live in the same pinned buffer
     assert copies == [(True, True), (True, True)]  # both device copies read pinned memory
     assert r.halo_index.tolist() == [[0, 1, 2], [6, 7, 8]]
     assert r.cu_seqlens.tolist() == [0, 96, 136, 192]

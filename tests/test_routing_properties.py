@@ -128,6 +128,17 @@ def test_device_routing_simulated_gather(layout, pad_s, pad_n, pad_p, pad_t):
         assert route.terminal.tolist() == plan.terminal.tolist() + [-1] * (
             caps.terminal - plan.terminal.numel()
         )
+        # Summary pass: published fragments' last subsequences, back to back, host == device.
+        published = [j for j in range(n_local) if plan.successors[j]]
+        assert route.summary_slots.tolist() == published
+        pieces = [
+            list(range(*plan.cu_seqlens[plan.frag_last[j] : plan.frag_last[j] + 2].tolist()))
+            for j in published
+        ]
+        assert route.summary_token_index.tolist() == [t for p in pieces for t in p]
+        lengths = [0] + [len(p) for p in pieces]
+        cum = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+        assert route.summary_cu_seqlens.tolist() == route.summary_cu_seqlens_cpu.tolist() == cum
         assert route.pred_slots.shape == (slots, caps.predecessors)
         for j in range(slots):
             preds = plan.predecessors[j] if j < n_local else []

@@ -77,3 +77,42 @@ def test_checkpoint_resume_continues_the_loss_curve(tmp_path):
     assert sorted(resumed) == [4, 5, 6], "the resumed run starts after the step-3 checkpoint"
     for step, loss in resumed.items():
         assert loss == full[step], (step, loss, full[step])
+
+
+@pytest.mark.parametrize("pattern, balancer", [("KKA", "headtail"), ("GGA", "ptrr")])
+def test_host_and_readback_runs_are_bitwise_identical(tmp_path, pattern, balancer):
+    """Two torchrun runs (CP=2, 2 gradient-accumulation microbatches, validation) that differ
+    only in linear_attention.routing_source log identical losses, grad norms, gradient and
+    parameter hashes; the host run reads nothing back, also in validation."""
+    common = ["--model.layer_pattern", pattern, "--parallelism.context_parallel_degree", "2",
+              "--parallelism.context_parallel_load_balancer", balancer,
+              "--training.global_batch_size", "4", "--debug.param_checksums",
+              "--debug.seed", "42", "--validator.enable", "--validator.freq", "2",
+              "--validator.steps", "2"]  # fmt: skip
+    runs = {}
+    for source in ("host", "device_readback"):
+        dump = tmp_path / source
+        torchrun_train(
+            [*DEFAULT, "--training.steps", "3", "--metrics.no-enable-wandb",
+             "--debug.deterministic", "--linear_attention.routing_source", source, *common],
+            nproc=2, dump_folder=dump,
+        )  # fmt: skip
+        runs[source] = (dump / "metrics.jsonl").read_text().splitlines()
+    import json
+
+    host = [json.loads(x) for x in runs["host"]]
+    dev = [json.loads(x) for x in runs["device_readback"]]
+    train_h, train_d = [r for r in host if "loss" in r], [r for r in dev if "loss" in r]
+    assert len(train_h) == len(train_d) == 3
+    for h, d in zip(train_h, train_d, strict=True):
+        for key in ("loss", "grad_norm", "params_sha256", "grads_sha256"):
+            assert h[key] == d[key], (h["step"], key)
+        assert h["routing/source"] == "host" and h["routing/readbacks"] == 0
+        assert h["routing/microbatches"] == 2  # gradient accumulation takes the host path too
+        assert d["routing/source"] == "device_readback" and d["routing/readbacks"] > 0
+    val_h = [r for r in host if "validation_loss" in r]
+    val_d = [r for r in dev if "validation_loss" in r]
+    assert val_h and [r["validation_loss"] for r in val_h] == [r["validation_loss"] for r in val_d]
+    assert all(r["validation_routing/source"] == "host" for r in val_h)
+    assert all(r["validation_routing/readbacks"] == 0 for r in val_h)
+    assert all(r["validation_routing/readbacks"] > 0 for r in val_d)

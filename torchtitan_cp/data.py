@@ -30,6 +30,8 @@ from torchtitan.hf_datasets.text_datasets import (
     HuggingFaceTextDataset,
 )
 
+from torchtitan_cp.routing import cu_seqlens_tensor_from_positions
+
 __all__ = [
     "ASSETS_DIR",
     "BUNDLED_TOKENIZER_PATH",
@@ -149,9 +151,7 @@ class HostMetadata:
         Starts at 0, ends at B * L, strictly increasing; a boundary sits wherever
         ``positions == 0`` and at every row start. ``.tolist()`` gives host ints.
         """
-        starts = torch.nonzero(self.document_starts().reshape(-1)).reshape(-1)
-        end = torch.tensor([self.num_tokens], dtype=torch.int64)
-        return torch.cat([starts.to(torch.int64), end])
+        return cu_seqlens_tensor_from_positions(self.positions)
 
     def seqlens(self) -> torch.Tensor:
         """[N] int64 lengths of the documents in the flattened stream."""

@@ -26,22 +26,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
-    _HeadTailLoadBalancer,
-    _PTRRLoadBalancer,
-)
 
 from torchtitan_cp.data import HostMetadata
 from torchtitan_cp.models.context import SequenceContext, build_sequence_context
-from torchtitan_cp.routing import (
-    PlanCache,
-    cu_seqlens_tensor_from_positions,
-    fragments_from_indices,
-)
+from torchtitan_cp.routing import LOAD_BALANCERS, PlanCache, host_layout, readback_layout
 
 logger = logging.getLogger(__name__)
 
-LOAD_BALANCERS = ("contiguous", "headtail", "ptrr")
 SOURCES = ("host", "device_readback")
 
 
@@ -64,58 +55,6 @@ class RoutingStats:
         self.readbacks, self.build_ms, self.microbatches = 0, 0.0, 0
         self.sources = set()
         return out
-
-
-def document_block_mask(positions: torch.Tensor, block_size: int = 128):
-    """Causal packed-document ``BlockMask`` ``[B, 1, L, L]`` of ``positions [B, L]``, built on
-    ``positions.device``. PTRR's balancer reads only its per-block counts."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    starts = positions == 0
-    starts[:, 0] = True
-    doc = torch.cumsum(starts.to(torch.int32), dim=1)
-
-    def mask_mod(b, h, q, kv):
-        return (q >= kv) & (doc[b, q] == doc[b, kv])
-
-    bsz, seqlen = positions.shape
-    return create_block_mask(
-        mask_mod, bsz, None, seqlen, seqlen, device=positions.device, BLOCK_SIZE=block_size
-    )
-
-
-def rearrange_indices(
-    load_balancer: str,
-    seq_len: int,
-    world_size: int,
-    positions: torch.Tensor | None,
-    device: torch.device | str,
-    block_size: int = 128,
-) -> torch.Tensor | None:
-    """torch's load-balancer rearrange indices ``[1 or B, L]`` on ``device`` (None: identity)."""
-    if world_size == 1 or load_balancer == "contiguous":
-        return None
-    if load_balancer == "headtail":
-        if seq_len % (2 * world_size):
-            raise ValueError(
-                f"training.seq_len ({seq_len}) must be divisible by 2 x "
-                f"context_parallel_degree ({2 * world_size}) for the headtail load balancer"
-            )
-        return _HeadTailLoadBalancer(seq_len, world_size, device)._generate_indices()
-    if load_balancer == "ptrr":
-        if positions is None:
-            raise ValueError("the ptrr load balancer needs positions to build its block mask")
-        if seq_len % (block_size * world_size):
-            raise ValueError(
-                f"training.seq_len ({seq_len}) must be divisible by {block_size} x "
-                f"context_parallel_degree ({block_size * world_size}) for the ptrr load balancer"
-            )
-        mask = document_block_mask(positions.to(device), block_size)
-        return _PTRRLoadBalancer(mask, world_size)._generate_indices()
-    raise ValueError(
-        f"parallelism.context_parallel_load_balancer must be one of {LOAD_BALANCERS}, "
-        f"got {load_balancer!r}"
-    )
 
 
 def shard_rows(x: torch.Tensor, index: torch.Tensor | None, rank: int, world: int) -> torch.Tensor:
@@ -169,11 +108,10 @@ class SequencePreprocessor:
         self.stats = RoutingStats()
         self._warned_fallback = False
 
-    # -- copies of the device batch back to the host, counted where they happen (also on a
+    # Copies of the device batch back to the host, counted where they happen (also on a
     # CPU-only run, where the "device" batch lives in host memory but is still a second copy).
-    def _readback(self, t: torch.Tensor) -> torch.Tensor:
+    def _count_readback(self, t: torch.Tensor) -> None:
         self.stats.readbacks += 1
-        return t.cpu()
 
     def _source_for(self, host: HostMetadata | None) -> str:
         if self.routing_source == "host" and host is None:
@@ -208,29 +146,17 @@ class SequencePreprocessor:
                 f"has shape {[bsz, seqlen]}"
             )
         if source == "host":
-            cu = cu_seqlens_tensor_from_positions(host.positions)
-            index_host = rearrange_indices(
-                self.load_balancer, seqlen, self.world, host.positions, "cpu", self.ptrr_block_size
-            )
-            index_dev = None
-            if index_host is not None:
-                index_dev = index_host.to(self.device, non_blocking=True)
+            layout = host_layout(
+                host.positions, load_balancer=self.load_balancer, world_size=self.world,
+                device=self.device, block_size=self.ptrr_block_size,
+            )  # fmt: skip
         else:
-            if positions is None:
-                cu = torch.arange(0, bsz * seqlen + 1, seqlen)
-            else:
-                cu = cu_seqlens_tensor_from_positions(self._readback(positions))
-            index_dev = rearrange_indices(
-                self.load_balancer, seqlen, self.world, positions, self.device, self.ptrr_block_size
-            )
-            # One copy for every rank's layout (not one per rank).
-            index_host = self._readback(index_dev) if index_dev is not None else None
-        if index_host is None:
-            frag_index = torch.arange(seqlen).unsqueeze(0)
-        else:
-            frag_index = index_host
-        fragments = fragments_from_indices(frag_index, self.world, bsz, seqlen)
-        plan = self.cache.get(cu, fragments, self.rank)
+            layout = readback_layout(
+                positions, (bsz, seqlen), load_balancer=self.load_balancer,
+                world_size=self.world, block_size=self.ptrr_block_size,
+                on_readback=self._count_readback,
+            )  # fmt: skip
+        plan = self.cache.get(layout.cu_seqlens, layout.fragments, self.rank)
         ctx = build_sequence_context(
             plan,
             self.device,
@@ -242,8 +168,8 @@ class SequencePreprocessor:
         self.stats.microbatches += 1
         self.stats.sources.add(source)
         if self.world > 1:
-            inputs = shard_rows(inputs, index_dev, self.rank, self.world)
-            labels = shard_rows(labels, index_dev, self.rank, self.world)
+            inputs = shard_rows(inputs, layout.index, self.rank, self.world)
+            labels = shard_rows(labels, layout.index, self.rank, self.world)
             if positions is not None:
-                positions = shard_rows(positions, index_dev, self.rank, self.world)
+                positions = shard_rows(positions, layout.index, self.rank, self.world)
         return inputs, labels, positions, ctx

@@ -129,9 +129,11 @@ class DeltaNetMixer(Module):
         self.q_proj = linear(d, h * k)
         self.k_proj = linear(d, h * k)
         self.v_proj = linear(d, h * v)
-        self.q_conv = ShortConvolution.Config(channels=h * k, width=config.conv_width).build()
-        self.k_conv = ShortConvolution.Config(channels=h * k, width=config.conv_width).build()
-        self.v_conv = ShortConvolution.Config(channels=h * v, width=config.conv_width).build()
+        # One depthwise conv over [q | k | v] channels: the same as three separate ones, but a
+        # single kernel call and a single history exchange under CP.
+        self.qkv_conv = ShortConvolution.Config(
+            channels=2 * h * k + h * v, width=config.conv_width
+        ).build()
         self.b_proj = linear(d, h)
         if self.kind == "kda":
             # Low-rank per-channel decay and output gate, as in Kimi Linear.
@@ -182,9 +184,9 @@ class DeltaNetMixer(Module):
         h, k, v = self.n_heads, self.head_dim, self.value_head_dim
         # The local span is the B rows' local pieces back to back: one packed stream.
         xs = x.reshape(1, bsz * seqlen, -1)
-        q = self.q_conv(self.q_proj(xs), ctx, self.backend).unflatten(-1, (h, k))
-        kk = self.k_conv(self.k_proj(xs), ctx, self.backend).unflatten(-1, (h, k))
-        vv = self.v_conv(self.v_proj(xs), ctx, self.backend).unflatten(-1, (h, v))
+        qkv = torch.cat([self.q_proj(xs), self.k_proj(xs), self.v_proj(xs)], dim=-1)
+        q, kk, vv = self.qkv_conv(qkv, ctx, self.backend).split([h * k, h * k, h * v], dim=-1)
+        q, kk, vv = q.unflatten(-1, (h, k)), kk.unflatten(-1, (h, k)), vv.unflatten(-1, (h, v))
         q = F.normalize(q, p=2, dim=-1)
         kk = F.normalize(kk, p=2, dim=-1)
         beta = torch.sigmoid(self.b_proj(xs).to(upcast(xs.dtype))).to(xs.dtype)

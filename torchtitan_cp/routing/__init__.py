@@ -17,8 +17,13 @@ from .layouts import (
     ptrr_fragments_from_indices,
 )
 from .plan import RoutingPlan
+from .sources import LOAD_BALANCERS, Layout, host_layout, readback_layout
 
 __all__ = [
+    "LOAD_BALANCERS",
+    "Layout",
+    "host_layout",
+    "readback_layout",
     "DeviceRouting",
     "FragmentTable",
     "PlanCache",

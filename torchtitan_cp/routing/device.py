@@ -52,3 +52,8 @@ class DeviceRouting:
     terminal: Tensor  # [Nt] local subsequence indices that end their document
     tail_index: Tensor  # [S, C] local token index of each fragment's last C tokens
     halo_index: Tensor  # [S, C] index into the gathered [W * S * C] tail buffer
+    # The summary pass: the last subsequences of published fragments, back to back.
+    summary_slots: Tensor  # [Np] local slot of each published fragment
+    summary_token_index: Tensor  # [Ls] local token ids of their last subsequences
+    summary_cu_seqlens: Tensor  # [Np + 1] int32 offsets into summary_token_index
+    summary_cu_seqlens_cpu: Tensor  # [Np + 1] int32, the same on the host

@@ -326,27 +326,45 @@ class RoutingPlan:
         halo = torch.where(tok >= self._doc_start.unsqueeze(1), halo, -1)
         halo_index = per_slot(halo, C)
 
+        # Summary pass: each published fragment's last subsequence, back to back, so the
+        # kernels get its varlen offsets on the host without reading the device back.
+        summary_slots = publish[:n_local].nonzero().reshape(-1)
+        last = self.frag_last[summary_slots]
+        piece_start = self.cu_seqlens[last]
+        piece_len = self.cu_seqlens[last + 1] - piece_start
+        summary_cu = torch.zeros(summary_slots.numel() + 1, dtype=_I64)
+        torch.cumsum(piece_len, 0, out=summary_cu[1:])
+        summary_tokens = torch.repeat_interleave(
+            piece_start - summary_cu[:-1], piece_len
+        ) + torch.arange(int(summary_cu[-1]), dtype=_I64)
+
         cu_cpu = torch.full((n_cap + 1,), self.num_tokens, dtype=torch.int32)
         cu_cpu[: n_sub + 1] = self.cu_seqlens
-        fields = (frag_first, frag_last, publish, pred_slots, terminal, tail_index, halo_index)
+        cu_fields = (cu_cpu, summary_cu.to(torch.int32))
+        fields = (frag_first, frag_last, publish, pred_slots, terminal, tail_index, halo_index,
+                  summary_slots, summary_tokens)  # fmt: skip
         packed = torch.cat([f.reshape(-1) for f in fields])
+        cu_packed = torch.cat(cu_fields)
         pin = torch.cuda.is_available()
         if pin:
-            packed, cu_cpu = packed.pin_memory(), cu_cpu.pin_memory()
+            packed, cu_packed = packed.pin_memory(), cu_packed.pin_memory()
         dev = torch.device(device)
         packed_dev = packed.to(dev, non_blocking=True)
-        # On a CPU target `.to` would alias the host copy; keep the two cu_seqlens independent.
-        cu_dev = cu_cpu.to(dev, non_blocking=True, copy=True)
+        # On a CPU target `.to` would alias the host copy; keep host and device independent.
+        cu_dev = cu_packed.to(dev, non_blocking=True, copy=True)
         parts = torch.split(packed_dev, [f.numel() for f in fields])
         views = [p.view(f.shape) for p, f in zip(parts, fields)]
+        cu_sizes = [f.numel() for f in cu_fields]
+        cu_host_views = torch.split(cu_packed, cu_sizes)
+        cu_dev_views = torch.split(cu_dev, cu_sizes)
         return DeviceRouting(
             rank=self.rank,
             world_size=self.world_size,
             num_slots=slots,
             conv_history=C,
             num_tokens=self.num_tokens,
-            cu_seqlens=cu_dev,
-            cu_seqlens_cpu=cu_cpu,
+            cu_seqlens=cu_dev_views[0],
+            cu_seqlens_cpu=cu_host_views[0],
             frag_first=views[0],
             frag_last=views[1],
             publish=views[2].to(torch.bool),
@@ -354,6 +372,10 @@ class RoutingPlan:
             terminal=views[4],
             tail_index=views[5],
             halo_index=views[6],
+            summary_slots=views[7],
+            summary_token_index=views[8],
+            summary_cu_seqlens=cu_dev_views[1],
+            summary_cu_seqlens_cpu=cu_host_views[1],
         )
 
     def __repr__(self) -> str:

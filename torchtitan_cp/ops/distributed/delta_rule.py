@@ -20,7 +20,6 @@ from torch import Tensor
 if TYPE_CHECKING:
     from torchtitan_cp.routing import DeviceRouting
 
-from ._plan import summary_plan
 from .collectives import all_gather_autograd, check_routing_group
 
 __all__ = ["context_parallel_delta_rule", "fold_dtype"]
@@ -72,19 +71,19 @@ def context_parallel_delta_rule(
     S = routing.num_slots
     dt = fold_dtype(v.dtype)
     dev = v.device
-    plan = summary_plan(routing)
+    num_published = routing.summary_slots.numel()  # a shape: no device read
 
     # --- 1. summaries [S_ext | M] of published last subsequences, packed per slot ---------
     eye = torch.eye(K, dtype=dt, device=dev).expand(HV, K, K)
     buf = torch.zeros(S, HV, K, V + K, dtype=dt, device=dev)
     buf[..., V:] = eye  # identity map where nothing is published
-    if plan.num:
-        idx = plan.token_index
+    if num_published:
+        idx = routing.summary_token_index
         qs, ks, vs, gs, bs = (x.index_select(1, idx) for x in (q, k, v, g, beta))
         # Values [v | 0] from state [0 | I]: the first V columns follow S_ext, the last K
         # columns follow M (the same recurrence with zero values applied to the identity).
         vs = torch.cat([vs, vs.new_zeros(*vs.shape[:3], K)], dim=-1)
-        h0 = torch.zeros(plan.num, HV, K, V + K, dtype=dt, device=dev)
+        h0 = torch.zeros(num_published, HV, K, V + K, dtype=dt, device=dev)
         h0[..., V:] = eye
         _, fin = chunk_delta_rule(
             qs,
@@ -96,11 +95,11 @@ def context_parallel_delta_rule(
             scale=scale,
             initial_state=h0,
             output_final_state=True,
-            cu_seqlens=plan.cu_seqlens,
-            cu_seqlens_cpu=plan.cu_seqlens_cpu,
+            cu_seqlens=routing.summary_cu_seqlens,
+            cu_seqlens_cpu=routing.summary_cu_seqlens_cpu,
             backend=backend,
         )
-        buf = buf.index_copy(0, plan.slots, fin.to(dt))
+        buf = buf.index_copy(0, routing.summary_slots, fin.to(dt))
     elif torch.is_grad_enabled():
         anchor = _grad_anchor(q, k, v, g, beta)
         if anchor is not None:
