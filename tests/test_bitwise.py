@@ -18,7 +18,7 @@ STEPS = 3
 
 
 def _train(pattern: str, balancer: str, source: str) -> list[dict]:
-    from torchtitan_cp.data import HostMetadata
+    from torchtitan_cp.host_metadata import HostMetadata
     from torchtitan_cp.models import model_config
     from torchtitan_cp.sequence import SequencePreprocessor
 

@@ -31,7 +31,7 @@ def make_batch(seed: int, bsz: int, seqlen: int, vocab: int):
 
 
 def loss_and_grads(model, sequence, tokens, positions, labels, host):
-    from torchtitan_cp.data import HostMetadata
+    from torchtitan_cp.host_metadata import HostMetadata
 
     meta = HostMetadata(positions.clone()) if host else None
     inp, lab, pos, ctx = sequence(tokens, labels, positions, meta)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchtitan_cp.data import HostMetadata
+from torchtitan_cp.host_metadata import HostMetadata
 from torchtitan_cp.sequence import SequencePreprocessor
 
 ROUTING_FIELDS = (

@@ -30,7 +30,7 @@ from torchtitan.hf_datasets.text_datasets import (
     HuggingFaceTextDataset,
 )
 
-from torchtitan_cp.routing import cu_seqlens_tensor_from_positions
+from torchtitan_cp.host_metadata import HOST_METADATA_KEY, HostMetadata, pop_host_metadata
 
 __all__ = [
     "ASSETS_DIR",
@@ -51,8 +51,6 @@ BUNDLED_TOKENIZER_PATH = str(ASSETS_DIR / "tokenizer")
 """Pass as ``hf_assets_path``: torchtitan's HuggingFaceTokenizer loads it."""
 BUNDLED_TRAIN_PATH = str(ASSETS_DIR / "corpus" / "train.jsonl")
 BUNDLED_VALIDATION_PATH = str(ASSETS_DIR / "corpus" / "validation.jsonl")
-
-HOST_METADATA_KEY = "host_metadata"
 
 
 # ---------------------------------------------------------------------------------------
@@ -96,78 +94,6 @@ register_datasets()
 # ---------------------------------------------------------------------------------------
 # Host metadata
 # ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class HostMetadata:
-    """Host (CPU) copy of a batch's per-document positions.
-
-    The trainer moves every tensor of a batch to the device and the validator calls
-    ``.to()`` on every value; this wrapper's ``.to()`` returns itself, so document
-    boundaries stay readable without a device-to-host sync, and are computed from the
-    unsharded positions even after context-parallel sharding of the real ``positions``.
-    Remove it from the batch (``pop_host_metadata``) before the model forward.
-    """
-
-    positions: torch.Tensor
-    """[B, L] int64 on CPU. 0 marks a document start; torchtitan also restarts a row that
-    begins mid-document at 0, so column 0 is always 0."""
-
-    def __post_init__(self) -> None:
-        p = self.positions
-        if p.dim() != 2 or p.dtype != torch.int64 or p.device.type != "cpu":
-            raise ValueError(
-                f"positions must be a [B, L] int64 CPU tensor, got {tuple(p.shape)} "
-                f"{p.dtype} on {p.device}"
-            )
-
-    def to(self, *args: Any, **kwargs: Any) -> HostMetadata:
-        """Stay on the host whatever the target: this is the point of the class."""
-        return self
-
-    @property
-    def batch_size(self) -> int:
-        return self.positions.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.positions.shape[1]
-
-    @property
-    def num_tokens(self) -> int:
-        """T = B * L, the length of the flattened (row-major) global stream."""
-        return self.positions.numel()
-
-    def document_starts(self) -> torch.Tensor:
-        """[B, L] bool: True where a document (or a row's first fragment) starts."""
-        starts = self.positions == 0
-        # A row cut mid-document still starts a new sequence for the model.
-        starts[:, 0] = True
-        return starts
-
-    def cu_seqlens(self) -> torch.Tensor:
-        """Global document offsets of the flattened rows: [N + 1] int64 on CPU.
-
-        Starts at 0, ends at B * L, strictly increasing; a boundary sits wherever
-        ``positions == 0`` and at every row start. ``.tolist()`` gives host ints.
-        """
-        return cu_seqlens_tensor_from_positions(self.positions)
-
-    def seqlens(self) -> torch.Tensor:
-        """[N] int64 lengths of the documents in the flattened stream."""
-        return self.cu_seqlens().diff()
-
-    @property
-    def num_documents(self) -> int:
-        return int(self.document_starts().sum())
-
-
-def pop_host_metadata(input_dict: dict[str, Any]) -> HostMetadata | None:
-    """Remove and return the batch's ``HostMetadata`` (None if absent).
-
-    Call before turning the remaining ``input_dict`` entries into model-forward kwargs.
-    """
-    return input_dict.pop(HOST_METADATA_KEY, None)
 
 
 def collate_with_host_metadata(

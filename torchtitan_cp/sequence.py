@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchtitan_cp.data import HostMetadata
+from torchtitan_cp.host_metadata import HostMetadata
 from torchtitan_cp.models.context import SequenceContext, build_sequence_context
 from torchtitan_cp.routing import LOAD_BALANCERS, PlanCache, host_layout, readback_layout
 
