@@ -4,7 +4,7 @@ Every repetition draws fresh random document lengths (and a random rank), so not
 reused between repetitions; the fragment table only depends on (layout, T, W) and is built once
 outside the timed region, as a trainer would. Prints a markdown table of medians.
 
-    python scripts/bench_routing.py [--reps 5] [--attention-gym]
+    python scripts/bench_routing.py [--reps 5] [--pipeline] [--attention-gym]
 """
 
 from __future__ import annotations
@@ -84,37 +84,96 @@ def bench_routing(args: argparse.Namespace) -> list[dict]:
 
 
 def bench_attention_gym(args: argparse.Namespace) -> None:
-    """Side-by-side: attention-gym's document mask + flex BlockMask build, when importable.
-
-    A BlockMask costs O((T / block)^2) mask evaluations, so it is only run up to
-    ``--gym-max-tokens`` to keep this a short benchmark on a CPU.
-    """
+    """Side by side on the same layouts: attention-gym 0.0.17's pure-Python planner
+    (``ContextParallelPlan.from_fragments(...).routing(...)``) against ours, one rank, cold."""
     try:
-        from attn_gym.masks.causal import causal_mask
-        from attn_gym.masks.document_mask import generate_doc_mask_mod
+        from attn_gym.linear.context_parallel import ContextParallelPlan
     except ImportError as err:
         print(
-            f"\nattention-gym is not importable ({err}); skipping its planner "
-            "(install attn-gym to compare)."
+            f"\nattention-gym is not importable ({err}); skipping the side-by-side "
+            "(pip install attn-gym==0.0.17 --no-deps to compare)."
         )
         return
-    from torch.nn.attention.flex_attention import create_block_mask
+    rng = random.Random(args.seed)
+    print(
+        "\n| layout | T | W | docs | attention-gym ms | torchtitan-cp ms | speed-up |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
+    for layout, make in LAYOUTS.items():
+        for total in args.tokens:
+            for world in args.worlds:
+                table = make(total, 1, world)
+                for docs in args.docs:
+                    gym, ours = [], []
+                    for _ in range(args.gym_reps):
+                        cu = random_cu_seqlens(total, docs, rng)
+                        rank = rng.randrange(world)
+                        t0 = time.perf_counter()
+                        ContextParallelPlan.from_fragments(cu, table, rank).routing(
+                            "cpu", conv_history=3
+                        )
+                        t1 = time.perf_counter()
+                        RoutingPlan.build(cu, table, rank).to_device("cpu", conv_history=3)
+                        t2 = time.perf_counter()
+                        gym.append(t1 - t0)
+                        ours.append(t2 - t1)
+                    g, o = 1e3 * statistics.median(gym), 1e3 * statistics.median(ours)
+                    print(
+                        f"| {layout} | {total} | {world} | {docs} | {g:.2f} | {o:.3f} | "
+                        f"{g / o:.0f}x |"
+                    )
+
+
+def bench_host_pipeline(args: argparse.Namespace) -> None:
+    """The whole per-microbatch host path of the trainer, from CPU positions: document
+    boundaries, torch's balancer on the CPU, fragments, cache lookup (miss, then hit) and device
+    routing. B rows of L tokens, T = B·L."""
+    from torchtitan_cp.routing import PlanCache, host_layout
 
     rng = random.Random(args.seed)
-    print("\n| attention-gym BlockMask | T | docs | build ms |\n| --- | ---: | ---: | ---: |")
-    for total in args.tokens:
-        if total > args.gym_max_tokens:
-            print(f"| document causal | {total} | - | skipped (> --gym-max-tokens) |")
-            continue
-        for docs in args.docs:
-            times = []
-            for _ in range(args.reps):
-                offsets = torch.tensor(random_cu_seqlens(total, docs, rng))
-                t0 = time.perf_counter()
-                mask_mod = generate_doc_mask_mod(causal_mask, offsets)
-                create_block_mask(mask_mod, 1, 1, total, total, device="cpu")
-                times.append(time.perf_counter() - t0)
-            print(f"| document causal | {total} | {docs} | {1e3 * statistics.median(times):.3f} |")
+    print(
+        "\n| layout | B x L | W | docs | layout ms | cache miss (build) ms | cache hit ms "
+        "| to_device ms | total (miss) ms |\n| --- | --- | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: |"
+    )
+    balancer = {"contiguous": "contiguous", "head-tail": "headtail"}
+    for layout in LAYOUTS:
+        for total in args.tokens:
+            bsz = 8
+            seqlen = total // bsz
+            for world in args.worlds:
+                for docs in args.docs:
+                    lay_t, miss_t, hit_t, dev_t = [], [], [], []
+                    for _ in range(args.reps):
+                        cu = random_cu_seqlens(total, docs, rng)
+                        cu = sorted(set(cu) | set(range(0, total + 1, seqlen)))
+                        starts = torch.zeros(total, dtype=torch.int64)
+                        starts[torch.tensor(cu[:-1])] = 1
+                        idx = torch.arange(total)
+                        last = torch.cummax(torch.where(starts.bool(), idx, 0), 0).values
+                        positions = (idx - last).reshape(bsz, seqlen)
+                        cache = PlanCache(16)
+                        rank = rng.randrange(world)
+                        t0 = time.perf_counter()
+                        lay = host_layout(positions, load_balancer=balancer[layout],
+                                          world_size=world, device="cpu")  # fmt: skip
+                        t1 = time.perf_counter()
+                        plan = cache.get(lay.cu_seqlens, lay.fragments, rank)
+                        t2 = time.perf_counter()
+                        cache.get(lay.cu_seqlens, lay.fragments, rank)
+                        t3 = time.perf_counter()
+                        plan.to_device("cpu", conv_history=3)
+                        t4 = time.perf_counter()
+                        lay_t.append(t1 - t0)
+                        miss_t.append(t2 - t1)
+                        hit_t.append(t3 - t2)
+                        dev_t.append(t4 - t3)
+                    med = [1e3 * statistics.median(x) for x in (lay_t, miss_t, hit_t, dev_t)]
+                    print(
+                        f"| {layout} | {bsz} x {seqlen} | {world} | {docs} | {med[0]:.3f} | "
+                        f"{med[1]:.3f} | {med[2]:.3f} | {med[3]:.3f} | "
+                        f"{med[0] + med[1] + med[3]:.3f} |"
+                    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attention-gym", action="store_true")
-    parser.add_argument("--gym-max-tokens", type=int, default=16384)
+    parser.add_argument("--gym-reps", type=int, default=3)
+    parser.add_argument("--pipeline", action="store_true", help="also time the whole host path")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # host-side planning runs next to the data loader, on one core
 
@@ -140,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['layout']} | {r['T']} | {r['W']} | {r['docs']} | {r['frags']} | {r['subs']} "
             f"| {r['plan_ms']:.3f} | {r['device_ms']:.3f} | {r['total_ms']:.3f} | {r['best_ms']:.3f} |"
         )
+    if args.pipeline:
+        bench_host_pipeline(args)
     if args.attention_gym:
         bench_attention_gym(args)
     return 0

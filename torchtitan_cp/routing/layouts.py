@@ -71,21 +71,49 @@ def fragments_from_indices(
             f"got {list(indices.shape)}"
         )
     idx = indices.detach().to("cpu", torch.int64)
+    n_rows = idx.shape[0]
     # A rearrange order must be a permutation of every row, or tokens would be lost or doubled.
-    if not torch.equal(idx.sort(dim=1).values, torch.arange(seq_len).expand_as(idx)):
-        bad = int((idx.sort(dim=1).values != torch.arange(seq_len)).any(dim=1).nonzero()[0])
+    # O(L) per distinct row: bincount of the row-offset ids must be all ones.
+    flat = (idx + torch.arange(n_rows).unsqueeze(1) * seq_len).reshape(-1)
+    in_range = bool(((idx >= 0) & (idx < seq_len)).all())
+    counts = torch.bincount(flat.clamp(0, n_rows * seq_len - 1), minlength=n_rows * seq_len)
+    if not in_range or not bool((counts == 1).all()):
+        ok_rows = ((idx >= 0) & (idx < seq_len)).all(dim=1) & (
+            counts.view(n_rows, seq_len) == 1
+        ).all(dim=1)
+        bad = int((~ok_rows).nonzero()[0])
         raise ValueError(f"indices row {bad} is not a permutation of 0..{seq_len - 1}")
-    rows = torch.arange(batch_size).unsqueeze(1) * seq_len
-    ids = (idx.expand(batch_size, seq_len) + rows).view(batch_size, world_size, -1)
-    ids = ids.transpose(0, 1).reshape(world_size, -1)  # [W, B * L / W], each rank's span
-    cont = ids[:, 1:] == ids[:, :-1] + 1  # token continues the previous token's run
-    first = torch.ones_like(ids, dtype=torch.bool)
-    first[:, 1:] = ~cont
-    last = torch.ones_like(ids, dtype=torch.bool)
-    last[:, :-1] = ~cont
-    starts = ids[first].tolist()  # row-major over (rank, position): span order per rank
-    stops = (ids[last] + 1).tolist()
-    counts = first.sum(dim=1).tolist()
+
+    # Runs of consecutive ids inside each (distinct row, rank) chunk: O(distinct rows x L).
+    chunks = idx.view(n_rows, world_size, seq_len // world_size)
+    first = torch.ones_like(chunks, dtype=torch.bool)
+    first[..., 1:] = chunks[..., 1:] != chunks[..., :-1] + 1
+    last = torch.ones_like(chunks, dtype=torch.bool)
+    last[..., :-1] = first[..., 1:]
+    run_start, run_stop = chunks[first], chunks[last] + 1  # (row, rank, position) order
+    per_chunk = first.sum(dim=2).reshape(-1)  # runs per (row, rank)
+    run_rank = torch.repeat_interleave(torch.arange(world_size).repeat(n_rows), per_chunk)
+    run_row = torch.repeat_interleave(torch.arange(n_rows), per_chunk.view(n_rows, -1).sum(1))
+    if n_rows == 1:  # one order for every row: replicate row 0's runs over the B rows
+        rows = torch.arange(batch_size).unsqueeze(1)
+        n_runs = run_start.numel()
+        run_start = (run_start.unsqueeze(0) + rows * seq_len).reshape(-1)
+        run_stop = (run_stop.unsqueeze(0) + rows * seq_len).reshape(-1)
+        run_rank = run_rank.unsqueeze(0).expand(batch_size, -1).reshape(-1)
+        run_row = rows.expand(-1, n_runs).reshape(-1)
+    else:
+        run_start, run_stop = run_start + run_row * seq_len, run_stop + run_row * seq_len
+    # Span order: rank, then row, then position within the row's chunk (stable sort).
+    order = torch.argsort(run_rank * batch_size + run_row, stable=True)
+    a, b, rank = run_start[order], run_stop[order], run_rank[order]
+    # Merge a run into the previous one when the ids continue (across a row boundary of the
+    # same rank's span), so runs stay maximal.
+    new_run = torch.ones_like(a, dtype=torch.bool)
+    new_run[1:] = (a[1:] != b[:-1]) | (rank[1:] != rank[:-1])
+    end_run = torch.ones_like(a, dtype=torch.bool)
+    end_run[:-1] = new_run[1:]
+    starts, stops = a[new_run].tolist(), b[end_run].tolist()
+    counts = torch.bincount(rank[new_run], minlength=world_size).tolist()
     table: FragmentTable = []
     k = 0
     for n in counts:
