@@ -116,3 +116,18 @@ def test_host_and_readback_runs_are_bitwise_identical(tmp_path, pattern, balance
     assert all(r["validation_routing/source"] == "host" for r in val_h)
     assert all(r["validation_routing/readbacks"] == 0 for r in val_h)
     assert all(r["validation_routing/readbacks"] > 0 for r in val_d)
+
+
+def test_context_parallel_with_fsdp_matches_fsdp_alone(tmp_path):
+    """dp_shard=2 x cp=2 (4 ranks) gives the dp_shard=2 loss and grad norm: CP composes with
+    FSDP (gradients reduced over the flattened dp_shard x cp mesh)."""
+    pattern = "KGA"
+    seed = seed_checkpoint(tmp_path, "--model.layer_pattern", pattern)
+    common = ["--model.layer_pattern", pattern, "--checkpoint.enable",
+              "--checkpoint.initial_load_path", seed,
+              "--parallelism.data_parallel_shard_degree", "2"]  # fmt: skip
+    ref = run_steps(tmp_path, "dp2", 2, *common)
+    both = run_steps(tmp_path, "dp2cp2", 4, *common, "--parallelism.context_parallel_degree", "2")
+    for a, b in zip(ref, both, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a["step"], a["grad_norm"])
