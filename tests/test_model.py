@@ -161,6 +161,8 @@ def test_model_config_errors():
         model_config("debug", bogus=1)
     with pytest.raises(ValueError, match="Q"):
         model_config("debug", layer_pattern="KQA")
+    with pytest.raises(ValueError, match="'bogus'"):
+        model_config("debug", linear_attention_backend="bogus")
     cfg = model_config("debug", layer_pattern="GA", vocab_size=VOCAB)
     assert (cfg.layer_pattern, cfg.vocab_size) == ("GA", VOCAB)
 
@@ -294,8 +296,7 @@ def test_no_positions_means_one_document_per_row(pattern):
     tokens = _tokens()
     without = _logits(model, tokens, None)
     rows = _logits(model, tokens, torch.arange(L).repeat(B, 1))
-    # Not bitwise: without positions RoPE rotates by the packed-stream index (row r starts at
-    # r·L), which equals document-relative RoPE only up to rounding.
-    assert _maxdiff(without, rows) <= TOL
+    # Bitwise: without positions every row's RoPE restarts at 0, exactly as arange per row.
+    assert torch.equal(without, rows)
     # ... and not the multi-document reading of the same tokens.
     assert _maxdiff(without, _logits(model, tokens, positions_for(DOCS))) > CHANGED

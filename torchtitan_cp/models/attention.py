@@ -69,7 +69,9 @@ class SoftmaxAttention(Module):
         k = self.wk(xs).unflatten(-1, (self.n_kv_heads, self.head_dim))
         v = self.wv(xs).unflatten(-1, (self.n_kv_heads, self.head_dim))
         if self.use_rope:
-            pos = positions.reshape(-1) if positions is not None else ctx.token_ids
+            if positions is None:
+                raise ValueError("SoftmaxAttention with RoPE needs the document positions")
+            pos = positions.reshape(-1)
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
         # Every CP rank holds B·L/W tokens (torch's load balancers split evenly), so the gather
         # size is known without asking the other ranks.

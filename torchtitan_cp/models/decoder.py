@@ -191,6 +191,8 @@ class HybridDecoder(BaseModel):
             # A direct call (custom loader, evaluation script) without host metadata: derive
             # the documents from the device positions, which costs a device->host copy.
             seq_ctx = context_from_device_positions(tokens, positions)
+        if positions is None:  # each row is one document: RoPE positions restart per row
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, seq_ctx, positions)

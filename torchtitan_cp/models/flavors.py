@@ -43,6 +43,11 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
         raise ValueError(f"unknown model key(s) {', '.join(unknown)}")
     cfg = HybridDecoder.Config(**{**FLAVORS[flavor], **overrides})
     parse_layer_pattern(cfg.layer_pattern)
+    if cfg.linear_attention_backend not in ("auto", "torch", "fla"):
+        raise ValueError(
+            "linear_attention backend must be 'auto', 'torch' or 'fla', "
+            f"got {cfg.linear_attention_backend!r}"
+        )
     return cfg
 
 
