@@ -105,7 +105,9 @@ def collate_with_host_metadata(
     """
     input_dict, labels = default_collate(samples)
     # Clone: the host copy must not alias a tensor that later code may modify in place.
-    input_dict[HOST_METADATA_KEY] = HostMetadata(input_dict["positions"].clone())
+    meta = HostMetadata(input_dict["positions"].clone())
+    meta.cu_seqlens()  # derive (and validate) the document boundaries here, in the loader
+    input_dict[HOST_METADATA_KEY] = meta
     return input_dict, labels
 
 

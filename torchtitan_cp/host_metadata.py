@@ -6,7 +6,7 @@ and tools can use it without the data pipeline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ class HostMetadata:
     positions: torch.Tensor
     """[B, L] int64 on CPU. 0 marks a document start; torchtitan also restarts a row that
     begins mid-document at 0, so column 0 is always 0."""
+    _cu_seqlens: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         p = self.positions
@@ -68,9 +69,13 @@ class HostMetadata:
         """Global document offsets of the flattened rows: [N + 1] int64 on CPU.
 
         Starts at 0, ends at B * L, strictly increasing; a boundary sits wherever
-        ``positions == 0`` and at every row start. ``.tolist()`` gives host ints.
+        ``positions == 0`` and at every row start. ``.tolist()`` gives host ints. Computed once
+        (the collate function does it in the loader, off the training loop); treat as read-only.
         """
-        return cu_seqlens_tensor_from_positions(self.positions)
+        if self._cu_seqlens is None:
+            cu = cu_seqlens_tensor_from_positions(self.positions)
+            object.__setattr__(self, "_cu_seqlens", cu)  # frozen: a memo, not new state
+        return self._cu_seqlens
 
     def seqlens(self) -> torch.Tensor:
         """[N] int64 lengths of the documents in the flattened stream."""

@@ -147,7 +147,8 @@ class SequencePreprocessor:
             )
         if source == "host":
             layout = host_layout(
-                host.positions, load_balancer=self.load_balancer, world_size=self.world,
+                host.positions, cu_seqlens=host.cu_seqlens(),
+                load_balancer=self.load_balancer, world_size=self.world,
                 device=self.device, block_size=self.ptrr_block_size,
             )  # fmt: skip
         else:

@@ -99,14 +99,16 @@ def _fragments(index: Tensor | None, world: int, bsz: int, seqlen: int) -> Fragm
 def host_layout(
     positions: Tensor,
     *,
+    cu_seqlens: Tensor | None = None,
     load_balancer: str,
     world_size: int,
     device: torch.device | str,
     block_size: int = 128,
 ) -> Layout:
-    """Layout from the host positions ``[B, L]`` (CPU); the device index is copied H2D."""
+    """Layout from the host positions ``[B, L]`` (CPU); the device index is copied H2D.
+    ``cu_seqlens``, when the caller already derived it from these positions, is reused."""
     bsz, seqlen = positions.shape
-    cu = cu_seqlens_tensor_from_positions(positions)
+    cu = cu_seqlens if cu_seqlens is not None else cu_seqlens_tensor_from_positions(positions)
     index = rearrange_indices(load_balancer, seqlen, world_size, positions, "cpu", block_size)
     fragments = _fragments(index, world_size, bsz, seqlen)
     if index is not None:
