@@ -9,6 +9,7 @@ load-balancer permutation back (one copy for all ranks), reporting each copy to 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,6 +97,17 @@ def _fragments(index: Tensor | None, world: int, bsz: int, seqlen: int) -> Fragm
     return fragments_from_indices(frag_index, world, bsz, seqlen)
 
 
+@functools.lru_cache(maxsize=32)
+def _fixed_layout(
+    load_balancer: str, bsz: int, seqlen: int, world_size: int
+) -> tuple[tuple[tuple[tuple[int, int], ...], ...], Tensor | None]:
+    """Fragments and index of a balancer whose order ignores the documents (contiguous,
+    head-tail): the same for every microbatch of one shape, so computed once."""
+    index = rearrange_indices(load_balancer, seqlen, world_size, None, "cpu")
+    table = _fragments(index, world_size, bsz, seqlen)
+    return tuple(tuple(frags) for frags in table), index
+
+
 def host_layout(
     positions: Tensor,
     *,
@@ -109,8 +121,12 @@ def host_layout(
     ``cu_seqlens``, when the caller already derived it from these positions, is reused."""
     bsz, seqlen = positions.shape
     cu = cu_seqlens if cu_seqlens is not None else cu_seqlens_tensor_from_positions(positions)
-    index = rearrange_indices(load_balancer, seqlen, world_size, positions, "cpu", block_size)
-    fragments = _fragments(index, world_size, bsz, seqlen)
+    if load_balancer == "ptrr":  # its order follows the documents
+        index = rearrange_indices(load_balancer, seqlen, world_size, positions, "cpu", block_size)
+        fragments = _fragments(index, world_size, bsz, seqlen)
+    else:
+        frozen, index = _fixed_layout(load_balancer, bsz, seqlen, world_size)
+        fragments = [list(frags) for frags in frozen]
     if index is not None:
         if torch.device(device).type == "cuda":
             index = index.pin_memory()
