@@ -36,6 +36,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.components.validate import Validator  # noqa: E402
 from torchtitan.config import DebugConfig as _TitanDebugConfig  # noqa: E402
 from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from torchtitan_cp.config import LinearAttentionConfig, ModelRecipe  # noqa: E402
@@ -135,6 +136,14 @@ class HybridMetricsProcessor(MetricsProcessor):
         if self.extra_metrics_fn is not None:
             extra.update(self.extra_metrics_fn())
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+        if "routing/source" in extra:
+            logger.info(
+                f"step: {step:2}  routing: {extra['routing/source']}  "
+                f"readbacks: {extra['routing/readbacks']}  "
+                f"build: {extra['routing/build_ms']:.2f}ms  "
+                f"cache: {extra['routing/cache_hits']} hits / {extra['routing/cache_misses']} "
+                f"misses / {extra['routing/cache_evictions']} evictions"
+            )
 
     def log_validation(self, loss, step, extra_metrics=None):
         extra = dict(extra_metrics or {})

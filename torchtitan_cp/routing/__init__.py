@@ -17,11 +17,18 @@ from .layouts import (
     ptrr_fragments_from_indices,
 )
 from .plan import RoutingPlan
-from .sources import LOAD_BALANCERS, Layout, host_layout, readback_layout
+from .sources import (
+    LOAD_BALANCERS,
+    Layout,
+    document_block_mask,
+    host_layout,
+    readback_layout,
+)
 
 __all__ = [
     "LOAD_BALANCERS",
     "Layout",
+    "document_block_mask",
     "host_layout",
     "readback_layout",
     "DeviceRouting",
