@@ -120,7 +120,7 @@ def bench_attention_gym(args: argparse.Namespace) -> None:
                     g, o = 1e3 * statistics.median(gym), 1e3 * statistics.median(ours)
                     print(
                         f"| {layout} | {total} | {world} | {docs} | {g:.2f} | {o:.3f} | "
-                        f"{g / o:.0f}x |"
+                        f"{g / o:.1f}x |"
                     )
 
 
