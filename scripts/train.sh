@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Launch training: ./scripts/train.sh [configs/NAME.toml] [--section.key value ...]
+# Environment: NPROC (processes; default: GPUs or 2 on CPU), LOG_RANK (console rank, default 0).
 # CPU-only machines use gloo with 2 processes; with GPUs, one process per GPU on NCCL.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
@@ -10,5 +11,6 @@ if [ -z "${NPROC:-}" ]; then
   NGPU="$(python -c 'import torch; print(torch.cuda.device_count())')"
   if [ "$NGPU" -gt 0 ]; then NPROC="$NGPU"; else NPROC=2; fi
 fi
-exec torchrun --standalone --nproc_per_node="$NPROC" \
-  -m torchtitan_cp.train --config_file "$CONFIG" "$@"
+# Console output of rank LOG_RANK only (torchtitan's convention); LOG_RANK=0,1 shows both.
+exec torchrun --standalone --nproc_per_node="$NPROC" --local-ranks-filter "${LOG_RANK:-0}" \
+  --role rank --tee 3 -m torchtitan_cp.train --config_file "$CONFIG" "$@"
