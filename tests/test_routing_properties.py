@@ -130,14 +130,21 @@ def test_device_routing_simulated_gather(layout, pad_s, pad_n, pad_p, pad_t):
         )
         # Summary pass: published fragments' last subsequences, back to back, host == device.
         published = [j for j in range(n_local) if plan.successors[j]]
-        assert route.summary_slots.tolist() == published
+        want_row = [-1] * slots
+        for i, j in enumerate(published):
+            want_row[j] = i
+        assert route.summary_row.tolist() == want_row
         pieces = [
             list(range(*plan.cu_seqlens[plan.frag_last[j] : plan.frag_last[j] + 2].tolist()))
             for j in published
         ]
-        assert route.summary_token_index.tolist() == [t for p in pieces for t in p]
+        tokens = [t for p in pieces for t in p]
         lengths = [0] + [len(p) for p in pieces]
         cum = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+        # Capped: S + 1 sequences over all tokens, the padding after the real pieces.
+        cum += [plan.num_tokens] * (slots + 1 - len(published))
+        assert route.summary_token_index.tolist()[: len(tokens)] == tokens
+        assert route.summary_token_index.numel() == plan.num_tokens
         assert route.summary_cu_seqlens.tolist() == route.summary_cu_seqlens_cpu.tolist() == cum
         assert route.pred_slots.shape == (slots, caps.predecessors)
         for j in range(slots):

@@ -14,7 +14,7 @@ from torchtitan_cp.sequence import SequencePreprocessor
 
 ROUTING_FIELDS = (
     "cu_seqlens", "cu_seqlens_cpu", "frag_first", "frag_last", "publish", "pred_slots",
-    "terminal", "tail_index", "halo_index", "summary_slots", "summary_token_index",
+    "terminal", "tail_index", "halo_index", "summary_row", "summary_token_index",
     "summary_cu_seqlens", "summary_cu_seqlens_cpu",
 )  # fmt: skip
 

@@ -52,8 +52,9 @@ class DeviceRouting:
     terminal: Tensor  # [Nt] local subsequence indices that end their document
     tail_index: Tensor  # [S, C] local token index of each fragment's last C tokens
     halo_index: Tensor  # [S, C] index into the gathered [W * S * C] tail buffer
-    # The summary pass: the last subsequences of published fragments, back to back.
-    summary_slots: Tensor  # [Np] local slot of each published fragment
-    summary_token_index: Tensor  # [Ls] local token ids of their last subsequences
-    summary_cu_seqlens: Tensor  # [Np + 1] int32 offsets into summary_token_index
-    summary_cu_seqlens_cpu: Tensor  # [Np + 1] int32, the same on the host
+    # The summary pass: the last subsequences of published fragments, back to back (with a
+    # slots cap: S + 1 sequences over all num_tokens, the extra ones padding, never read).
+    summary_row: Tensor  # [S] summary-pass sequence of each local fragment, -1 if unpublished
+    summary_token_index: Tensor  # [Ls] local token ids of the summary-pass sequences
+    summary_cu_seqlens: Tensor  # [Ns + 1] int32 offsets into summary_token_index
+    summary_cu_seqlens_cpu: Tensor  # [Ns + 1] int32, the same on the host

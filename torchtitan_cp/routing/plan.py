@@ -328,21 +328,32 @@ class RoutingPlan:
 
         # Summary pass: each published fragment's last subsequence, back to back, so the
         # kernels get its varlen offsets on the host without reading the device back.
-        summary_slots = publish[:n_local].nonzero().reshape(-1)
-        last = self.frag_last[summary_slots]
+        published = publish[:n_local].nonzero().reshape(-1)
+        n_pub = published.numel()
+        summary_row = torch.full((slots,), -1, dtype=_I64)
+        summary_row[published] = torch.arange(n_pub, dtype=_I64)
+        last = self.frag_last[published]
         piece_start = self.cu_seqlens[last]
         piece_len = self.cu_seqlens[last + 1] - piece_start
-        summary_cu = torch.zeros(summary_slots.numel() + 1, dtype=_I64)
+        summary_cu = torch.zeros(n_pub + 1, dtype=_I64)
         torch.cumsum(piece_len, 0, out=summary_cu[1:])
+        n_real = int(summary_cu[-1])
         summary_tokens = torch.repeat_interleave(
             piece_start - summary_cu[:-1], piece_len
-        ) + torch.arange(int(summary_cu[-1]), dtype=_I64)
+        ) + torch.arange(n_real, dtype=_I64)
+        if caps.slots is not None:
+            # Layout-independent shapes: S + 1 sequences over all num_tokens; the first extra
+            # sequence holds the padding tokens, the rest are empty; no fragment reads them.
+            pad = self.num_tokens - n_real
+            summary_tokens = torch.cat([summary_tokens, torch.zeros(pad, dtype=_I64)])
+            extra = torch.full((slots + 1 - n_pub,), self.num_tokens, dtype=_I64)
+            summary_cu = torch.cat([summary_cu, extra])
 
         cu_cpu = torch.full((n_cap + 1,), self.num_tokens, dtype=torch.int32)
         cu_cpu[: n_sub + 1] = self.cu_seqlens
         cu_fields = (cu_cpu, summary_cu.to(torch.int32))
         fields = (frag_first, frag_last, publish, pred_slots, terminal, tail_index, halo_index,
-                  summary_slots, summary_tokens)  # fmt: skip
+                  summary_row, summary_tokens)  # fmt: skip
         packed = torch.cat([f.reshape(-1) for f in fields])
         cu_packed = torch.cat(cu_fields)
         pin = torch.cuda.is_available()
@@ -372,7 +383,7 @@ class RoutingPlan:
             terminal=views[4],
             tail_index=views[5],
             halo_index=views[6],
-            summary_slots=views[7],
+            summary_row=views[7],
             summary_token_index=views[8],
             summary_cu_seqlens=cu_dev_views[1],
             summary_cu_seqlens_cpu=cu_host_views[1],

@@ -71,20 +71,19 @@ def context_parallel_delta_rule(
     S = routing.num_slots
     dt = fold_dtype(v.dtype)
     dev = v.device
-    num_published = routing.summary_slots.numel()  # a shape: no device read
+    n_seq = routing.summary_cu_seqlens.numel() - 1  # a shape: no device read
 
-    # --- 1. summaries [S_ext | M] of published last subsequences, packed per slot ---------
+    # --- 1. summaries [S_ext | M] of published last subsequences, one row per slot ---------
     eye = torch.eye(K, dtype=dt, device=dev).expand(HV, K, K)
-    buf = torch.zeros(S, HV, K, V + K, dtype=dt, device=dev)
-    buf[..., V:] = eye  # identity map where nothing is published
-    if num_published:
+    identity = torch.zeros(1, HV, K, V + K, dtype=dt, device=dev)
+    identity[..., V:] = eye  # the map of a slot that publishes nothing
+    if n_seq:
         idx = routing.summary_token_index
         qs, ks, vs, gs, bs = (x.index_select(1, idx) for x in (q, k, v, g, beta))
         # Values [v | 0] from state [0 | I]: the first V columns follow S_ext, the last K
         # columns follow M (the same recurrence with zero values applied to the identity).
         vs = torch.cat([vs, vs.new_zeros(*vs.shape[:3], K)], dim=-1)
-        h0 = torch.zeros(num_published, HV, K, V + K, dtype=dt, device=dev)
-        h0[..., V:] = eye
+        h0 = identity.expand(n_seq, -1, -1, -1).contiguous()
         _, fin = chunk_delta_rule(
             qs,
             ks,
@@ -99,8 +98,15 @@ def context_parallel_delta_rule(
             cu_seqlens_cpu=routing.summary_cu_seqlens_cpu,
             backend=backend,
         )
-        buf = buf.index_copy(0, routing.summary_slots, fin.to(dt))
-    elif torch.is_grad_enabled():
+        # Gather, not index_copy: deterministic on CUDA, and padded sequences are never read.
+        table = torch.cat([fin.to(dt), identity])
+        row = routing.summary_row
+        buf = table.index_select(0, torch.where(row >= 0, row, n_seq))
+    else:
+        buf = identity.expand(S, -1, -1, -1).contiguous()
+    if torch.is_grad_enabled():
+        # Even a rank whose summaries do not depend on its inputs (nothing published, or a
+        # capped summary pass over zero tokens) must join the all-gather's backward.
         anchor = _grad_anchor(q, k, v, g, beta)
         if anchor is not None:
             buf = buf + anchor
