@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: lint, format check, then pytest (multi-process gloo tests included).
+# The whole test suite: lint, format check, type check, then pytest (multi-process gloo tests
+# included).
 # Extra arguments go to pytest, e.g. ./scripts/test.sh tests/test_routing_plan.py -x
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
@@ -7,5 +8,6 @@ cd "$ROOT"
 export WANDB_MODE=offline WANDB_SILENT=true OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 echo "== ruff check" && ruff check .
 echo "== ruff format --check" && ruff format --check .
+echo "== pyrefly check" && pyrefly check torchtitan_cp
 echo "== pytest"
 exec python -m pytest -q "$@"
