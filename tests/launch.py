@@ -39,6 +39,19 @@ def torchrun_train(
     return proc
 
 
+def python_train(args: list[str], *, dump_folder: Path, timeout: float = 300):
+    """``python -m torchtitan_cp.train ARGS`` without torchrun (a world of one process)."""
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "torchtitan_cp.train", *args, "--dump_folder", str(dump_folder)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"training failed (exit {proc.returncode}):\n{proc.stderr[-8000:]}")
+    return proc
+
+
 def read_metrics(dump_folder: Path) -> list[dict]:
     """Training rows of ``metrics.jsonl`` (validation rows are left out)."""
     rows = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.launch import read_metrics, torchrun_train
+from tests.launch import python_train, read_metrics, torchrun_train
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +41,13 @@ def run_steps(tmp_path, name: str, nproc: int, *extra: str) -> list[dict]:
 
 
 def seed_checkpoint(tmp_path, *extra: str) -> str:
-    """One initial model for runs with different sharding (FSDP initialises per shard)."""
+    """One initial model for runs with different sharding (FSDP initialises per shard).
+    Also covers running the entry point without torchrun (one process)."""
     dump = tmp_path / "seed"
-    torchrun_train(
+    python_train(
         [*DEFAULT, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
          "--metrics.no-enable-wandb", *extra],
-        nproc=1, dump_folder=dump,
+        dump_folder=dump,
     )  # fmt: skip
     return str(dump / "checkpoint" / "step-0")
 

@@ -41,6 +41,21 @@ def load_config(argv: list[str]):
     return config
 
 
+def _single_process_defaults() -> None:
+    """Without torchrun, run as a world of one process instead of failing in rendezvous."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torchtitan.tools.logging import init_logger, logger
 
@@ -52,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import torch
+
+    _single_process_defaults()
 
     if config.checkpoint.create_seed_checkpoint:
         if int(os.environ.get("WORLD_SIZE", "1")) != 1 or not config.checkpoint.enable:
