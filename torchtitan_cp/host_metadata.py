@@ -72,10 +72,11 @@ class HostMetadata:
         ``positions == 0`` and at every row start. ``.tolist()`` gives host ints. Computed once
         (the collate function does it in the loader, off the training loop); treat as read-only.
         """
-        if self._cu_seqlens is None:
+        cu = self._cu_seqlens
+        if cu is None:
             cu = cu_seqlens_tensor_from_positions(self.positions)
             object.__setattr__(self, "_cu_seqlens", cu)  # frozen: a memo, not new state
-        return self._cu_seqlens
+        return cu
 
     def seqlens(self) -> torch.Tensor:
         """[N] int64 lengths of the documents in the flattened stream."""

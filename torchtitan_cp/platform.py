@@ -99,13 +99,15 @@ def _shim_device_bindings() -> None:
         for name in names:
             value = "cpu" if name == "device_type" else CPU_DEVICE_MODULE
             setattr(module, name, value)
-    utils = importlib.import_module("torchtitan.tools.utils")
-    utils.get_local_device = lambda: torch.device("cpu")  # "cpu:<local_rank>" is not a device
+    import torchtitan.tools.utils as utils
+
+    # "cpu:<local_rank>" is no device: every rank uses the CPU.
+    utils.get_local_device = lambda: torch.device("cpu")
 
 
 def _shim_pg_timeouts() -> None:
     # 2. set_pg_timeouts calls barrier(device_ids=[...]), which gloo rejects: use a plain barrier.
-    dist_utils = importlib.import_module("torchtitan.distributed.utils")
+    import torchtitan.distributed.utils as dist_utils
 
     def set_pg_timeouts(timeout: timedelta, parallel_dims: Any) -> None:
         dist.barrier()
@@ -119,7 +121,8 @@ def _shim_pg_timeouts() -> None:
 def _shim_grad_norm() -> None:
     # 3. On CPU, fp32 norms accumulate sequentially (~3e-5 relative error on a 1M-parameter
     # model), which hides whether two runs agree: take the total norm in float64 there.
-    dist_utils = importlib.import_module("torchtitan.distributed.utils")
+    import torchtitan.distributed.utils as dist_utils
+
     original = dist_utils.clip_grad_norm_
 
     @torch.no_grad()

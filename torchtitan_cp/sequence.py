@@ -146,6 +146,7 @@ class SequencePreprocessor:
                 f"has shape {[bsz, seqlen]}"
             )
         if source == "host":
+            assert host is not None  # _source_for falls back to readback without it
             layout = host_layout(
                 host.positions, cu_seqlens=host.cu_seqlens(),
                 load_balancer=self.load_balancer, world_size=self.world,

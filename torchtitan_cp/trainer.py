@@ -19,7 +19,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, cast  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -45,7 +45,7 @@ from torchtitan_cp.data import (  # noqa: E402
     PackedValidationDataLoader,
     pop_host_metadata,
 )
-from torchtitan_cp.models import model_spec  # noqa: E402
+from torchtitan_cp.models import model_config, model_spec  # noqa: E402
 from torchtitan_cp.sequence import SequencePreprocessor  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -157,7 +157,8 @@ class HybridValidator(Validator):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Validator.Config):
-        dataloader: PackedValidationDataLoader.Config = field(
+        # A narrower config type than the parent's field, as torchtitan's own subclasses do.
+        dataloader: PackedValidationDataLoader.Config = field(  # pyrefly: ignore[bad-override-mutable-attribute]
             default_factory=PackedValidationDataLoader.Config
         )
 
@@ -186,19 +187,21 @@ class HybridTrainer(Trainer):
     class Config(Trainer.Config):
         model: ModelRecipe = field(default_factory=ModelRecipe)
         linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
-        debug: DebugConfig = field(default_factory=DebugConfig)
-        metrics: HybridMetricsProcessor.Config = field(
+        # Narrower config types than the parent's fields (the subclasses this recipe builds).
+        debug: DebugConfig = field(default_factory=DebugConfig)  # pyrefly: ignore[bad-override-mutable-attribute]
+        metrics: HybridMetricsProcessor.Config = field(  # pyrefly: ignore[bad-override-mutable-attribute]
             default_factory=HybridMetricsProcessor.Config
         )
-        validator: HybridValidator.Config = field(default_factory=HybridValidator.Config)
+        validator: HybridValidator.Config = field(default_factory=HybridValidator.Config)  # pyrefly: ignore[bad-override-mutable-attribute]
 
     def __init__(self, config: Config):
+        model_cfg = model_config(config.model.flavor, **config.model.overrides())
         spec = model_spec(config.model.flavor, **config.model.overrides())
         config.model_spec = spec
-        vocab = spec.model.vocab_size
+        # The loss is sized by the model's vocabulary, whichever flavor or override set it.
         loss_fn_cfg = getattr(config.loss, "loss_fn", config.loss)
         if hasattr(loss_fn_cfg, "global_vocab_size"):
-            loss_fn_cfg.global_vocab_size = vocab
+            setattr(loss_fn_cfg, "global_vocab_size", model_cfg.vocab_size)  # noqa: B010
         super().__init__(config)
         pd = self.parallel_dims
         cp_group = pd.get_mesh("cp").get_group() if pd.cp_enabled else None
@@ -208,13 +211,15 @@ class HybridTrainer(Trainer):
             load_balancer=config.parallelism.context_parallel_load_balancer,
             routing_source=config.linear_attention.routing_source,
             plan_cache_size=config.linear_attention.plan_cache_size,
-            conv_history=spec.model.conv_width - 1,
+            conv_history=model_cfg.conv_width - 1,
             ptrr_block_size=config.linear_attention.ptrr_block_size,
         )
         if config.validator.enable:
-            self.validator.sequence = self.sequence
-        self.metrics_processor.extra_metrics_fn = self._extra_metrics
-        self.metrics_processor.validation_metrics_fn = self._validation_metrics
+            cast(HybridValidator, self.validator).sequence = self.sequence
+        metrics = cast(HybridMetricsProcessor, self.metrics_processor)
+        metrics.extra_metrics_fn = self._extra_metrics
+        metrics.validation_metrics_fn = self._validation_metrics
+        self.param_checksums = config.debug.param_checksums
 
     def post_dataloading_process(self, input_dict, labels):
         inputs, labels, extra = _preprocess(self.sequence, input_dict, labels)
@@ -246,7 +251,7 @@ class HybridTrainer(Trainer):
 
     def _extra_metrics(self) -> dict[str, Any]:
         out = self._routing_metrics("routing")
-        if self.config.debug.param_checksums:
+        if self.param_checksums:
             out["params_sha256"] = tensors_sha256(self.model_parts, grads=False)
             out["grads_sha256"] = tensors_sha256(self.model_parts, grads=True)
         return out

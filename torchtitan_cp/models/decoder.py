@@ -19,10 +19,11 @@ from torchtitan_cp.models.context import SequenceContext, context_from_device_po
 from torchtitan_cp.models.delta_net import DeltaNetMixer
 from torchtitan_cp.models.init import linear, linear_config
 
-LAYER_KINDS = {"K": "kda", "G": "gdn", "A": "attention"}
+LayerKind = Literal["kda", "gdn", "attention"]
+LAYER_KINDS: dict[str, LayerKind] = {"K": "kda", "G": "gdn", "A": "attention"}
 
 
-def parse_layer_pattern(pattern: str) -> list[str]:
+def parse_layer_pattern(pattern: str) -> list[LayerKind]:
     """``"KKGA"`` -> ``["kda", "kda", "gdn", "attention"]``; an unknown letter is a ValueError."""
     if not pattern:
         raise ValueError("model.layer_pattern must not be empty (use letters K, G, A)")
@@ -113,7 +114,7 @@ class HybridDecoder(BaseModel):
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
             nparams = sum(p.numel() for p in model.parameters())
-            emb = model.tok_embeddings.weight.numel()
+            emb = sum(p.numel() for p in model.get_submodule("tok_embeddings").parameters())
             matmul_params = nparams if self.enable_weight_tying else nparams - emb
             kinds = parse_layer_pattern(self.layer_pattern)
             n_attn = kinds.count("attention")

@@ -23,13 +23,13 @@ from torchtitan.protocols.module import Module
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.models.init import linear
 from torchtitan_cp.ops import (
+    Backend,
+    Kind,
     causal_conv1d,
     chunk_delta_rule,
     context_parallel_conv_history,
     context_parallel_delta_rule,
 )
-
-Kind = Literal["kda", "gdn"]
 
 
 def upcast(dtype: torch.dtype) -> torch.dtype:
@@ -57,7 +57,7 @@ class ShortConvolution(Module):
         # nn.Conv1d's default for a depthwise kernel: fan_in = width.
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
-    def forward(self, x: torch.Tensor, ctx: SequenceContext, backend: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: SequenceContext, backend: Backend) -> torch.Tensor:
         routing = ctx.routing
         history = None
         if ctx.cp_enabled:
@@ -116,7 +116,7 @@ class DeltaNetMixer(Module):
         conv_width: int = 4
         norm_eps: float = 1e-5
         layer_id: int = 0
-        backend: Literal["auto", "torch", "fla"] = "auto"
+        backend: Backend = "auto"
 
     def __init__(self, config: Config):
         super().__init__()

@@ -6,9 +6,11 @@ from .distributed import (
     context_parallel_conv_history,
     context_parallel_delta_rule,
 )
-from .local import causal_conv1d, chunk_delta_rule
+from .local import Backend, Kind, causal_conv1d, chunk_delta_rule
 
 __all__ = [
+    "Backend",
+    "Kind",
     "causal_conv1d",
     "chunk_delta_rule",
     "context_parallel_attention",

@@ -90,7 +90,8 @@ def causal_conv1d_fla(
     cu_seqlens, cu_seqlens_cpu = _device_cu_seqlens(cu_seqlens, cu_seqlens_cpu, x.device)
     if initial_state is not None:
         initial_state = F.pad(initial_state.to(x.dtype), (1, 0))
-    y, _ = causal_conv1d(
+    # fla.modules re-exports shadow the submodule name for type checkers; it is the function.
+    y, _ = causal_conv1d(  # pyrefly: ignore[not-callable]
         x,
         weight=weight,
         bias=bias,

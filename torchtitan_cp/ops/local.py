@@ -13,6 +13,9 @@ from torch import Tensor
 
 from .torch_backend import causal_conv1d_torch, chunk_delta_rule_torch
 
+Kind = Literal["kda", "gdn"]
+Backend = Literal["auto", "torch", "fla"]
+
 __all__ = ["causal_conv1d", "chunk_delta_rule"]
 
 _BACKENDS = ("auto", "torch", "fla")
@@ -47,7 +50,7 @@ def _check_cu_seqlens(
     if cu_seqlens is None and cu_seqlens_cpu is None:
         return 1
     host = cu_seqlens_cpu
-    if host is None and cu_seqlens.device.type == "cpu":
+    if host is None and cu_seqlens is not None and cu_seqlens.device.type == "cpu":
         host = cu_seqlens
     if cu_seqlens is not None and cu_seqlens_cpu is not None:
         if cu_seqlens.numel() != cu_seqlens_cpu.numel():
@@ -71,13 +74,13 @@ def chunk_delta_rule(
     g: Tensor,
     beta: Tensor,
     *,
-    kind: Literal["kda", "gdn"],
+    kind: Kind,
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
-    backend: Literal["auto", "torch", "fla"] = "auto",
+    backend: Backend = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """Gated delta rule over packed sequences (KDA per-channel gate or GDN scalar gate).
 
@@ -166,7 +169,7 @@ def causal_conv1d(
     cu_seqlens_cpu: Tensor | None = None,
     initial_state: Tensor | None = None,
     activation: Literal["silu"] | None = "silu",
-    backend: Literal["auto", "torch", "fla"] = "auto",
+    backend: Backend = "auto",
 ) -> Tensor:
     """Causal depthwise conv within every sequence, optional SiLU.
 

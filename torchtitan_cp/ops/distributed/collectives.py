@@ -103,7 +103,7 @@ def all_gather_autograd(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 
 def all_gather_plain(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Non-differentiable all-gather of ``x [n, ...]`` into ``[world * n, ...]`` (for ids)."""
-    if group_size(group) == 1:
+    if group is None or group_size(group) == 1:
         return x
     with torch.no_grad():
         return _gather_flat(x, group)

@@ -20,6 +20,8 @@ from torch import Tensor
 if TYPE_CHECKING:
     from torchtitan_cp.routing import DeviceRouting
 
+    from ..local import Backend, Kind
+
 from .collectives import all_gather_autograd, check_routing_group
 
 __all__ = ["context_parallel_delta_rule", "fold_dtype"]
@@ -44,12 +46,12 @@ def context_parallel_delta_rule(
     g: Tensor,
     beta: Tensor,
     *,
-    kind: str,
+    kind: Kind,
     routing: DeviceRouting,
     group: dist.ProcessGroup | None,
     scale: float | None = None,
     output_final_state: bool = False,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """Gated delta rule on this rank's span, continuing documents across fragments and ranks.
 
@@ -98,6 +100,7 @@ def context_parallel_delta_rule(
             cu_seqlens_cpu=routing.summary_cu_seqlens_cpu,
             backend=backend,
         )
+        assert fin is not None  # output_final_state=True
         # Gather, not index_copy: deterministic on CUDA, and padded sequences are never read.
         table = torch.cat([fin.to(dt), identity])
         row = routing.summary_row
@@ -145,7 +148,7 @@ def context_parallel_delta_rule(
         cu_seqlens_cpu=routing.cu_seqlens_cpu,
         backend=backend,
     )
-    if not output_final_state:
+    if not output_final_state or fin is None:
         return o, None
     term = routing.terminal
     finals = fin.index_select(0, term.clamp(min=0))
