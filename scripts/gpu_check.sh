@@ -7,7 +7,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WHEEL_DIR="${WHEEL_DIR:-$ROOT/.whl}"
-SITE="${SITE:-/tmp/torchtitan_cp_site}"
+SITE="${SITE:-$ROOT/.gpu_site}"  # git-ignored
 PY="${PYTHON:-python3}"
 if ! "$PY" -c "import torchtitan, fla" >/dev/null 2>&1; then
   ls "$WHEEL_DIR"/*.whl >/dev/null 2>&1 || { echo "gpu_check: no wheels in $WHEEL_DIR" >&2; exit 2; }

@@ -256,3 +256,11 @@ def max_abs(a: Any, b: Any) -> float:
 def empty_rank_layout(total: int) -> list[list[tuple[int, int]]]:
     """Three ranks, the middle one without any fragment."""
     return [[(0, total // 3), (2 * total // 3, total)], [], [(total // 3, 2 * total // 3)]]
+
+
+def report_worst(tol: dict, per_rank: list[dict[str, float]]) -> None:
+    """Print the worst observed error per dtype over all ranks (``pytest -s``, for the docs)
+    and check it against ``tol`` (dtype -> max abs); the ranks assert their own cases too."""
+    worst = {dt: max(r[dt] for r in per_rank) for dt in per_rank[0]}
+    print(f"observed max abs error: {worst}")
+    assert all(worst[str(dt)] <= t for dt, t in tol.items()), worst

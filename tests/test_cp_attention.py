@@ -19,6 +19,7 @@ from dist_utils import (
     max_abs,
     random_cu_seqlens,
     random_layout,
+    report_worst,
     run_distributed,
     span_index,
 )
@@ -120,13 +121,6 @@ def _check(rank, group, name, cu, table, dtype, seed) -> float:
     return worst
 
 
-def _report(per_rank: list[dict[str, float]]) -> None:
-    # The ranks already asserted; print the observed maxima (pytest -s) for docs/cp.md.
-    worst = {dt: max(r[dt] for r in per_rank) for dt in per_rank[0]}
-    print(f"observed max abs error: {worst}")
-    assert all(worst[str(dt)] <= tol for dt, tol in TOL.items())
-
-
 def _worker(rank: int, world: int) -> float:
     import torch.distributed as dist
 
@@ -147,4 +141,4 @@ def _worker(rank: int, world: int) -> float:
 
 @pytest.mark.slow
 def test_cp_attention_matches_unsharded() -> None:
-    _report(run_distributed(_worker, 4, timeout=240))
+    report_worst(TOL, run_distributed(_worker, 4, timeout=240))

@@ -23,6 +23,7 @@ from dist_utils import (
     max_abs,
     random_cu_seqlens,
     random_layout,
+    report_worst,
     run_distributed,
     span_index,
 )
@@ -134,13 +135,6 @@ def _check_case(rank, group, case: Case, kind, dtype, seed) -> float:
     return worst
 
 
-def _report(per_rank: list[dict[str, float]]) -> None:
-    # The ranks already asserted; print the observed maxima (pytest -s) for docs/cp.md.
-    worst = {dt: max(r[dt] for r in per_rank) for dt in per_rank[0]}
-    print(f"observed max abs error: {worst}")
-    assert all(worst[str(dt)] <= tol for dt, tol in TOL.items())
-
-
 def _worker(rank: int, world: int, kind: str) -> float:
     import torch.distributed as dist
 
@@ -163,7 +157,7 @@ def _worker(rank: int, world: int, kind: str) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_cp_delta_rule_matches_unsharded(kind: str) -> None:
-    _report(run_distributed(_worker, 4, kind, timeout=240))
+    report_worst(TOL, run_distributed(_worker, 4, kind, timeout=240))
 
 
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
