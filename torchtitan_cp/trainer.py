@@ -45,7 +45,7 @@ from torchtitan_cp.data import (  # noqa: E402
     PackedValidationDataLoader,
     pop_host_metadata,
 )
-from torchtitan_cp.models import model_config, model_spec  # noqa: E402
+from torchtitan_cp.models import HybridDecoder, model_spec  # noqa: E402
 from torchtitan_cp.sequence import SequencePreprocessor  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -195,8 +195,8 @@ class HybridTrainer(Trainer):
         validator: HybridValidator.Config = field(default_factory=HybridValidator.Config)  # pyrefly: ignore[bad-override-mutable-attribute]
 
     def __init__(self, config: Config):
-        model_cfg = model_config(config.model.flavor, **config.model.overrides())
         spec = model_spec(config.model.flavor, **config.model.overrides())
+        model_cfg = cast(HybridDecoder.Config, spec.model)
         config.model_spec = spec
         # The loss is sized by the model's vocabulary, whichever flavor or override set it.
         loss_fn_cfg = getattr(config.loss, "loss_fn", config.loss)
