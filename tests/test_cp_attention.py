@@ -142,3 +142,29 @@ def _worker(rank: int, world: int) -> float:
 @pytest.mark.slow
 def test_cp_attention_matches_unsharded() -> None:
     report_worst(TOL, run_distributed(_worker, 4, timeout=240))
+
+
+def test_query_blocks_give_the_unblocked_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long spans run in query blocks (bounded mask memory); blocks must not change anything."""
+    import torchtitan_cp.ops.distributed.attention as attention
+
+    gen = torch.Generator().manual_seed(3)
+    T, Hq, Hkv, D = 50, 4, 2, 8
+    q, k, v = (
+        torch.randn(1, T, h, D, generator=gen, dtype=torch.float64, requires_grad=True)
+        for h in (Hq, Hkv, Hkv)
+    )
+    token_ids = torch.arange(T)
+    doc_ids = torch.tensor([0] * 13 + [1] * 30 + [2] * 7)
+
+    def run():
+        o = context_parallel_attention(q, k, v, token_ids=token_ids, doc_ids=doc_ids, group=None)
+        grads = torch.autograd.grad(o.square().sum(), (q, k, v))
+        return o, grads
+
+    whole, whole_grads = run()
+    monkeypatch.setattr(attention, "_MASK_ELEMENTS", 7 * T)  # 7 queries per block, 8 blocks
+    blocked, blocked_grads = run()
+    assert torch.allclose(whole, blocked, atol=1e-13, rtol=0)
+    for a, b in zip(whole_grads, blocked_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-13, rtol=0)

@@ -38,6 +38,10 @@ def _pad_rows(x: Tensor, rows: int, value: float | int = 0) -> Tensor:
     return torch.cat([x, pad], dim=0)
 
 
+# Largest query-block x key mask materialised at once (elements); 2^24 bools = 16 MiB.
+_MASK_ELEMENTS = 1 << 24
+
+
 def context_parallel_attention(
     q: Tensor,
     k: Tensor,
@@ -90,15 +94,26 @@ def context_parallel_attention(
         ids_t = ids.transpose(0, 1) if ids.dim() == 3 else ids  # token dim first
         k_ids = all_gather_plain(_pad_rows(ids_t, max_tokens, -1), group)
         k_ids = k_ids.transpose(0, 1) if ids.dim() == 3 else k_ids
-    mask = document_causal_mask(ids[..., 0], ids[..., 1], k_ids[..., 0], k_ids[..., 1])
-    if mask.dim() == 3:
-        mask = mask.unsqueeze(1)  # [B, 1, Tq, Tk]: same mask for every head
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        kv[..., :Dk].transpose(1, 2),
-        kv[..., Dk:].transpose(1, 2),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=Hq != k.shape[2],
-    )
+    keys, values = kv[..., :Dk].transpose(1, 2), kv[..., Dk:].transpose(1, 2)
+    # Queries in blocks so the mask (and, on the math path, the scores) stay bounded:
+    # block x Tk elements instead of T_local x Tk.
+    tk = k_ids.shape[-2]
+    block = max(1, min(T, _MASK_ELEMENTS // max(tk, 1)))
+    outs = []
+    for q0 in range(0, max(T, 1), block):  # one (empty) block for a rank without tokens
+        q_ids = ids[..., q0 : q0 + block, :]
+        mask = document_causal_mask(q_ids[..., 0], q_ids[..., 1], k_ids[..., 0], k_ids[..., 1])
+        if mask.dim() == 3:
+            mask = mask.unsqueeze(1)  # [B, 1, Tq, Tk]: same mask for every head
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, q0 : q0 + block].transpose(1, 2),
+                keys,
+                values,
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=Hq != k.shape[2],
+            )
+        )
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return o.transpose(1, 2)
