@@ -264,3 +264,18 @@ def report_worst(tol: dict, per_rank: list[dict[str, float]]) -> None:
     worst = {dt: max(r[dt] for r in per_rank) for dt in per_rank[0]}
     print(f"observed max abs error: {worst}")
     assert all(worst[str(dt)] <= t for dt, t in tol.items()), worst
+
+
+def balanced_layouts(
+    gen: Any, rows: int, row_len: int, world: int, max_doc: int
+) -> list[tuple[str, list[int], list[list[tuple[int, int]]]]]:
+    """The two load-balancer layouts every CP test covers: contiguous and head-tail, each with
+    its own random documents (drawn in that order from ``gen``)."""
+    from torchtitan_cp.routing import contiguous_fragments, headtail_fragments
+
+    return [
+        ("contiguous", random_cu_seqlens(gen, rows, row_len, max_doc),
+         contiguous_fragments(row_len, rows, world)),
+        ("head-tail", random_cu_seqlens(gen, rows, row_len, max_doc),
+         headtail_fragments(row_len, rows, world)),
+    ]  # fmt: skip

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import (
+    balanced_layouts,
     device_routing,
     empty_rank_layout,
     explicit_layout_4,
@@ -25,7 +26,6 @@ from dist_utils import (
 )
 
 from torchtitan_cp.ops import context_parallel_attention
-from torchtitan_cp.routing import contiguous_fragments, headtail_fragments
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 HQ, HKV, DK, DV = 2, 1, 8, 6  # GQA: two query heads share one key/value head
@@ -78,16 +78,7 @@ def _layouts(world: int):
     rows, row_len = 2, 24
     total = rows * row_len
     cases = [
-        (
-            "contiguous",
-            random_cu_seqlens(gen, rows, row_len, 30),
-            contiguous_fragments(row_len, rows, world),
-        ),
-        (
-            "head-tail",
-            random_cu_seqlens(gen, rows, row_len, 30),
-            headtail_fragments(row_len, rows, world),
-        ),
+        *balanced_layouts(gen, rows, row_len, world, max_doc=30),
         ("random", random_cu_seqlens(gen, rows, row_len, 40), random_layout(gen, total, world)),
     ]
     if world == 3:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import (
+    balanced_layouts,
     device_routing,
     empty_rank_layout,
     explicit_layout_4,
@@ -24,8 +25,6 @@ from dist_utils import (
     span_index,
 )
 
-from torchtitan_cp.routing import contiguous_fragments, headtail_fragments
-
 pytestmark = pytest.mark.slow
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
@@ -37,16 +36,7 @@ def _layouts(world: int):
     rows, row_len = 2, 24
     total = rows * row_len
     cases = [
-        (
-            "contiguous",
-            random_cu_seqlens(gen, rows, row_len, 30),
-            contiguous_fragments(row_len, rows, world),
-        ),
-        (
-            "head-tail",
-            random_cu_seqlens(gen, rows, row_len, 30),
-            headtail_fragments(row_len, rows, world),
-        ),
+        *balanced_layouts(gen, rows, row_len, world, max_doc=30),
         # Mostly 1-3 token fragments: histories of width 5 cross several fragments and ranks.
         (
             "tiny",
