@@ -21,6 +21,8 @@ from .sources import (
     LOAD_BALANCERS,
     Layout,
     document_block_mask,
+    document_ids,
+    document_mask_mod,
     host_layout,
     readback_layout,
 )
@@ -29,6 +31,8 @@ __all__ = [
     "LOAD_BALANCERS",
     "Layout",
     "document_block_mask",
+    "document_ids",
+    "document_mask_mod",
     "host_layout",
     "readback_layout",
     "DeviceRouting",

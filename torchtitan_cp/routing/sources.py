@@ -40,22 +40,34 @@ class Layout:
     index: Tensor | None
 
 
+def document_ids(positions: Tensor) -> Tensor:
+    """Per-row document index ``[B, L]`` int32 of ``positions [B, L]`` (a document starts where
+    ``positions == 0`` and at every row start), on ``positions.device``: no host copy."""
+    starts = positions == 0
+    starts[:, 0] = True
+    return torch.cumsum(starts.to(torch.int32), dim=1) - 1
+
+
+def document_mask_mod(doc_ids: Tensor):
+    """flex ``mask_mod`` of the causal packed-document mask over ``doc_ids [B, L]``: query q of
+    row b sees key kv iff ``kv <= q`` and both lie in the same document (global indices)."""
+
+    def mask_mod(b, h, q, kv):
+        return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
+
+    return mask_mod
+
+
 def document_block_mask(positions: Tensor, block_size: int = 128):
     """Causal packed-document ``BlockMask`` ``[B, 1, L, L]`` of ``positions [B, L]`` on
     ``positions.device``; PTRR's balancer reads only its per-block counts."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    starts = positions == 0
-    starts[:, 0] = True
-    doc = torch.cumsum(starts.to(torch.int32), dim=1)
-
-    def mask_mod(b, h, q, kv):
-        return (q >= kv) & (doc[b, q] == doc[b, kv])
-
     bsz, seqlen = positions.shape
     return create_block_mask(
-        mask_mod, bsz, None, seqlen, seqlen, device=positions.device, BLOCK_SIZE=block_size
-    )
+        document_mask_mod(document_ids(positions)), bsz, None, seqlen, seqlen,
+        device=positions.device, BLOCK_SIZE=block_size,
+    )  # fmt: skip
 
 
 def rearrange_indices(
