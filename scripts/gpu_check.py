@@ -45,7 +45,9 @@ class Step:
         self.device = torch.device(args.device)
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         torch.manual_seed(0)
-        cfg = model_config(args.flavor, layer_pattern=args.pattern)
+        cfg = model_config(
+            args.flavor, layer_pattern=args.pattern, attention_backend=args.attention_backend
+        )
         with torch.device(self.device):
             self.model = cfg.build()
         self.model.init_states()
@@ -58,6 +60,7 @@ class Step:
             load_balancer="headtail",
             routing_source=source,
             conv_history=cfg.conv_width - 1,
+            flex_attention=cfg.uses_flex_attention(self.device),
         )
 
     def __call__(self, tokens_cpu, positions_cpu) -> None:
@@ -130,6 +133,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--flavor", default="150M")
     p.add_argument("--pattern", default="KKKAKKKAKKKA")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "flex", "sdpa"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--mean-doc", type=int, default=2048)
@@ -150,7 +154,8 @@ def main() -> None:
             print(f"| {k} | {v} |")
     result["timing"] = timing(args, gen)
     print(
-        f"\n## Step time, CP=1, {args.flavor} {args.pattern}, {args.batch}x{args.seq_len} "
+        f"\n## Step time, CP=1, {args.flavor} {args.pattern} (attention "
+        f"{args.attention_backend}), {args.batch}x{args.seq_len} "
         f"tokens, documents of mean {args.mean_doc} tokens, new packing each step\n"
     )
     print("| routing_source | median ms | min ms | tokens/s | readbacks/step |")

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.launch import REPO
 from torchtitan_cp.config import ConfigError
@@ -70,6 +71,17 @@ def test_bad_model_or_cache_values(tmp_path, text, message):
     path = write(tmp_path, text)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(["--config_file", path])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="flex trains on CUDA")
+def test_flex_attention_off_cuda_is_a_config_error(tmp_path):
+    path = write(tmp_path, '[model]\nattention_backend = "flex"\n')
+    with pytest.raises(ValueError, match="attention_backend = 'flex' cannot train on cpu"):
+        load_config(["--config_file", path])
+    # "auto" picks sdpa here; a layer pattern without attention never needs flex.
+    load_config(["--config_file", write(tmp_path, '[model]\nattention_backend = "auto"\n')])
+    no_attn = '[model]\nattention_backend = "flex"\nlayer_pattern = "KG"\n'
+    load_config(["--config_file", write(tmp_path, no_attn)])
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

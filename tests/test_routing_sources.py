@@ -155,3 +155,23 @@ def test_bad_host_positions_name_the_problem(host_positions, message):
         tokens = torch.zeros(1, 32, dtype=torch.int64)
     with pytest.raises(ValueError, match=message):
         host(tokens, tokens, None, HostMetadata(host_positions))
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_shard_rows_keeps_trailing_dims(per_row):
+    """shard_rows on ``[B, L, ...]`` (logits, hidden states) picks the same tokens as on
+    ``[B, L]``, with one shared order or one order per row (PTRR)."""
+    from torchtitan_cp.sequence import shard_rows
+
+    bsz, seqlen, world = 2, 8, 2
+    gen = torch.Generator().manual_seed(0)
+    rows = 2 if per_row else 1
+    index = torch.stack([torch.randperm(seqlen, generator=gen) for _ in range(rows)])
+    x = torch.arange(bsz * seqlen).reshape(bsz, seqlen)
+    feats = torch.stack([x, -x], dim=-1).unsqueeze(-1)  # [B, L, 2, 1]
+    for rank in range(world):
+        flat = shard_rows(x, index, rank, world)
+        assert torch.equal(shard_rows(feats, index, rank, world)[..., 0, 0], flat)
+        assert torch.equal(shard_rows(feats, index, rank, world)[..., 1, 0], -flat)
+        mine = index[:, rank * seqlen // world : (rank + 1) * seqlen // world]
+        assert torch.equal(flat, torch.gather(x, 1, mine.expand(bsz, -1)))

@@ -41,6 +41,10 @@ class ModelRecipe:
     ffn_hidden_dim: int | None = None
     use_rope: bool | None = None
     enable_weight_tying: bool | None = None
+    attention_backend: Literal["auto", "flex", "sdpa"] | None = None
+    """Softmax attention: flex = torchtitan's FlexAttention and CP path (CUDA; forward-only on
+    CPU), sdpa = SDPA with an explicit document mask and an all-gather-K/V CP op; auto (the
+    default) = flex on CUDA, sdpa elsewhere."""
 
     def overrides(self) -> dict[str, Any]:
         return {

@@ -19,6 +19,7 @@ Callers that bring no host metadata fall back to ``device_readback`` with one wa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,10 +27,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.flex_attention import BlockMask
 
 from torchtitan_cp.host_metadata import HostMetadata
 from torchtitan_cp.models.context import SequenceContext, build_sequence_context
-from torchtitan_cp.routing import LOAD_BALANCERS, PlanCache, host_layout, readback_layout
+from torchtitan_cp.ops import flex_document_mask
+from torchtitan_cp.routing import (
+    LOAD_BALANCERS,
+    Layout,
+    PlanCache,
+    document_ids,
+    host_layout,
+    readback_layout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +77,9 @@ def shard_rows(x: torch.Tensor, index: torch.Tensor | None, rank: int, world: in
     idx = index[:, rank * chunk : (rank + 1) * chunk]
     if idx.shape[0] == 1:
         return x.index_select(1, idx[0])
-    return torch.gather(x, 1, idx.expand(x.shape[0], -1))
+    idx = idx.expand(x.shape[0], -1)  # one order per row: gather along L
+    idx = idx.reshape(*idx.shape, *[1] * (x.dim() - 2)).expand(-1, -1, *x.shape[2:])
+    return torch.gather(x, 1, idx)
 
 
 class SequencePreprocessor:
@@ -84,6 +97,7 @@ class SequencePreprocessor:
         plan_cache_size: int = 16,
         conv_history: int = 3,
         ptrr_block_size: int = 128,
+        flex_attention: bool = False,
     ) -> None:
         if routing_source not in SOURCES:
             raise ValueError(
@@ -107,6 +121,14 @@ class SequencePreprocessor:
         self.ptrr_block_size = ptrr_block_size
         self.stats = RoutingStats()
         self._warned_fallback = False
+        # Flex attention layers take a document BlockMask per microbatch; under CP torch's mask
+        # sharding asks a DeviceMesh for this rank, so wrap the group once.
+        self.flex_attention = flex_attention
+        self._mesh: DeviceMesh | None = None
+        if flex_attention and self.world > 1:
+            if cp_group is None:
+                raise ValueError("flex attention under context parallelism needs cp_group")
+            self._mesh = DeviceMesh.from_group(cp_group, self.device.type)
 
     # Copies of the device batch back to the host, counted where they happen (also on a
     # CPU-only run, where the "device" batch lives in host memory but is still a second copy).
@@ -169,9 +191,35 @@ class SequencePreprocessor:
         self.stats.build_ms += (time.perf_counter() - t0) * 1e3
         self.stats.microbatches += 1
         self.stats.sources.add(source)
+        if self.flex_attention:
+            mask = self._flex_mask(layout, source, host, positions, (bsz, seqlen))
+            ctx = dataclasses.replace(ctx, block_mask=mask)
         if self.world > 1:
             inputs = shard_rows(inputs, layout.index, self.rank, self.world)
             labels = shard_rows(labels, layout.index, self.rank, self.world)
             if positions is not None:
                 positions = shard_rows(positions, layout.index, self.rank, self.world)
         return inputs, labels, positions, ctx
+
+    def _flex_mask(
+        self,
+        layout: Layout,
+        source: str,
+        host: HostMetadata | None,
+        positions: torch.Tensor | None,
+        shape: tuple[int, int],
+    ) -> BlockMask:
+        """This rank's document ``BlockMask``, sharded by ``layout.index`` like the batch.
+        Document ids come from the same source as the routing: host positions copied H2D, or
+        the device positions (computed there, so still no readback)."""
+        if source == "host":
+            assert host is not None
+            doc = document_ids(host.positions)
+            if self.device.type == "cuda":
+                doc = doc.pin_memory()
+            doc = doc.to(self.device, non_blocking=True)
+        elif positions is not None:
+            doc = document_ids(positions)
+        else:  # every row is one document
+            doc = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        return flex_document_mask(doc, index=layout.index, mesh=self._mesh)

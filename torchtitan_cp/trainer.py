@@ -39,13 +39,14 @@ from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from torchtitan_cp.config import LinearAttentionConfig, ModelRecipe  # noqa: E402
+from torchtitan_cp.config import ConfigError, LinearAttentionConfig, ModelRecipe  # noqa: E402
 from torchtitan_cp.data import (  # noqa: E402
     PackedTextDataLoader,
     PackedValidationDataLoader,
     pop_host_metadata,
 )
 from torchtitan_cp.models import HybridDecoder, model_spec  # noqa: E402
+from torchtitan_cp.ops import check_flex_shape  # noqa: E402
 from torchtitan_cp.sequence import SequencePreprocessor  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -182,6 +183,24 @@ def _preprocess(
     return inputs, labels, {"positions": positions, "seq_ctx": ctx}
 
 
+def check_attention_backend(config: Any, model_cfg: HybridDecoder.Config) -> bool:
+    """Whether this run's attention layers use flex; a ConfigError where flex cannot run:
+    training off CUDA (no flex backward there) or a CP shard that is not whole mask blocks."""
+    device = platform.device_type()
+    if not model_cfg.uses_flex_attention(device):
+        return False
+    if device != "cuda":
+        raise ConfigError(
+            f"model.attention_backend = 'flex' cannot train on {device}: flex attention has no "
+            "backward there; use 'sdpa' (or 'auto', which picks sdpa off CUDA)"
+        )
+    try:
+        check_flex_shape(config.training.seq_len, config.parallelism.context_parallel_degree)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return True
+
+
 class HybridTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -202,6 +221,7 @@ class HybridTrainer(Trainer):
         loss_fn_cfg = getattr(config.loss, "loss_fn", config.loss)
         if hasattr(loss_fn_cfg, "global_vocab_size"):
             setattr(loss_fn_cfg, "global_vocab_size", model_cfg.vocab_size)  # noqa: B010
+        flex = check_attention_backend(config, model_cfg)
         super().__init__(config)
         pd = self.parallel_dims
         cp_group = pd.get_mesh("cp").get_group() if pd.cp_enabled else None
@@ -213,6 +233,7 @@ class HybridTrainer(Trainer):
             plan_cache_size=config.linear_attention.plan_cache_size,
             conv_history=model_cfg.conv_width - 1,
             ptrr_block_size=config.linear_attention.ptrr_block_size,
+            flex_attention=flex,
         )
         if config.validator.enable:
             cast(HybridValidator, self.validator).sequence = self.sequence

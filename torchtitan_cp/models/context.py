@@ -7,8 +7,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention.flex_attention import BlockMask
 
-from torchtitan_cp.routing import DeviceRouting, RoutingPlan, cu_seqlens_from_positions
+from torchtitan_cp.ops import flex_document_mask
+from torchtitan_cp.routing import (
+    DeviceRouting,
+    RoutingPlan,
+    cu_seqlens_from_positions,
+    document_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +33,8 @@ class SequenceContext:
         token_ids: ``[T_local]`` int64, global stream index of every local token (span order).
         doc_ids: ``[T_local]`` int64, document index of every local token.
         source: "host" or "device_readback": how the routing was built (for logging).
+        block_mask: the document ``BlockMask`` for flex attention layers (this rank's queries
+            against the gathered keys under CP); None when the model runs its attention on SDPA.
     """
 
     routing: DeviceRouting
@@ -33,6 +42,7 @@ class SequenceContext:
     token_ids: torch.Tensor
     doc_ids: torch.Tensor
     source: str = "host"
+    block_mask: BlockMask | None = None
 
     @property
     def cp_enabled(self) -> bool:
@@ -46,6 +56,7 @@ def build_sequence_context(
     *,
     source: str = "host",
     conv_history: int = 3,
+    block_mask: BlockMask | None = None,
 ) -> SequenceContext:
     """Materialise ``plan`` on ``device``: the routing plus per-token global and document ids.
 
@@ -65,21 +76,23 @@ def build_sequence_context(
         ids = ids.pin_memory()
     ids = ids.to(device, non_blocking=True)
     return SequenceContext(
-        routing=routing, group=group, token_ids=ids[0], doc_ids=ids[1], source=source
-    )
+        routing=routing, group=group, token_ids=ids[0], doc_ids=ids[1], source=source,
+        block_mask=block_mask,
+    )  # fmt: skip
 
 
 _warned_no_host_metadata = False
 
 
 def context_from_device_positions(
-    tokens: torch.Tensor, positions: torch.Tensor | None
+    tokens: torch.Tensor, positions: torch.Tensor | None, *, flex_mask: bool = False
 ) -> SequenceContext:
     """Single-rank context for a direct model call that brings no ``SequenceContext``.
 
     Documents come from ``positions`` (a document starts where ``positions == 0`` and at every
     row start); without positions each row is one document. Reading device positions back
-    blocks the host, so this warns once per process.
+    blocks the host, so this warns once per process. ``flex_mask`` adds the document
+    ``BlockMask`` flex attention layers need.
     """
     global _warned_no_host_metadata
     bsz, seqlen = tokens.shape
@@ -95,4 +108,10 @@ def context_from_device_positions(
             _warned_no_host_metadata = True
         cu = cu_seqlens_from_positions(positions)
     plan = RoutingPlan.build(cu, [[(0, bsz * seqlen)]], 0)
-    return build_sequence_context(plan, tokens.device, None, source="device_readback")
+    mask = None
+    if flex_mask:
+        rows = positions if positions is not None else torch.ones_like(tokens)
+        mask = flex_document_mask(document_ids(rows))
+    return build_sequence_context(
+        plan, tokens.device, None, source="device_readback", block_mask=mask
+    )

@@ -14,7 +14,11 @@ from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.module import Module, ModuleDict
 
-from torchtitan_cp.models.attention import SoftmaxAttention
+from torchtitan_cp.models.attention import (
+    AttentionBackend,
+    SoftmaxAttention,
+    resolve_attention_backend,
+)
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
 from torchtitan_cp.models.delta_net import DeltaNetMixer
 from torchtitan_cp.models.init import linear, linear_config
@@ -101,6 +105,14 @@ class HybridDecoder(BaseModel):
         max_seq_len: int = 131072
         enable_weight_tying: bool = False
         linear_attention_backend: Literal["auto", "torch", "fla"] = "auto"
+        attention_backend: AttentionBackend = "auto"
+
+        def uses_flex_attention(self, device_type: str | torch.device) -> bool:
+            """Whether the softmax attention layers run flex attention on ``device_type`` (and
+            so every microbatch needs a document ``BlockMask``)."""
+            return "attention" in parse_layer_pattern(self.layer_pattern) and (
+                resolve_attention_backend(self.attention_backend, device_type) == "flex"
+            )
 
         def update_from_config(self, *, config, **kwargs) -> None:
             seq_len = config.training.seq_len
@@ -152,6 +164,7 @@ class HybridDecoder(BaseModel):
                     use_rope=config.use_rope,
                     rope_theta=config.rope_theta,
                     layer_id=i,
+                    backend=config.attention_backend,
                 )
             else:
                 mixer = DeltaNetMixer.Config(
@@ -191,7 +204,9 @@ class HybridDecoder(BaseModel):
         if seq_ctx is None:
             # A direct call (custom loader, evaluation script) without host metadata: derive
             # the documents from the device positions, which costs a device->host copy.
-            seq_ctx = context_from_device_positions(tokens, positions)
+            seq_ctx = context_from_device_positions(
+                tokens, positions, flex_mask=self.config.uses_flex_attention(tokens.device)
+            )
         if positions is None:  # each row is one document: RoPE positions restart per row
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         h = self.tok_embeddings(tokens)

@@ -6,6 +6,7 @@ import dataclasses
 
 from torchtitan.protocols.model_spec import ModelSpec
 
+from torchtitan_cp.models.attention import resolve_attention_backend
 from torchtitan_cp.models.decoder import HybridDecoder, parse_layer_pattern
 from torchtitan_cp.models.parallelize import parallelize_hybrid
 
@@ -48,6 +49,7 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
             "linear_attention backend must be 'auto', 'torch' or 'fla', "
             f"got {cfg.linear_attention_backend!r}"
         )
+    resolve_attention_backend(cfg.attention_backend, "cpu")
     return cfg
 
 

@@ -3,13 +3,33 @@
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
 from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.context_parallel import apply_cp_to_forward
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
 from torchtitan_cp import platform
+from torchtitan_cp.models.attention import SoftmaxAttention, resolve_attention_backend
+
+
+def apply_flex_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
+    """torchtitan's CP path for flex attention: wrap every flex softmax-attention layer so it
+    all-gathers K/V over ``cp_mesh`` (its queries and mask stay this rank's). Returns the
+    number of layers wrapped; layers on the sdpa backend gather K/V themselves."""
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, SoftmaxAttention)
+        and resolve_attention_backend(m.backend, cp_mesh.device_type) == "flex"
+    ]
+    if layers:
+        apply_cp_to_forward([m.flex for m in layers], cp_mesh)
+        for m in layers:
+            m.flex_cp = True
+    return len(layers)
 
 
 def parallelize_hybrid(
@@ -22,9 +42,11 @@ def parallelize_hybrid(
     ac_config: ActivationCheckpointingConfig,
     dump_folder: str,
 ) -> nn.Module:
-    """Context parallelism needs no module rewrite here: the KDA/GDN/attention layers read the
-    per-microbatch ``SequenceContext`` and exchange states themselves. CP ranks hold the same
-    parameters, so FSDP shards (and reduces gradients) over the flattened dp_shard × cp mesh."""
+    """Context parallelism rewrites no module except flex attention (torchtitan's K/V
+    all-gather, applied before FSDP as torchtitan requires): the KDA/GDN and sdpa attention
+    layers read the per-microbatch ``SequenceContext`` and exchange states themselves. CP ranks
+    hold the same parameters, so FSDP shards (and reduces gradients) over the flattened
+    dp_shard × cp mesh."""
     if parallel_dims.tp_enabled:
         raise NotImplementedError(
             "parallelism.tensor_parallel_degree > 1 is not supported by the hybrid recipe"
@@ -33,6 +55,8 @@ def parallelize_hybrid(
         raise NotImplementedError(
             "the hybrid recipe has no experts: expert_parallel_degree must be 1"
         )
+    if parallel_dims.cp_enabled:
+        apply_flex_context_parallel(model, parallel_dims.get_mesh("cp"))
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:

@@ -2,9 +2,11 @@
 versions (docs/CONTRACTS.md, docs/cp.md)."""
 
 from .distributed import (
+    check_flex_shape,
     context_parallel_attention,
     context_parallel_conv_history,
     context_parallel_delta_rule,
+    flex_document_mask,
 )
 from .local import Backend, Kind, causal_conv1d, chunk_delta_rule
 
@@ -12,8 +14,10 @@ __all__ = [
     "Backend",
     "Kind",
     "causal_conv1d",
+    "check_flex_shape",
     "chunk_delta_rule",
     "context_parallel_attention",
     "context_parallel_conv_history",
     "context_parallel_delta_rule",
+    "flex_document_mask",
 ]
