@@ -5,7 +5,7 @@ On CUDA ``[model] attention_backend = "auto"`` runs flex attention with the micr
 all-gather) and the mask covers this rank's queries (``ops.flex_document_mask``, sharded by the
 same layout index as the batch). Flex has a CPU forward but no CPU backward, so here:
 
-* forward, on 2 and 4 gloo ranks: the whole model (flex) under CP equals the unsharded model on
+* forward, on 2, 3 and 4 gloo ranks: the whole model (flex) under CP equals the unsharded model on
   the sdpa backend, for contiguous, head-tail and PTRR, with host and readback routing (bitwise
   equal to each other);
 * the sharded mask itself equals the rows of the dense document mask this rank's queries own;
@@ -89,7 +89,7 @@ def _cp_flex_forward(rank: int, world: int, bsz: int, seqlen: int):
     return worst
 
 
-@pytest.mark.parametrize("world, bsz, seqlen", [(2, 2, 256), (4, 1, 512)])
+@pytest.mark.parametrize("world, bsz, seqlen", [(2, 2, 256), (3, 1, 384), (4, 1, 512)])
 def test_flex_cp_forward_equals_unsharded_sdpa(world: int, bsz: int, seqlen: int) -> None:
     for worst in run_distributed(_cp_flex_forward, world, bsz, seqlen, timeout=400.0):
         for key, value in worst.items():
