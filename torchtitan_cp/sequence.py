@@ -15,6 +15,10 @@ Two sources, chosen by ``[linear_attention] routing_source``:
   permutation, for all ranks at once). Every such copy is counted in ``readbacks``.
 
 Callers that bring no host metadata fall back to ``device_readback`` with one warning.
+
+With ``flex_attention=True`` (the model's attention runs flex, i.e. on CUDA) the context also
+carries this rank's document ``BlockMask``, sharded by the layout's own rearrange index and built
+from the same source's positions.
 """
 
 from __future__ import annotations
