@@ -258,6 +258,17 @@ def empty_rank_layout(total: int) -> list[list[tuple[int, int]]]:
     return [[(0, total // 3), (2 * total // 3, total)], [], [(total // 3, 2 * total // 3)]]
 
 
+def prefix_groups(world: int, sizes: tuple[int, ...] = (2, 3)) -> dict[int, Any]:
+    """Process groups of ranks ``[0, w)`` for each ``w`` in ``sizes`` plus ``world`` (WORLD), so
+    one spawn serves several world sizes (start-up is the cost). Collective: every rank calls
+    it."""
+    import torch.distributed as dist
+
+    groups: dict[int, Any] = {w: dist.new_group(list(range(w))) for w in sizes}
+    groups[world] = dist.group.WORLD
+    return groups
+
+
 def report_worst(tol: dict, per_rank: list[dict[str, float]]) -> None:
     """Print the worst observed error per dtype over all ranks (``pytest -s``, for the docs)
     and check it against ``tol`` (dtype -> max abs); the ranks assert their own cases too."""

@@ -18,6 +18,7 @@ from dist_utils import (
     empty_rank_layout,
     explicit_layout_4,
     max_abs,
+    prefix_groups,
     random_cu_seqlens,
     random_layout,
     report_worst,
@@ -113,10 +114,7 @@ def _check(rank, group, name, cu, table, dtype, seed) -> float:
 
 
 def _worker(rank: int, world: int) -> float:
-    import torch.distributed as dist
-
-    groups = {w: dist.new_group(list(range(w))) for w in (2, 3)}
-    groups[world] = dist.group.WORLD
+    groups = prefix_groups(world)
     worst = {str(dt): 0.0 for dt in TOL}  # observed max abs error per dtype
     for w in (2, 3, 4):
         if rank >= w:

@@ -21,6 +21,7 @@ from dist_utils import (
     local_subsequences,
     loose_caps,
     max_abs,
+    prefix_groups,
     random_cu_seqlens,
     random_layout,
     report_worst,
@@ -136,11 +137,7 @@ def _check_case(rank, group, case: Case, kind, dtype, seed) -> float:
 
 
 def _worker(rank: int, world: int, kind: str) -> float:
-    import torch.distributed as dist
-
-    # One spawn of 4 ranks serves worlds 2, 3 and 4 through subgroups (start-up is the cost).
-    groups = {w: dist.new_group(list(range(w))) for w in (2, 3)}
-    groups[world] = dist.group.WORLD
+    groups = prefix_groups(world)
     worst = {str(dt): 0.0 for dt in TOL}  # observed max abs error per dtype
     for w in (2, 3, 4):
         if rank >= w:
