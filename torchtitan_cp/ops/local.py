@@ -80,6 +80,8 @@ def chunk_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
+    chunk_indices: Tensor | None = None,
+    chunk_offsets: Tensor | None = None,
     backend: Backend = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """Gated delta rule over packed sequences (KDA per-channel gate or GDN scalar gate).
@@ -97,6 +99,9 @@ def chunk_delta_rule(
         output_final_state: also return the state after every sequence.
         cu_seqlens: ``[N+1]`` int offsets on the tensors' device; cu_seqlens_cpu: the same on
             the host (avoids a device→host copy). Zero-length sequences are allowed.
+        chunk_indices, chunk_offsets: ``[NT, 2]`` int32 / ``[N+1]`` int64 chunk tables of
+            cu_seqlens on its device (``DeviceRouting.chunk_indices`` ...), so the fla kernels
+            derive nothing from cu_seqlens on the host; the torch backend does not need them.
         backend: "auto" (fla on CUDA, torch otherwise), "torch" or "fla".
 
     Returns:
@@ -144,6 +149,8 @@ def chunk_delta_rule(
             output_final_state=output_final_state,
             cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu,
+            chunk_indices=chunk_indices,
+            chunk_offsets=chunk_offsets,
         )
     return chunk_delta_rule_torch(
         q,
@@ -167,6 +174,7 @@ def causal_conv1d(
     *,
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
+    chunk_indices: Tensor | None = None,
     initial_state: Tensor | None = None,
     activation: Literal["silu"] | None = "silu",
     backend: Backend = "auto",
@@ -177,6 +185,7 @@ def causal_conv1d(
         x: ``[1, T, D]``; weight ``[D, W]`` (column W-1 multiplies the current token);
             bias ``[D]`` or None.
         cu_seqlens / cu_seqlens_cpu: ``[N+1]`` offsets (device / host), as for chunk_delta_rule.
+        chunk_indices: ``[NT, 2]`` int32 chunk table of cu_seqlens, as for chunk_delta_rule.
         initial_state: ``[N, D, W-1]``, the W-1 tokens before each sequence, oldest first
             (zeros where a sequence has no history; None = zeros everywhere).
         activation: "silu" or None.
@@ -210,5 +219,5 @@ def causal_conv1d(
     if _resolve_backend(backend, x) == "fla":
         from .fla_backend import causal_conv1d_fla
 
-        return causal_conv1d_fla(x, weight, bias, **kwargs)
+        return causal_conv1d_fla(x, weight, bias, chunk_indices=chunk_indices, **kwargs)
     return causal_conv1d_torch(x, weight, bias, **kwargs)

@@ -4,6 +4,7 @@ See docs/routing.md for the vocabulary and docs/CONTRACTS.md for the exact devic
 """
 
 from .cache import PlanCache
+from .chunks import chunk_indices, chunk_offsets
 from .device import DeviceRouting, RoutingCaps
 from .layouts import (
     FragmentTable,
@@ -40,6 +41,8 @@ __all__ = [
     "PlanCache",
     "RoutingCaps",
     "RoutingPlan",
+    "chunk_indices",
+    "chunk_offsets",
     "contiguous_fragments",
     "cu_seqlens_from_positions",
     "cu_seqlens_tensor_from_positions",

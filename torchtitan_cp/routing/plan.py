@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .chunks import chunk_indices, chunk_offsets
 from .device import DeviceRouting, RoutingCaps
 from .layouts import int_tensor
 
@@ -268,14 +269,18 @@ class RoutingPlan:
         *,
         caps: RoutingCaps | None = None,
         conv_history: int = 3,
+        chunk_size: int = 64,
     ) -> DeviceRouting:
         """Device tensors of this plan (fields and shapes in docs/CONTRACTS.md).
 
         Builds fresh host tensors on every call (pinned when CUDA is available) and copies them
-        with ``non_blocking=True``, packed into one int64 buffer so there is a single copy.
+        with ``non_blocking=True``, packed into one int64 and one int32 buffer (two copies).
+        ``chunk_size`` is the token chunk of the kernels' chunk tables (fla-core's is 64).
         """
         if conv_history < 0:
             raise ValueError(f"conv_history must be >= 0, got {conv_history}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         caps = caps or RoutingCaps()
         n_local = len(self.fragments)
         n_sub = self.num_subsequences
@@ -351,11 +356,15 @@ class RoutingPlan:
 
         cu_cpu = torch.full((n_cap + 1,), self.num_tokens, dtype=torch.int32)
         cu_cpu[: n_sub + 1] = self.cu_seqlens
-        cu_fields = (cu_cpu, summary_cu.to(torch.int32))
+        # The kernels' chunk tables of both passes, so the kernel library derives nothing from
+        # cu_seqlens itself (its own helper copies from pageable memory: a sync per call).
+        cu_fields = (cu_cpu, summary_cu.to(torch.int32), chunk_indices(cu_cpu, chunk_size),
+                     chunk_indices(summary_cu, chunk_size))  # fmt: skip
         fields = (frag_first, frag_last, publish, pred_slots, terminal, tail_index, halo_index,
-                  summary_row, summary_tokens)  # fmt: skip
+                  summary_row, summary_tokens, chunk_offsets(cu_cpu, chunk_size),
+                  chunk_offsets(summary_cu, chunk_size))  # fmt: skip
         packed = torch.cat([f.reshape(-1) for f in fields])
-        cu_packed = torch.cat(cu_fields)
+        cu_packed = torch.cat([f.reshape(-1) for f in cu_fields])
         pin = torch.cuda.is_available()
         if pin:
             packed, cu_packed = packed.pin_memory(), cu_packed.pin_memory()
@@ -367,7 +376,7 @@ class RoutingPlan:
         views = [p.view(f.shape) for p, f in zip(parts, fields)]
         cu_sizes = [f.numel() for f in cu_fields]
         cu_host_views = torch.split(cu_packed, cu_sizes)
-        cu_dev_views = torch.split(cu_dev, cu_sizes)
+        cu_dev_views = [p.view(f.shape) for p, f in zip(torch.split(cu_dev, cu_sizes), cu_fields)]
         return DeviceRouting(
             rank=self.rank,
             world_size=self.world_size,
@@ -387,6 +396,11 @@ class RoutingPlan:
             summary_token_index=views[8],
             summary_cu_seqlens=cu_dev_views[1],
             summary_cu_seqlens_cpu=cu_host_views[1],
+            chunk_size=chunk_size,
+            chunk_indices=cu_dev_views[2],
+            chunk_offsets=views[9],
+            summary_chunk_indices=cu_dev_views[3],
+            summary_chunk_offsets=views[10],
         )
 
     def __repr__(self) -> str:
