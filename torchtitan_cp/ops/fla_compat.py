@@ -78,6 +78,8 @@ class _ChunkKDAIndexed(torch.autograd.Function):
         return grads + (None,) * 5
 
 
+# Opaque to dynamo exactly like the public chunk_kda it stands in for.
+@torch.compiler.disable
 def chunk_kda_indexed(
     q: Tensor,
     k: Tensor,

@@ -4,7 +4,7 @@ See docs/routing.md for the vocabulary and docs/CONTRACTS.md for the exact devic
 """
 
 from .cache import PlanCache
-from .chunks import chunk_indices, chunk_offsets
+from .chunks import chunk_indices, chunk_offsets, chunk_tables
 from .device import DeviceRouting, RoutingCaps
 from .layouts import (
     FragmentTable,
@@ -43,6 +43,7 @@ __all__ = [
     "RoutingPlan",
     "chunk_indices",
     "chunk_offsets",
+    "chunk_tables",
     "contiguous_fragments",
     "cu_seqlens_from_positions",
     "cu_seqlens_tensor_from_positions",

@@ -12,37 +12,34 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["chunk_indices", "chunk_offsets"]
+__all__ = ["chunk_indices", "chunk_offsets", "chunk_tables"]
 
 
-def _chunk_counts(cu_seqlens: Tensor, chunk_size: int) -> Tensor:
+def chunk_tables(cu_seqlens: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """``(chunk_indices [NT, 2] int32, chunk_offsets [N + 1] int64)`` of host offsets ``[N + 1]``.
+
+    Row ``j`` of ``chunk_indices`` is ``(sequence, chunk within that sequence)`` of the ``j``-th
+    chunk in token order; ``chunk_offsets[n]`` is sequence ``n``'s first row, ``[N]`` = NT =
+    ``sum(ceil(len_n / chunk_size))``. Zero-length sequences own no chunk.
+    """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D with >= 1 entry, got {list(cu_seqlens.shape)}")
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    return torch.div(lens + (chunk_size - 1), chunk_size, rounding_mode="floor")
-
-
-def chunk_offsets(cu_seqlens: Tensor, chunk_size: int) -> Tensor:
-    """``[N + 1]`` int64: index of each sequence's first chunk in the chunk table, then the total.
-
-    ``cu_seqlens`` is ``[N + 1]`` host offsets (tokens); zero-length sequences own no chunk.
-    """
-    counts = _chunk_counts(cu_seqlens, chunk_size)
-    out = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=out[1:])
-    return out
+    lens = cu_seqlens[1:].to(torch.int64) - cu_seqlens[:-1]
+    counts = torch.div(lens + (chunk_size - 1), chunk_size, rounding_mode="floor")
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    seq = torch.repeat_interleave(counts)  # n repeated counts[n] times
+    within = torch.arange(seq.numel(), dtype=torch.int64) - offsets[seq]
+    return torch.stack([seq, within], dim=1).to(torch.int32), offsets
 
 
 def chunk_indices(cu_seqlens: Tensor, chunk_size: int) -> Tensor:
-    """``[NT, 2]`` int32: ``(sequence, chunk within that sequence)`` for every chunk, in order.
+    """``[NT, 2]`` int32 ``(sequence, chunk within it)`` rows; see :func:`chunk_tables`."""
+    return chunk_tables(cu_seqlens, chunk_size)[0]
 
-    ``NT = sum(ceil(len_i / chunk_size))``; ``cu_seqlens`` is ``[N + 1]`` host offsets.
-    """
-    counts = _chunk_counts(cu_seqlens, chunk_size)
-    first = chunk_offsets(cu_seqlens, chunk_size)
-    total = int(first[-1])
-    seq = torch.repeat_interleave(torch.arange(counts.numel(), dtype=torch.int64), counts)
-    within = torch.arange(total, dtype=torch.int64) - first[:-1][seq]
-    return torch.stack([seq, within], dim=1).to(torch.int32)
+
+def chunk_offsets(cu_seqlens: Tensor, chunk_size: int) -> Tensor:
+    """``[N + 1]`` int64 first chunk row of each sequence, then NT; see :func:`chunk_tables`."""
+    return chunk_tables(cu_seqlens, chunk_size)[1]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .chunks import chunk_indices, chunk_offsets
+from .chunks import chunk_tables
 from .device import DeviceRouting, RoutingCaps
 from .layouts import int_tensor
 
@@ -358,11 +358,11 @@ class RoutingPlan:
         cu_cpu[: n_sub + 1] = self.cu_seqlens
         # The kernels' chunk tables of both passes, so the kernel library derives nothing from
         # cu_seqlens itself (its own helper copies from pageable memory: a sync per call).
-        cu_fields = (cu_cpu, summary_cu.to(torch.int32), chunk_indices(cu_cpu, chunk_size),
-                     chunk_indices(summary_cu, chunk_size))  # fmt: skip
+        main_chunks, main_offsets = chunk_tables(cu_cpu, chunk_size)
+        summary_chunks, summary_offsets = chunk_tables(summary_cu, chunk_size)
+        cu_fields = (cu_cpu, summary_cu.to(torch.int32), main_chunks, summary_chunks)
         fields = (frag_first, frag_last, publish, pred_slots, terminal, tail_index, halo_index,
-                  summary_row, summary_tokens, chunk_offsets(cu_cpu, chunk_size),
-                  chunk_offsets(summary_cu, chunk_size))  # fmt: skip
+                  summary_row, summary_tokens, main_offsets, summary_offsets)  # fmt: skip
         packed = torch.cat([f.reshape(-1) for f in fields])
         cu_packed = torch.cat([f.reshape(-1) for f in cu_fields])
         pin = torch.cuda.is_available()
