@@ -27,3 +27,22 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert timing["device_readback"]["readbacks_per_step"] >= 1
     assert "| host |" in proc.stdout
     assert "skipped" in proc.stdout and "CUDA tests failed" not in proc.stderr
+
+
+def test_sync_check_names_the_synchronising_frame():
+    # A synchronising step is reported with the innermost project/fla frame, where to look.
+    import importlib.util
+
+    import pytest
+    import torch
+
+    from torchtitan_cp.ops.fla_backend import _check_chunk_tables
+
+    spec = importlib.util.spec_from_file_location("gpu_check", f"{REPO}/scripts/gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    with pytest.raises(ValueError) as info:
+        _check_chunk_tables(None, torch.zeros(1, 2), None)
+    site = gpu_check.sync_site(info.value)
+    assert site.startswith("torchtitan_cp/ops/fla_backend.py:") and "_check_chunk_tables" in site
