@@ -6,7 +6,9 @@ the token / position / sequence id builders) are made to raise. The fla adapters
 them the CP driver, then run forward and backward on CPU tensors. Every launch that receives a
 chunk table must receive one equal (``torch.equal``, same dtype) to what fla's own helper
 computes from that launch's ``cu_seqlens`` and chunk size ``BT``. The outputs are garbage (the
-kernels never run); only the call arguments are checked.
+kernels never run); only the call arguments are checked. A last test runs the same calls on the
+``meta`` device while recording every host<->device copy: there is none, and no device value is
+read (meta tensors have none).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from dist_utils import loose_caps, random_cu_seqlens, random_layout
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from torchtitan_cp.ops import context_parallel_delta_rule
 from torchtitan_cp.ops import local as local_ops
@@ -304,3 +308,56 @@ def test_model_layers_pass_tables(fla_recorder, monkeypatch):
     for kernel in ("causal_conv1d_fwd_kernel", "causal_conv1d_bwd_kernel",
                    "chunk_kda_bwd_kernel_intra", "chunk_bwd_kernel_dqkwg"):  # fmt: skip
         assert kernel in names, kernel
+
+
+class _Transfers(TorchDispatchMode):
+    """Records every aten op that moves data between the host (cpu) and the device (meta)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        devices_in = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}  # fmt: skip
+        devices_out = {t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+        if {"cpu", "meta"} <= devices_in | devices_out and devices_in != devices_out:
+            self.seen.append(f"{func} {sorted(devices_in)} -> {sorted(devices_out)}")
+        return out
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
+    # The device is PyTorch's meta device (any value read fails) and every host<->device copy is
+    # recorded: the CP driver (summary + main pass) and the conv, forward and backward, with the
+    # routing's tables move nothing between host and device and read no device value. The host
+    # offsets (cu_seqlens_cpu) are the only host tensors they touch.
+    from torchtitan_cp.ops import context_parallel_conv_history
+
+    monkeypatch.setattr(local_ops, "_resolve_backend", lambda backend, x: "fla")
+    r = RoutingPlan.build(CU, TABLE, 0).to_device("meta", chunk_size=FLA_CHUNK_SIZE)
+    assert r.chunk_indices.is_meta and not r.cu_seqlens_cpu.is_meta
+    q, k, v, g, beta, _ = (t.detach().to("meta").requires_grad_() for t in _inputs(kind, r.num_tokens, 1))  # fmt: skip
+    x = torch.randn(1, r.num_tokens, 64, device="meta", requires_grad=True)
+    w = torch.randn(64, 4, device="meta", requires_grad=True)
+    with _Transfers() as mode:
+        o, fin = context_parallel_delta_rule(
+            q, k, v, g, beta, kind=kind, routing=r, group=None, output_final_state=True
+        )
+        history = context_parallel_conv_history(x, routing=r, group=None)
+        y = local_ops.causal_conv1d(
+            x, w, cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu,
+            chunk_indices=r.chunk_indices, initial_state=history,
+        )  # fmt: skip
+        (o.sum() + fin.sum() + y.sum()).backward()
+    assert mode.seen == []
+    assert q.grad is not None and x.grad is not None
+    assert any("chunk_indices" in ln.kwargs for ln in fla_recorder.launches)
+    # Sensitivity: without the tables fla copies its host-built chunk indices to the device.
+    monkeypatch.setattr(fla_index, "prepare_chunk_indices", REF_CHUNK_INDICES)
+    for mod in (sys.modules["fla.ops.gated_delta_rule.chunk"], sys.modules["fla.ops.kda.chunk"]):
+        monkeypatch.setattr(mod, "prepare_chunk_indices", REF_CHUNK_INDICES)
+    with _Transfers() as mode:
+        chunk_delta_rule_fla(q, k, v, g, beta, kind=kind, cu_seqlens=r.cu_seqlens,
+                             cu_seqlens_cpu=r.cu_seqlens_cpu)  # fmt: skip
+    assert mode.seen and all("_to_copy" in s for s in mode.seen), mode.seen
