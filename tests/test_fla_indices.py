@@ -25,7 +25,13 @@ from torch.utils._pytree import tree_leaves
 from torchtitan_cp.ops import context_parallel_delta_rule
 from torchtitan_cp.ops import local as local_ops
 from torchtitan_cp.ops.fla_backend import FLA_CHUNK_SIZE, causal_conv1d_fla, chunk_delta_rule_fla
-from torchtitan_cp.routing import RoutingPlan, chunk_indices, chunk_offsets
+from torchtitan_cp.routing import (
+    RoutingCaps,
+    RoutingPlan,
+    chunk_bound,
+    chunk_indices,
+    chunk_offsets,
+)
 
 fla_index = pytest.importorskip("fla.ops.utils.index")
 KernelInterface = pytest.importorskip("triton.runtime.jit").KernelInterface
@@ -169,6 +175,11 @@ def test_delta_rule_adapter_gets_precomputed_tables(fla_recorder, kind):
     assert all(x.grad is not None for x in (q, k, v, g, beta, h0))
     checked = check_launches(fla_recorder, [r.cu_seqlens])
     assert len(checked["fwd"]) >= 3 and len(checked["bwd"]) >= 4, checked
+    # With caps the table is padded; the kernels get a view of its first NT rows, not a copy.
+    assert r.chunk_indices.shape[0] == chunk_bound(r.num_tokens, N, FLA_CHUNK_SIZE)
+    tables = [ln.kwargs["chunk_indices"] for ln in fla_recorder.launches if "chunk_indices" in ln.kwargs]  # fmt: skip
+    storage = r.chunk_indices.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == storage for t in tables)
     if kind == "kda":  # the shim also hands fla its chunk offsets
         assert "chunk_gated_delta_rule_fwd_kernel_h_blockdim64:chunk_offsets" in checked["fwd"]
         assert "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64:chunk_offsets" in checked["bwd"]
@@ -241,8 +252,28 @@ def test_routing_tables_equal_fla_helpers(seed, capped):
             (r.summary_cu_seqlens, r.summary_chunk_indices, r.summary_chunk_offsets),
         ):
             ref_ci, ref_co = REF_CHUNK_INDICES(dev_cu, 64), REF_CHUNK_OFFSETS(dev_cu, 64)
-            assert ci.dtype == ref_ci.dtype and torch.equal(ci, ref_ci)
+            nt = ref_ci.shape[0]
+            assert ci.dtype == ref_ci.dtype and torch.equal(ci[:nt], ref_ci)
             assert co.dtype == ref_co.dtype and torch.equal(co, ref_co)
+            rows = chunk_bound(int(dev_cu[-1]), dev_cu.numel() - 1, 64) if capped else nt
+            assert ci.shape[0] == rows and bool((ci[nt:] == -1).all())
+
+
+def test_capped_tables_have_layout_independent_shapes():
+    # Same span length and caps, different documents and layouts: every shape is the same, so
+    # a compiled graph taking the tables as inputs does not recompile per layout.
+    caps = RoutingCaps(slots=4, subsequences=24, predecessors=8, terminal=24)
+    layouts = [
+        ([0, 1, 70, 150, 350, 351, 420], [[(0, 100), (300, 420), (100, 300)]]),
+        ([0, 420], [[(0, 420)]]),
+        ([0, 63, 64, 129, 200, 201, 300, 400, 420], [[(0, 3), (100, 420), (3, 100)]]),
+    ]
+    shapes = set()
+    for cu, table in layouts:
+        r = RoutingPlan.build(cu, table, 0).to_device("cpu", caps=caps)
+        shapes.add(tuple(tuple(getattr(r, f).shape) for f in (
+            "chunk_indices", "chunk_offsets", "summary_chunk_indices", "summary_chunk_offsets")))  # fmt: skip
+    assert len(shapes) == 1, shapes
 
 
 @pytest.mark.parametrize("chunk", [1, 16, 32, 64])

@@ -37,25 +37,41 @@ def _device_cu_seqlens(
     return cu_seqlens, cu_seqlens_cpu
 
 
-def _check_chunk_tables(
-    cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None, chunk_offsets: Tensor | None
-) -> None:
-    """Host-only shape check that the tables were built for fla's chunk size (no device read)."""
+def _chunk_table(
+    cu_seqlens_cpu: Tensor | None,
+    num_tokens: int,
+    chunk_indices: Tensor | None,
+    chunk_offsets: Tensor | None,
+) -> Tensor | None:
+    """The first NT rows of ``chunk_indices`` (NT from the host offsets: no device read).
+
+    Accepts the exact table or one padded to ``chunk_bound`` rows (``DeviceRouting`` with caps);
+    any other row count means tables built for another chunk size or other offsets.
+    """
+    from torchtitan_cp.routing import chunk_bound
+
     if chunk_indices is None and chunk_offsets is None:
-        return
+        return None
     if cu_seqlens_cpu is None:
         raise ValueError("chunk_indices / chunk_offsets need cu_seqlens_cpu (host offsets)")
     lens = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).to(torch.int64)
+    n = lens.numel()
+    if chunk_offsets is not None and list(chunk_offsets.shape) != [n + 1]:
+        raise ValueError(f"chunk_offsets must be [{n + 1}], got {list(chunk_offsets.shape)}")
+    if chunk_indices is None:
+        return None
     nt = int(torch.div(lens + FLA_CHUNK_SIZE - 1, FLA_CHUNK_SIZE, rounding_mode="floor").sum())
-    if chunk_indices is not None and list(chunk_indices.shape) != [nt, 2]:
+    rows = (nt, chunk_bound(num_tokens, n, FLA_CHUNK_SIZE))
+    if (
+        chunk_indices.dim() != 2
+        or chunk_indices.shape[1] != 2
+        or chunk_indices.shape[0] not in rows
+    ):
         raise ValueError(
-            f"chunk_indices must be [{nt}, 2] for these cu_seqlens and fla's chunk size "
-            f"{FLA_CHUNK_SIZE}, got {list(chunk_indices.shape)}"
+            f"chunk_indices must be [{nt}, 2] (or padded to [{rows[1]}, 2]) for these cu_seqlens "
+            f"and fla's chunk size {FLA_CHUNK_SIZE}, got {list(chunk_indices.shape)}"
         )
-    if chunk_offsets is not None and list(chunk_offsets.shape) != [lens.numel() + 1]:
-        raise ValueError(
-            f"chunk_offsets must be [{lens.numel() + 1}], got {list(chunk_offsets.shape)}"
-        )
+    return chunk_indices[:nt]
 
 
 def chunk_delta_rule_fla(
@@ -78,15 +94,16 @@ def chunk_delta_rule_fla(
 
     Same shapes as ``ops.local.chunk_delta_rule``; gates are already natural-log decays and q/k
     already normalised, so all of FLA's in-kernel gate / l2norm / sigmoid options stay off.
-    States are float32 ``[N, HV, K, V]``. ``chunk_indices [NT, 2]`` int32 and ``chunk_offsets
-    [N + 1]`` on q's device: the chunk tables of ``cu_seqlens`` (KDA goes through
+    States are float32 ``[N, HV, K, V]``. ``chunk_indices [NT, 2]`` int32 (or padded, see
+    ``_chunk_table``) and ``chunk_offsets [N + 1]`` on q's device: the chunk tables of
+    ``cu_seqlens`` (KDA goes through
     ``fla_compat.chunk_kda_indexed``, which accepts both; GDN's public function takes
     ``chunk_indices`` and derives its chunk offsets on the device, which needs no host read).
     """
     cu_seqlens, cu_seqlens_cpu = _device_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q.device)
     if cu_seqlens is None and (chunk_indices is not None or chunk_offsets is not None):
         raise ValueError("chunk_indices / chunk_offsets need cu_seqlens")
-    _check_chunk_tables(cu_seqlens_cpu, chunk_indices, chunk_offsets)
+    chunk_indices = _chunk_table(cu_seqlens_cpu, q.shape[1], chunk_indices, chunk_offsets)
     if initial_state is not None:
         initial_state = initial_state.float()
     if kind == "kda" and chunk_indices is not None:
@@ -150,7 +167,7 @@ def causal_conv1d_fla(
     cu_seqlens, cu_seqlens_cpu = _device_cu_seqlens(cu_seqlens, cu_seqlens_cpu, x.device)
     if cu_seqlens is None and chunk_indices is not None:
         raise ValueError("chunk_indices needs cu_seqlens")
-    _check_chunk_tables(cu_seqlens_cpu, chunk_indices, None)
+    chunk_indices = _chunk_table(cu_seqlens_cpu, x.shape[1], chunk_indices, None)
     if initial_state is not None:
         initial_state = F.pad(initial_state.to(x.dtype), (1, 0))
     # fla.modules re-exports shadow the submodule name for type checkers; it is the function.

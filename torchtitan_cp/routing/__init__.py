@@ -4,7 +4,7 @@ See docs/routing.md for the vocabulary and docs/CONTRACTS.md for the exact devic
 """
 
 from .cache import PlanCache
-from .chunks import chunk_indices, chunk_offsets, chunk_tables
+from .chunks import chunk_bound, chunk_indices, chunk_offsets, chunk_tables
 from .device import DeviceRouting, RoutingCaps
 from .layouts import (
     FragmentTable,
@@ -41,6 +41,7 @@ __all__ = [
     "PlanCache",
     "RoutingCaps",
     "RoutingPlan",
+    "chunk_bound",
     "chunk_indices",
     "chunk_offsets",
     "chunk_tables",

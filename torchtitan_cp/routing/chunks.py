@@ -12,7 +12,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["chunk_indices", "chunk_offsets", "chunk_tables"]
+__all__ = ["chunk_bound", "chunk_indices", "chunk_offsets", "chunk_tables"]
+
+
+def chunk_bound(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
+    """Most chunks ``num_seqs`` sequences of ``num_tokens`` tokens in all can have:
+    ``ceil(num_tokens / chunk_size) + num_seqs`` (each sequence adds at most one partial chunk).
+    With caps, ``DeviceRouting`` pads its chunk tables to this many rows (a fixed shape)."""
+    return -(-num_tokens // chunk_size) + num_seqs
 
 
 def chunk_tables(cu_seqlens: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .chunks import chunk_tables
+from .chunks import chunk_bound, chunk_tables
 from .device import DeviceRouting, RoutingCaps
 from .layouts import int_tensor
 
@@ -281,6 +281,7 @@ class RoutingPlan:
             raise ValueError(f"conv_history must be >= 0, got {conv_history}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        fixed_shapes = caps is not None
         caps = caps or RoutingCaps()
         n_local = len(self.fragments)
         n_sub = self.num_subsequences
@@ -360,6 +361,14 @@ class RoutingPlan:
         # cu_seqlens itself (its own helper copies from pageable memory: a sync per call).
         main_chunks, main_offsets = chunk_tables(cu_cpu, chunk_size)
         summary_chunks, summary_offsets = chunk_tables(summary_cu, chunk_size)
+        if fixed_shapes:
+            # Layout-independent shapes: rows up to chunk_bound, padding rows (-1, -1). The
+            # kernels get the first NT rows (NT from the host offsets), never the padding.
+            n_sum = summary_cu.numel() - 1
+            main_chunks = _pad_rows(main_chunks, chunk_bound(self.num_tokens, n_cap, chunk_size))
+            summary_chunks = _pad_rows(
+                summary_chunks, chunk_bound(int(summary_cu[-1]), n_sum, chunk_size)
+            )
         cu_fields = (cu_cpu, summary_cu.to(torch.int32), main_chunks, summary_chunks)
         fields = (frag_first, frag_last, publish, pred_slots, terminal, tail_index, halo_index,
                   summary_row, summary_tokens, main_offsets, summary_offsets)  # fmt: skip
@@ -409,6 +418,12 @@ class RoutingPlan:
             f"num_slots={self.num_slots}, fragments={self.fragments}, "
             f"subsequences={self.num_subsequences}, num_tokens={self.num_tokens})"
         )
+
+
+def _pad_rows(table: Tensor, rows: int) -> Tensor:
+    out = torch.full((rows, table.shape[1]), -1, dtype=table.dtype)
+    out[: table.shape[0]] = table
+    return out
 
 
 def _capped(name: str, cap: int | None, need: int, what: str) -> int:
