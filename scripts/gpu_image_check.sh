@@ -23,7 +23,9 @@ find_python312() {
   local candidate
   for candidate in "${PYTHON312:-}" python3.12 \
       "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
-    if [[ -n "$candidate" ]] && command -v "$candidate" >/dev/null 2>&1; then
+    # A pyenv shim is on PATH even where it cannot run 3.12: try the interpreter itself.
+    if [[ -n "$candidate" ]] && "$candidate" -c \
+        'import sys, venv; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; then
       command -v "$candidate"; return 0
     fi
   done
