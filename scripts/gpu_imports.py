@@ -37,8 +37,18 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
 )
 
 
-def check(imports: tuple[str, ...] = CUDA_PATH_IMPORTS) -> str | None:
-    """The first failing import as one line, or None when all of them load."""
+def check(
+    imports: tuple[str, ...] = CUDA_PATH_IMPORTS, torch_version: str | None = None
+) -> str | None:
+    """The first problem as one line, or None when all of ``imports`` load: torch (the
+    installed one, or ``torch_version``) below the floor of the code under the trainer, then
+    the first failing import."""
+    from torchtitan_cp import platform
+
+    try:
+        platform.require_torch(platform.LIBRARY_TORCH_FLOOR, "the CUDA path", torch_version)
+    except platform.TorchVersionError as e:
+        return str(e)
     for entry in imports:
         module_name, _, attr = entry.partition(":")
         try:

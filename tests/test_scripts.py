@@ -95,6 +95,10 @@ def test_gpu_imports_name_the_first_failure():
         "cannot import f from no_such_module_x.sub: ModuleNotFoundError: "
         "No module named 'no_such_module_x'"
     )
+    err = gpu_imports.check((), torch_version="2.10.1+cu128")
+    assert err is not None and err.startswith(
+        "the CUDA path needs torch >= 2.11, found torch 2.10.1+cu128"
+    )
     err = gpu_imports.check(("torchtitan_cp.models:no_such_name",))
     assert err is not None and err.startswith(
         "cannot import no_such_name from torchtitan_cp.models"

@@ -23,7 +23,8 @@ _APPLIED = False
 
 # The trainer's floor: torchtitan 0.3.0 imports DataParallelMeshDims from torch.distributed.fsdp
 # and calls dist.set_timeout, both new in torch 2.14. routing/, ops/, models/, sequence.py and
-# host_metadata.py need only torch >= 2.11 (the GPU image check runs them on 2.11.0).
+# host_metadata.py need only torch >= 2.11 (scripts/gpu_imports.py checks it; the GPU image
+# check runs them on 2.11.0).
 TRAINER_TORCH_FLOOR = (2, 14)
 LIBRARY_TORCH_FLOOR = (2, 11)
 
