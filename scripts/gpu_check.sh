@@ -30,7 +30,7 @@ install_wheels() {
   while read -r pin file; do
     [[ -f "$dir/$file" ]] || { echo "gpu_check: $dir lacks the wheel of $pin ($file); run scripts/gpu_wheels.sh $dir --python-version $want" >&2; return 2; }
     files+=("$dir/$file")
-  done < <(grep -v -E '^(#|python )' "$manifest")
+  done < <(grep -v -E '^(#|python |\s*$)' "$manifest")
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" "${files[@]}"
 }
