@@ -5,8 +5,8 @@
 #    default .whl beside the repo root, with scripts/gpu_wheels.sh on a machine with network)
 #    into SITE (default .gpu_site, git-ignored). Skipped when WHEEL_DIR is unset and step 2
 #    already passes.
-# 2. Imports everything the CUDA path loads (scripts/gpu_imports.py); a missing module stops
-#    here with one line naming it.
+# 2. Checks torch >= 2.11 and imports everything the CUDA path loads (scripts/gpu_imports.py);
+#    an old torch or a missing module stops here with one line naming it.
 # 3. Runs the CUDA-only tests (fla kernels, the CP delta rule on fla, flex vs sdpa forward and
 #    backward; GPU_TESTS=0 skips them). A failure is reported, the measurements still run, and
 #    the exit status is 1.

@@ -66,7 +66,7 @@ PYTHON="$PY" WHEEL_DIR="$WHEELS" SITE="$SITE" OMP_NUM_THREADS="${OMP_NUM_THREADS
 step "4a. the import gate names a missing einops"
 NO_EINOPS="$CACHE/site-no-einops"
 rm -rf "$NO_EINOPS"
-mapfile -t files < <(grep -v -E '^(#|python |einops==)' "$WHEELS/gpu_wheels.txt" | cut -d' ' -f2)
+mapfile -t files < <(grep -v -E '^(#|python |einops==|\s*$)' "$WHEELS/gpu_wheels.txt" | cut -d' ' -f2)
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$NO_EINOPS" "${files[@]/#/$WHEELS/}"
 if out="$(PYTHONPATH="$NO_EINOPS:$ROOT" "$PY" "$ROOT/scripts/gpu_imports.py" 2>&1)"; then
   echo "gpu_image_check: the import gate passed without einops" >&2; exit 1
