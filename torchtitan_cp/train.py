@@ -58,6 +58,13 @@ def _single_process_defaults() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torchtitan_cp import platform
+
+    try:  # before any torchtitan import, which fails on an older torch
+        platform.require_torch(platform.TRAINER_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
+    except platform.TorchVersionError as e:
+        print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
+        return 2
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
