@@ -293,6 +293,8 @@ def delta_rule_fla_op(
     and what fla's backward reads instead of recomputing (kda: Aqk, Akk; gdn: A and ``[0]``).
     """
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
     chunk_indices = _fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices)
     # Untyped kwargs: fla annotates optional tensors (initial_state, offsets) as required.
     kw: dict[str, Any] = dict(
@@ -367,6 +369,8 @@ def delta_rule_fla_bwd_op(
     dq, dk, dv, db, dgate, dh0 = grads[:6]
     if dh0 is None or initial_state is None:
         dh0 = q.new_empty(0, dtype=torch.float32)
+    else:
+        dh0 = dh0.to(initial_state.dtype)
     return (
         dq.to(q.dtype),
         dk.to(k.dtype),
@@ -430,6 +434,10 @@ def causal_conv1d_fla_op(
     from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
 
     act = None if activation == "none" else activation
+    # Contiguous inputs: fla's wrapper (not called here) would otherwise pick a layout fallback.
+    x, weight = x.contiguous(), weight.contiguous()
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
     y, _ = causal_conv1d_fwd(
         x=x, weight=weight, bias=bias, residual=None, initial_state=initial_state,
         output_final_state=False, activation=act, cu_seqlens=cu_seqlens,
@@ -460,14 +468,21 @@ def causal_conv1d_fla_bwd_op(
     from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
 
     act = None if activation == "none" else activation
+    x, weight = x.contiguous(), weight.contiguous()
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
     dx, dw, db, _, dh0 = causal_conv1d_bwd(
         x=x, dy=dy.contiguous(), dht=None, weight=weight, bias=bias, residual=None,
         initial_state=initial_state, activation=act, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
     )  # fmt: skip
-    db = db if (bias is not None and db is not None) else x.new_empty(0)
-    dh0 = dh0 if (initial_state is not None and dh0 is not None) else x.new_empty(0)
-    return dx, dw.to(weight.dtype), db, dh0
+    # Every gradient in its input's dtype, as the fake impl promises.
+    db = db.to(bias.dtype) if (bias is not None and db is not None) else x.new_empty(0)
+    if initial_state is not None and dh0 is not None:
+        dh0 = dh0.to(initial_state.dtype)
+    else:
+        dh0 = x.new_empty(0)
+    return dx.to(x.dtype), dw.to(weight.dtype), db, dh0
 
 
 @causal_conv1d_fla_bwd_op.register_fake
