@@ -23,7 +23,11 @@ Eager runs do not go through these ops (``ops.local`` calls them only while comp
 eager path keeps its plain autograd. Shapes and conventions are those of ``ops.local``
 (docs/CONTRACTS.md). Every op takes optional tensors as ``Tensor | None`` arguments, so a new
 precomputed index (fla's ``chunk_indices``, ...) is one more optional argument on the forward op,
-saved in ``_setup_*`` and passed on by its backward op.
+saved in ``_setup_*`` and passed on by its backward op. An argument's shape is part of the
+compiled graph's guards, though: an index whose length follows the layout (fla's chunk indices
+are ``[number of chunks, 2]``) recompiles per layout unless it is padded to a fixed size, so
+such indices are derived inside the op (``_fla_chunk_indices``), where shapes are invisible to
+the compiler.
 
 Only APIs present since torch 2.4 are used (``torch.library.custom_op``, ``register_fake``,
 ``register_autograd``), so the ops load on the GPU image's torch 2.11 as well.
