@@ -36,9 +36,11 @@ def load_config(argv: list[str]):
     # Validate the model recipe now so a bad flavor or layer letter fails before any process
     # group is created.
     from torchtitan_cp.models import model_config
-    from torchtitan_cp.trainer import check_attention_backend
+    from torchtitan_cp.trainer import check_attention_backend, check_compile
 
-    check_attention_backend(config, model_config(config.model.flavor, **config.model.overrides()))
+    model_cfg = model_config(config.model.flavor, **config.model.overrides())
+    check_attention_backend(config, model_cfg)
+    check_compile(config, model_cfg)
     return config
 
 

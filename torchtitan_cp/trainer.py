@@ -41,6 +41,7 @@ from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+from torchtitan_cp.compile import CAP_KEYS, check_compile, compile_counters  # noqa: E402
 from torchtitan_cp.config import ConfigError, LinearAttentionConfig, ModelRecipe  # noqa: E402
 from torchtitan_cp.data import (  # noqa: E402
     PackedTextDataLoader,
@@ -224,6 +225,7 @@ class HybridTrainer(Trainer):
         if hasattr(loss_fn_cfg, "global_vocab_size"):
             setattr(loss_fn_cfg, "global_vocab_size", model_cfg.vocab_size)  # noqa: B010
         flex = check_attention_backend(config, model_cfg)
+        caps = check_compile(config, model_cfg)  # fixed routing shapes when compiling
         super().__init__(config)
         pd = self.parallel_dims
         cp_group = pd.get_mesh("cp").get_group() if pd.cp_enabled else None
@@ -236,7 +238,10 @@ class HybridTrainer(Trainer):
             conv_history=model_cfg.conv_width - 1,
             ptrr_block_size=config.linear_attention.ptrr_block_size,
             flex_attention=flex,
+            caps=caps,
+            cap_keys=CAP_KEYS,
         )
+        self.report_compile = caps is not None
         if config.validator.enable:
             cast(HybridValidator, self.validator).sequence = self.sequence
         metrics = cast(HybridMetricsProcessor, self.metrics_processor)
@@ -274,6 +279,8 @@ class HybridTrainer(Trainer):
 
     def _extra_metrics(self) -> dict[str, Any]:
         out = self._routing_metrics("routing")
+        if self.report_compile:
+            out.update(compile_counters())
         if self.param_checksums:
             out["params_sha256"] = tensors_sha256(self.model_parts, grads=False)
             out["grads_sha256"] = tensors_sha256(self.model_parts, grads=True)
