@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+    from torchtitan_cp.run_lock import RunError
+
     trainer = None
     try:
         trainer = config.build()
@@ -88,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
+    except RunError as e:
+        # A busy dump folder, an unusable checkpoint, a loss spike: one line, no traceback.
+        if trainer is not None:
+            trainer.close()
+        print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return e.exit_code
     except Exception:
         if trainer is not None:
             trainer.close()
