@@ -39,20 +39,33 @@ def torchrun_train(
     return proc
 
 
-def python_train(args: list[str], *, dump_folder: Path, timeout: float = 300):
-    """``python -m torchtitan_cp.train ARGS`` without torchrun (a world of one process)."""
+def python_train_cmd(args: list[str], *, dump_folder: Path) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``python -m torchtitan_cp.train ARGS``."""
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torchtitan_cp.train", *args, "--dump_folder", str(dump_folder)]
+    return cmd, env
+
+
+def python_train(args: list[str], *, dump_folder: Path, timeout: float = 300, check: bool = True):
+    """``python -m torchtitan_cp.train ARGS`` without torchrun (a world of one process);
+    ``check=False`` returns a failed run instead of raising."""
+    cmd, env = python_train_cmd(args, dump_folder=dump_folder)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         raise AssertionError(f"training failed (exit {proc.returncode}):\n{proc.stderr[-8000:]}")
     return proc
 
 
-def read_metrics(dump_folder: Path) -> list[dict]:
-    """Training rows of ``metrics.jsonl`` (validation rows are left out)."""
-    rows = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r]
+def read_metrics(dump_folder: Path, file: str = "metrics.jsonl") -> list[dict]:
+    """Training rows of ``metrics.jsonl`` (run header lines and validation rows are left out)."""
+    rows = [json.loads(line) for line in (dump_folder / file).read_text().splitlines()]
+    return [r for r in rows if "run_header" not in r and "loss" in r]
+
+
+def read_run_headers(dump_folder: Path, file: str = "metrics.jsonl") -> list[dict]:
+    """The ``run_header`` lines of ``metrics.jsonl``, one per run, oldest first."""
+    rows = [json.loads(line) for line in (dump_folder / file).read_text().splitlines()]
+    return [r["run_header"] for r in rows if "run_header" in r]
