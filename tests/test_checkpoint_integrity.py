@@ -214,3 +214,66 @@ def test_checkpoint_cli_verify_and_seal(tmp_path):
     assert p.returncode == 0, p.stderr
     p = subprocess.run([*run, "verify", str(d)], capture_output=True, text=True, env=env)
     assert p.returncode == 0 and "ok" in p.stdout
+
+
+class _State:
+    """A minimal Stateful for the manager's dataloader and LR-scheduler slots."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+
+
+def _manager(tmp_path: Path, run_id: str) -> HybridCheckpointManager:
+    import torch
+
+    model = torch.nn.Linear(4, 3)
+    config = HybridCheckpointManager.Config(enable=True, interval=2, keep_latest_k=0)
+    manager = HybridCheckpointManager(
+        config,
+        dataloader=_State(),  # pyrefly: ignore[bad-argument-type]
+        model_parts=[model],
+        optimizers=torch.optim.AdamW(model.parameters()),  # pyrefly: ignore[bad-argument-type]
+        lr_schedulers=_State(),  # pyrefly: ignore[bad-argument-type]
+        states={},
+        sd_adapter=None,
+        base_folder=str(tmp_path),
+    )
+    manager.run_id = run_id
+    return manager
+
+
+def test_save_writes_a_manifest_and_never_overwrites_another_runs_step(tmp_path):
+    folder = tmp_path / "checkpoint"
+    first = _manager(tmp_path, "run-a")
+    assert first.save(curr_step=2)
+    assert check_step(str(folder / "step-2")) is None
+    assert json.loads((folder / "step-2" / MANIFEST).read_text())["run_id"] == "run-a"
+    first.close()
+    second = _manager(tmp_path, "run-b")
+    with pytest.raises(
+        CheckpointError, match=r"refusing to overwrite .*step-2: a complete checkpoint of run run-a"
+    ):
+        second.save(curr_step=2)
+    assert check_step(str(folder / "step-2")) is None, "left as it was"
+    # An unfinished leftover is moved aside, not overwritten in place.
+    make_step(folder, 4, sealed=False, run_id="run-a")
+    assert second.save(curr_step=4)
+    assert check_step(str(folder / "step-4")) is None
+    assert (tmp_path / "checkpoint.aside" / "run-b" / "step-4" / "__1_0.distcp").is_file()
+    second.close()
+
+
+def test_load_only_runs_name_bad_steps_but_move_nothing(tmp_path):
+    folder = tmp_path / "checkpoint"
+    make_step(folder, 2)
+    make_step(folder, 4, sealed=False)
+    plan = plan_resume(str(folder), run_id="r", training_steps=10, move=False)
+    assert plan.step == 2 and "step-4 skipped: incomplete" in plan.lines[0]
+    assert "left in place" in plan.lines[0]
+    assert sorted(os.listdir(folder)) == ["step-2", "step-4"]

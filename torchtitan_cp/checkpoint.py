@@ -301,10 +301,12 @@ def plan_resume(
     training_steps: int | None = None,
     discard_later_steps: bool = False,
     sha256: bool = True,
+    move: bool = True,
     pg: Any = None,
 ) -> ResumePlan:
     """Choose the step to resume from (see the module docstring). Collective over ``pg``; rank 0
-    moves folders aside; every rank returns the same plan or raises the same error."""
+    moves folders aside (``move=False``, for load-only runs: names them only); every rank
+    returns the same plan or raises the same error."""
     steps: list[StepDir] = broadcast(scan_steps(folder) if _rank(pg) == 0 else None, pg)
     by_step = {s.step: s for s in steps}
     plan = ResumePlan()
@@ -358,13 +360,21 @@ def plan_resume(
         for s in reversed(later):
             aside.append((s, f"checkpoint step-{s.step} is newer than {where}"))
 
-    def move() -> list[str]:
+    def move_all() -> list[str]:
         lines = []
         for s, why in aside:
-            lines.append(f"{why}; moved to {move_aside(s.path, folder, run_id)}")
+            if not move:
+                lines.append(f"{why}; left in place (checkpoint.load_only)")
+                continue
+            try:
+                lines.append(f"{why}; moved to {move_aside(s.path, folder, run_id)}")
+            except OSError as e:
+                raise CheckpointError(
+                    f"{why}, but moving {s.path} aside failed ({e.strerror}): move it yourself"
+                ) from None
         return lines
 
-    plan.lines = on_rank0(move, pg)
+    plan.lines = on_rank0(move_all, pg)
     _barrier(pg)
     plan.complete = training_steps is not None and plan.step >= 0 and plan.step >= training_steps
     return plan

@@ -79,6 +79,7 @@ def start_run(
             training_steps=training_steps,
             discard_later_steps=getattr(checkpoint, "discard_later_steps", False),
             sha256=getattr(checkpoint, "verify", "sha256") == "sha256",
+            move=not checkpoint.load_only,
             pg=pg,
         )
         lines.extend(plan.lines)
