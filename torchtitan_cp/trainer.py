@@ -95,9 +95,8 @@ class JsonlLogger(BaseLogger):
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
-        self._f: IO[str] | None = (
-            None  # opened by start_run (or the first log), after the checkpoint load
-        )
+        # Opened by start_run (or the first log), after the checkpoint load.
+        self._f: IO[str] | None = None
 
     def start_run(self, header: dict[str, Any], resumed_from: int) -> None:
         moved = supersede_rows(self.path, resumed_from)
