@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, python_train, python_train_cmd, read_metrics, read_run_headers
+from tests.launch import (
+    REPO,
+    python_train,
+    python_train_cmd,
+    read_metrics,
+    read_run_headers,
+    torchrun_train,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -123,6 +130,17 @@ def test_folder_past_training_steps_is_refused(base_run, tmp_path):
     proc = python_train([*ARGS, "--training.steps", "4"], dump_folder=dump)
     assert "Nothing to train: checkpoint step-4 already reached training.steps = 4" in log(proc)
     assert read_run_headers(dump) == read_run_headers(base_run[0])
+
+
+def test_refusal_under_torchrun_is_one_line(base_run, tmp_path):
+    """All ranks stop on the same decision; torchrun's root cause shows the one line, not a
+    traceback through the recipe."""
+    dump = copy_of(base_run, tmp_path)
+    proc = torchrun_train([*ARGS, "--training.steps", "2"], nproc=2, dump_folder=dump, check=False)
+    assert proc.returncode != 0
+    out = log(proc)
+    assert "traceback : torchtitan_cp.train: error: checkpoint folder" in out, out[-3000:]
+    assert "torchtitan_cp/runs.py" not in out, "no traceback through the recipe"
 
 
 def test_load_step_below_newest_needs_discard_later_steps(base_run, tmp_path):

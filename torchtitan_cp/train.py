@@ -57,6 +57,24 @@ def _single_process_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
+def _record_for_torchrun(line: str) -> None:
+    """Under torchrun, replace the traceback torchtitan's ``@record`` left in this worker's
+    error file with the one-line message, which torchrun then shows as the root cause."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                       "timestamp": str(int(time.time()))}}}  # fmt: skip
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     from torchtitan.tools.logging import init_logger, logger
 
@@ -95,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None:
             trainer.close()
         print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
+        _record_for_torchrun(f"torchtitan_cp.train: error: {e}")
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return e.exit_code
