@@ -36,9 +36,11 @@ def load_config(argv: list[str]):
     # Validate the model recipe now so a bad flavor or layer letter fails before any process
     # group is created.
     from torchtitan_cp.models import model_config
-    from torchtitan_cp.trainer import check_attention_backend
+    from torchtitan_cp.trainer import check_attention_backend, check_compile
 
-    check_attention_backend(config, model_config(config.model.flavor, **config.model.overrides()))
+    model_cfg = model_config(config.model.flavor, **config.model.overrides())
+    check_attention_backend(config, model_cfg)
+    check_compile(config, model_cfg)
     return config
 
 
@@ -57,7 +59,32 @@ def _single_process_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
+def _record_for_torchrun(line: str) -> None:
+    """Under torchrun, replace the traceback torchtitan's ``@record`` left in this worker's
+    error file with the one-line message, which torchrun then shows as the root cause."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                       "timestamp": str(int(time.time()))}}}  # fmt: skip
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    from torchtitan_cp import platform
+
+    try:  # before any torchtitan import, which fails on an older torch
+        platform.require_torch(platform.TRAINER_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
+    except platform.TorchVersionError as e:
+        print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
+        return 2
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
@@ -79,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+    from torchtitan_cp.run_lock import RunError
+
     trainer = None
     try:
         trainer = config.build()
@@ -88,6 +117,15 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
+    except RunError as e:
+        # A busy dump folder, an unusable checkpoint, a loss spike: one line, no traceback.
+        if trainer is not None:
+            trainer.close()
+        print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
+        _record_for_torchrun(f"torchtitan_cp.train: error: {e}")
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return e.exit_code
     except Exception:
         if trainer is not None:
             trainer.close()

@@ -13,6 +13,7 @@ from torchtitan_cp.ops import flex_document_mask
 from torchtitan_cp.ops.fla_backend import FLA_CHUNK_SIZE
 from torchtitan_cp.routing import (
     DeviceRouting,
+    RoutingCaps,
     RoutingPlan,
     cu_seqlens_from_positions,
     document_ids,
@@ -58,14 +59,18 @@ def build_sequence_context(
     source: str = "host",
     conv_history: int = 3,
     block_mask: BlockMask | None = None,
+    caps: RoutingCaps | None = None,
 ) -> SequenceContext:
     """Materialise ``plan`` on ``device``: the routing plus per-token global and document ids.
 
     Every call creates new device tensors (copied non-blocking from host memory), so no two
-    microbatches share routing storage.
+    microbatches share routing storage. ``caps`` pads the routing to layout-independent shapes
+    (what a compiled model needs to avoid recompiling per layout).
     """
     # Chunk tables for fla's kernels come with the routing (no host sync inside fla).
-    routing = plan.to_device(device, conv_history=conv_history, chunk_size=FLA_CHUNK_SIZE)
+    routing = plan.to_device(
+        device, conv_history=conv_history, caps=caps, chunk_size=FLA_CHUNK_SIZE
+    )
     subs = plan.subsequences
     lengths = subs[:, 2] - subs[:, 1]
     local_starts = plan.cu_seqlens[:-1]

@@ -8,7 +8,6 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from torchtitan_cp.models.attention import resolve_attention_backend
 from torchtitan_cp.models.decoder import HybridDecoder, parse_layer_pattern
-from torchtitan_cp.models.parallelize import parallelize_hybrid
 
 # Sizes only; the layer pattern comes from config. Parameter counts are for the default
 # pattern of each flavor and the bundled tokenizer's vocabulary where it applies.
@@ -54,6 +53,10 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
 
 
 def model_spec(flavor: str, **overrides) -> ModelSpec:
+    """The trainer's spec. Imports ``parallelize`` here, not at module load: it pulls
+    torchtitan's FSDP module (torch >= 2.14), and the model itself runs on torch >= 2.11."""
+    from torchtitan_cp.models.parallelize import parallelize_hybrid
+
     return ModelSpec(
         name="hybrid",
         flavor=flavor,

@@ -5,7 +5,7 @@ See docs/routing.md for the vocabulary and docs/CONTRACTS.md for the exact devic
 
 from .cache import PlanCache
 from .chunks import chunk_bound, chunk_indices, chunk_offsets, chunk_tables
-from .device import DeviceRouting, RoutingCaps
+from .device import DeviceRouting, RoutingCaps, RoutingCapsExceeded
 from .layouts import (
     FragmentTable,
     contiguous_fragments,
@@ -40,6 +40,7 @@ __all__ = [
     "FragmentTable",
     "PlanCache",
     "RoutingCaps",
+    "RoutingCapsExceeded",
     "RoutingPlan",
     "chunk_bound",
     "chunk_indices",

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .chunks import chunk_bound, chunk_tables
-from .device import DeviceRouting, RoutingCaps
+from .device import DeviceRouting, RoutingCaps, RoutingCapsExceeded
 from .layouts import int_tensor
 
 __all__ = ["RoutingPlan"]
@@ -430,5 +430,7 @@ def _capped(name: str, cap: int | None, need: int, what: str) -> int:
     if cap is None:
         return need
     if need > cap:
-        raise ValueError(f"layout exceeds RoutingCaps.{name}={cap}: needs {need} {what}")
+        raise RoutingCapsExceeded(
+            f"layout exceeds RoutingCaps.{name}={cap}: needs {need} {what}", name
+        )
     return cap
