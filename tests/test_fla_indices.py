@@ -392,3 +392,33 @@ def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
         chunk_delta_rule_fla(q, k, v, g, beta, kind=kind, cu_seqlens=r.cu_seqlens,
                              cu_seqlens_cpu=r.cu_seqlens_cpu)  # fmt: skip
     assert mode.seen and all("_to_copy" in s for s in mode.seen), mode.seen
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_compiled_path_ops_get_the_routing_table(fla_recorder, kind):
+    # The custom ops torch.compile calls (ops/opaque.py) take the routing's table, padded to a
+    # fixed row count by the caps, and hand fla its first NT rows: no helper, fla-equal tables.
+    from torchtitan_cp.ops import opaque
+
+    r = RoutingPlan.build(CU, TABLE, 0).to_device(
+        "cpu", caps=loose_caps(CU, TABLE), chunk_size=FLA_CHUNK_SIZE
+    )
+    cu, cu_cpu, ci = r.cu_seqlens, r.cu_seqlens_cpu, r.chunk_indices
+    N = cu.numel() - 1
+    assert ci.shape[0] == chunk_bound(r.num_tokens, N, FLA_CHUNK_SIZE)  # padded
+    q, k, v, g, beta, h0 = (t.detach() for t in _inputs(kind, r.num_tokens, N))
+    o, fin, g_cum, a1, a2 = opaque.delta_rule_fla_op(
+        q, k, v, g, beta, h0, cu, cu_cpu, ci, kind, 0.3, True
+    )
+    x, w = torch.randn(1, r.num_tokens, 8), torch.randn(8, 4)
+    opaque.causal_conv1d_fla_op(x, w, None, None, cu, cu_cpu, ci, "silu")
+    fla_recorder.phase = "bwd"
+    opaque.delta_rule_fla_bwd_op(
+        q, k, v, beta, g_cum, a1, a2, h0, cu, cu_cpu, ci, torch.zeros_like(o),
+        torch.zeros_like(fin), kind, 0.3,
+    )  # fmt: skip
+    opaque.causal_conv1d_fla_bwd_op(x, w, None, None, cu, cu_cpu, ci, torch.zeros_like(x), "silu")
+    checked = check_launches(fla_recorder, [cu])
+    for phase in ("fwd", "bwd"):
+        assert "causal_conv1d_fwd_kernel:chunk_indices" in checked[phase]
+        assert len(checked[phase]) >= 3, checked
