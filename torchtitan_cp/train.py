@@ -35,10 +35,9 @@ def load_config(argv: list[str]):
     )
     # Validate the model recipe now so a bad flavor or layer letter fails before any process
     # group is created.
-    from torchtitan_cp.models import model_config
-    from torchtitan_cp.trainer import check_attention_backend
+    from torchtitan_cp.trainer import check_model
 
-    check_attention_backend(config, model_config(config.model.flavor, **config.model.overrides()))
+    check_model(config)
     return config
 
 

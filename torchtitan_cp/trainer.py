@@ -45,7 +45,7 @@ from torchtitan_cp.data import (  # noqa: E402
     PackedValidationDataLoader,
     pop_host_metadata,
 )
-from torchtitan_cp.models import HybridDecoder, model_spec  # noqa: E402
+from torchtitan_cp.models import recipe_model_spec  # noqa: E402
 from torchtitan_cp.ops import check_flex_shape  # noqa: E402
 from torchtitan_cp.sequence import SequencePreprocessor  # noqa: E402
 
@@ -183,7 +183,24 @@ def _preprocess(
     return inputs, labels, {"positions": positions, "seq_ctx": ctx}
 
 
-def check_attention_backend(config: Any, model_cfg: HybridDecoder.Config) -> bool:
+def check_model(config: Any) -> tuple[Any, bool]:
+    """Build ``[model]``'s spec and check it against the run's parallelism and device; returns
+    ``(spec, flex)``. Every problem is a one-line ConfigError naming the key."""
+    try:
+        spec = recipe_model_spec(config.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if config.model.name == "qwen3_5":
+        from torchtitan_cp.models.qwen35 import check_qwen35_parallelism
+
+        try:
+            check_qwen35_parallelism(spec.model, config.parallelism)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return spec, check_attention_backend(config, spec.model)
+
+
+def check_attention_backend(config: Any, model_cfg: Any) -> bool:
     """Whether this run's attention layers use flex; a ConfigError where flex cannot run:
     training off CUDA (no flex backward there) or a CP shard that is not whole mask blocks."""
     device = platform.device_type()
@@ -214,14 +231,13 @@ class HybridTrainer(Trainer):
         validator: HybridValidator.Config = field(default_factory=HybridValidator.Config)  # pyrefly: ignore[bad-override-mutable-attribute]
 
     def __init__(self, config: Config):
-        spec = model_spec(config.model.flavor, **config.model.overrides())
-        model_cfg = cast(HybridDecoder.Config, spec.model)
+        spec, flex = check_model(config)
+        model_cfg = spec.model  # HybridDecoder.Config or Qwen35TextModel.Config
         config.model_spec = spec
         # The loss is sized by the model's vocabulary, whichever flavor or override set it.
         loss_fn_cfg = getattr(config.loss, "loss_fn", config.loss)
         if hasattr(loss_fn_cfg, "global_vocab_size"):
             setattr(loss_fn_cfg, "global_vocab_size", model_cfg.vocab_size)  # noqa: B010
-        flex = check_attention_backend(config, model_cfg)
         super().__init__(config)
         pd = self.parallel_dims
         cp_group = pd.get_mesh("cp").get_group() if pd.cp_enabled else None
