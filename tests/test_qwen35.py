@@ -47,7 +47,11 @@ def make_batch(seed: int, bsz: int, seqlen: int, vocab: int = VOCAB):
     for b in range(bsz):
         t = 0
         while t < seqlen:
-            n = 1 if torch.rand((), generator=g) < 0.15 else int(torch.randint(2, seqlen // 2, ()))
+            n = (
+                1
+                if torch.rand((), generator=g) < 0.15
+                else int(torch.randint(2, seqlen // 2, (), generator=g))
+            )
             n = min(n, seqlen - t)
             positions[b, t : t + n] = torch.arange(n)
             t += n
