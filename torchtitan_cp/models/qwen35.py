@@ -107,7 +107,7 @@ def fla_l2norm(x: torch.Tensor) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
 
 
-class RoutedGatedDeltaKernel(nn.Module):
+class RoutedGatedDeltaKernel(Module):
     """Stand-in for upstream's ``GatedDeltaKernel``: same inputs and output, this recipe's delta
     rule over the microbatch's routing.
 
@@ -116,9 +116,13 @@ class RoutedGatedDeltaKernel(nn.Module):
     ``seq_ctx`` is set by the owning ``GatedDeltaNet`` for the duration of its forward.
     """
 
-    def __init__(self, backend: Literal["auto", "torch", "fla"] = "auto") -> None:
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        backend: Literal["auto", "torch", "fla"] = "auto"
+
+    def __init__(self, config: Config) -> None:
         super().__init__()
-        self.backend = backend
+        self.backend = config.backend
         self.seq_ctx: SequenceContext | None = None
 
     def forward(
@@ -251,7 +255,7 @@ def route_delta_nets(model: nn.Module, backend: Literal["auto", "torch", "fla"])
     for m in model.modules():
         if not isinstance(m, GatedDeltaNet) or isinstance(m.kernel, RoutedGatedDeltaKernel):
             continue
-        m.kernel = RoutedGatedDeltaKernel(backend)
+        m.kernel = RoutedGatedDeltaKernel.Config(backend=backend).build()
         m._causal_conv = types.MethodType(_routed_causal_conv, m)  # pyrefly: ignore[bad-assignment]
         m.forward = types.MethodType(_routed_delta_net_forward, m)  # pyrefly: ignore[bad-assignment]
         n += 1
@@ -285,7 +289,9 @@ class Qwen35TextModel(Qwen35Model):
             )
 
         def update_from_config(self, *, config, **kwargs) -> None:
-            Qwen35Model.Config.update_from_config(self, config=config, **kwargs)
+            # Decoder's checks and RoPE sizing; not Qwen35Model's, which fills tensor-parallel
+            # sharding configs (and needs the vision encoder) for TP this recipe rejects.
+            Decoder.Config.update_from_config(self, config=config, **kwargs)
             la = getattr(config, "linear_attention", None)
             if la is not None:
                 self.linear_attention_backend = la.backend
