@@ -195,6 +195,11 @@ def check_model(config: Any) -> tuple[Any, bool]:
 
         try:
             check_qwen35_parallelism(spec.model, config.parallelism)
+            ckpt = config.checkpoint
+            if ckpt.enable and ckpt.initial_load_in_hf:
+                from torchtitan_cp.hf import check_hf_folder
+
+                check_hf_folder(ckpt.initial_load_path or config.hf_assets_path, spec.model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return spec, check_attention_backend(config, spec.model)
