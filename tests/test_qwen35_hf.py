@@ -167,6 +167,7 @@ def test_training_continues_from_an_hf_folder_and_exports_back(tmp_path):
                    nproc=2, dump_folder=second)  # fmt: skip
     resumed = read_metrics(second)
     assert resumed[0]["loss"] < fresh[0]["loss"] - 1.0, (fresh[0]["loss"], resumed[0]["loss"])
-    assert abs(resumed[0]["loss"] - fresh[-1]["loss"]) < 0.5, (fresh[-1], resumed[0])
+    # ... and below every loss of the first run's first half: it starts where that run got to.
+    assert resumed[0]["loss"] < min(r["loss"] for r in fresh[:5]), (fresh, resumed[0])
     exported = list((second / "checkpoint" / "step-3").glob("*.safetensors"))
     assert exported, "last_save_in_hf wrote no safetensors"
