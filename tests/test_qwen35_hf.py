@@ -32,13 +32,16 @@ TOKENIZER = REPO / "torchtitan_cp" / "assets" / "tokenizer"
 CONFIG = "configs/qwen35_debug_cpu.toml"
 
 
-def _cfg():
-    return qwen35_config("debugmodel", n_layers=4, vocab_size=4096, attention_backend="sdpa")
+def _cfg(tied: bool = False):
+    return qwen35_config(
+        "debugmodel", n_layers=4, vocab_size=4096, attention_backend="sdpa",
+        enable_weight_tying=tied,
+    )  # fmt: skip
 
 
-def _random_model(seed: int):
+def _random_model(seed: int, tied: bool = False):
     torch.manual_seed(seed)
-    model = _cfg().build()
+    model = _cfg(tied).build()
     model.init_states()
     with torch.no_grad():  # zero-initialised norms and biases would hide a mis-mapped key
         for p in model.parameters():
@@ -76,14 +79,21 @@ def _load_through_torchtitan(model, path: Path) -> None:
     )
 
 
-def test_hf_folder_loads_back_with_bitwise_logits(tmp_path):
-    model = _random_model(0)
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_folder_loads_back_with_bitwise_logits(tmp_path, tied):
+    """Also with tied embeddings (HF's tie_word_embeddings, Qwen3.5 0.8B-4B): the folder then
+    has no lm_head.weight and loading still gives the same model."""
+    from safetensors import safe_open
+
+    model = _random_model(0, tied)
     folder = write_hf_folder(model, model.config, tmp_path / "hf", tokenizer_dir=TOKENIZER)
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
         f.name for f in folder.iterdir()
     }
     check_hf_folder(folder, model.config)
-    other = _random_model(1)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert ("lm_head.weight" in f.keys()) != tied
+    other = _random_model(1, tied)
     tokens, positions, _ = make_batch(7, 2, 64, vocab=4096)
     assert not torch.equal(model(tokens, positions), other(tokens, positions))
     _load_through_torchtitan(other, folder)

@@ -43,23 +43,21 @@ def hf_text_config(cfg: Any) -> dict[str, Any]:
         "linear_key_head_dim": dn.key_head_dim,
         "linear_value_head_dim": dn.value_head_dim,
         "linear_conv_kernel_dim": dn.conv_kernel_size,
+        "tie_word_embeddings": bool(cfg.enable_weight_tying),
     }
 
 
 def hf_config(cfg: Any) -> dict[str, Any]:
-    """A ``config.json`` for ``cfg`` (text model; lm_head stored, not tied)."""
+    """A ``config.json`` for ``cfg`` (the text model)."""
     text = hf_text_config(cfg)
     text.update(
-        model_type="qwen3_5_text",
-        rms_norm_eps=1e-6,
-        rope_theta=cfg.first_attention.rope.theta,
-        tie_word_embeddings=False,
+        model_type="qwen3_5_text", rms_norm_eps=1e-6, rope_theta=cfg.first_attention.rope.theta,
         torch_dtype="float32",
-    )
+    )  # fmt: skip
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": text["tie_word_embeddings"],
         "text_config": text,
     }
 
@@ -102,7 +100,8 @@ def check_hf_folder(path: str | Path, cfg: Any) -> None:
         raise ValueError(f"{cfg_file}: invalid JSON: {e}") from None
     text = hf.get("text_config", hf)
     for key, want in hf_text_config(cfg).items():
-        have = text.get(key)
+        # HF keeps tie_word_embeddings at the top level (default false).
+        have = hf.get(key, text.get(key, False)) if key == "tie_word_embeddings" else text.get(key)
         if key == "partial_rotary_factor" and have is not None:
             same = abs(float(have) - want) < 1e-9
         else:
@@ -110,6 +109,7 @@ def check_hf_folder(path: str | Path, cfg: Any) -> None:
         if not same:
             raise ValueError(
                 f"{cfg_file}: text_config.{key} is {have!r} but the model flavor has {want!r}"
+                + (" (set [model] enable_weight_tying to match)" if key.startswith("tie") else "")
             )
     index = root / INDEX
     if index.is_file():

@@ -66,7 +66,7 @@ def recipe_model_spec(recipe: ModelRecipe) -> ModelSpec:
     if recipe.name == "qwen3_5":
         from torchtitan_cp.models.qwen35 import qwen35_model_spec
 
-        allowed = ("vocab_size", "attention_backend")
+        allowed = ("vocab_size", "attention_backend", "enable_weight_tying")
         bad = sorted(set(overrides) - set(allowed))
         if bad:
             raise ValueError(

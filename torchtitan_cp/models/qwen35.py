@@ -343,6 +343,7 @@ def qwen35_config(
     n_layers: int | None = None,
     vision: bool = False,
     vocab_size: int | None = None,
+    enable_weight_tying: bool | None = None,
     attention_backend: AttentionBackend = "auto",
     linear_attention_backend: Literal["auto", "torch", "fla"] = "auto",
 ) -> Qwen35TextModel.Config:
@@ -350,7 +351,9 @@ def qwen35_config(
 
     ``n_layers`` keeps the first layers (the 3:1 GatedDeltaNet/attention pattern is
     positional); ``vocab_size`` resizes embedding and head (e.g. to a smaller tokenizer);
-    ``vision`` keeps the vision encoder (no context parallelism then).
+    ``vision`` keeps the vision encoder (no context parallelism then); ``enable_weight_tying``
+    shares embedding and head as HF's ``tie_word_embeddings`` does (Qwen3.5 0.8B/2B/4B), so the
+    HF folder's missing ``lm_head.weight`` is neither read nor written.
     """
     if flavor not in qwen3_5_configs:
         raise ValueError(
@@ -385,6 +388,8 @@ def qwen35_config(
             base.tok_embeddings, num_embeddings=vocab_size
         )
         fields["lm_head"] = dataclasses.replace(base.lm_head, out_features=vocab_size)
+    if enable_weight_tying is not None:
+        fields["enable_weight_tying"] = enable_weight_tying
     return Qwen35TextModel.Config(
         **fields,
         attention_backend=attention_backend,
