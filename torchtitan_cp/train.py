@@ -11,10 +11,12 @@ launch runs the same validation (``torchtitan_cp.validate``) before building the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
 import sys
+from typing import Any
 
 from torchtitan_cp.config import ConfigError, apply_table, read_toml, split_config_file
 from torchtitan_cp.jsonl import DataError
@@ -51,6 +53,12 @@ def load_config(argv: list[str]):
             raise ConfigError(f"command line: {_one_line(captured.getvalue())}") from None
         sys.stderr.write(captured.getvalue())
         raise
+    except (AssertionError, ValueError) as e:
+        # A section's own __post_init__ check (torchtitan asserts some): name the section.
+        if isinstance(e, ConfigError):
+            raise
+        section = _failing_section(e, config)
+        raise ConfigError(f"{section}{e}" if section else str(e)) from None
     sys.stderr.write(captured.getvalue())
     # Validate the model recipe now so a bad flavor or layer letter fails before any process
     # group is created.
@@ -61,19 +69,50 @@ def load_config(argv: list[str]):
     return config
 
 
+def _failing_section(exc: BaseException, config: Any) -> str:
+    """``"[validator] "`` when ``exc`` came from the ``__post_init__`` of the config section at
+    that path (found by type in ``config``), else ``""``."""
+    failing, tb = None, exc.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if tb.tb_frame.f_code.co_name == "__post_init__" and dataclasses.is_dataclass(obj):
+            failing = type(obj)
+        tb = tb.tb_next
+    if failing is None:
+        return ""
+
+    def find(node: Any, prefix: str) -> str | None:
+        for f in dataclasses.fields(node):
+            child = getattr(node, f.name, None)
+            if dataclasses.is_dataclass(child) and not isinstance(child, type):
+                path = f"{prefix}{f.name}"
+                if type(child) is failing:
+                    return path
+                found = find(child, f"{path}.")
+                if found:
+                    return found
+        return None
+
+    path = find(config, "")
+    return f"[{path}] " if path else ""
+
+
 def _one_line(box: str) -> str:
     """tyro's error box (title, message, sections split by rules) as one line: the message,
-    plus the first suggestion of a "Perhaps you meant" section."""
+    plus the first suggestion of a "Perhaps you meant" section. Box characters differ with the
+    terminal, so only the rules between sections are relied on."""
     sections: list[list[str]] = [[]]
     for raw in box.splitlines():
-        line = raw.strip().strip("│").strip()
-        if not line or line[0] in "╭╰":
+        line = raw.strip().strip("│|").strip()  # rich draws ASCII boxes on non-UTF-8 streams
+        if not line or line[0] in "╭╰+":
             continue
-        if set(line) <= {"─", " "}:
+        if set(line) <= set("─━-= "):
             sections.append([])
             continue
         sections[-1].append(line)
-    message = " ".join(sections[0]) or "invalid arguments (see --help)"
+    texts = [" ".join(section) for section in sections if section]
+    # Without a box (stderr not a terminal) the title is a section of its own: skip it.
+    message = next((t for t in texts if ":" in t), texts[0] if texts else "invalid arguments")
     for section in sections[1:]:
         if len(section) > 1 and section[0].startswith("Perhaps you meant"):
             message += f" (did you mean {section[1].split()[0]}?)"
