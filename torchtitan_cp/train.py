@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         check, nproc_text, args = _split_launch_args(args)
+        if check and nproc_text not in ("", "auto"):
+            parse_nproc(nproc_text, device_type="cpu")  # a bad NPROC fails before the imports
         if check:
             # The check's output is the verdict alone: torchtitan's config warnings (also shown
             # by the run itself) would bury it.
