@@ -267,3 +267,20 @@ def test_one_document_on_two_ranks_names_documents_and_ranks(tmp_path):
     want = f"{path}: 1 document(s) for 2 data-parallel ranks"
     assert len(errors) == 2 and all(want in e for e in errors), proc.stderr[-3000:]
     assert "IndexError" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["gpu_kda_1b", "gpu_gdn_1b"])
+@pytest.mark.parametrize("cp", ["1", "2"])
+def test_shipped_gpu_configs_pass_the_size_checks(name, cp):
+    """The rules are not stricter than the shipped runs: 8 GPUs, with and without CP (ptrr).
+    (Device, tokenizer and data checks need the GPU machine's files: see docs/gpu.md.)"""
+    from torchtitan_cp import validate as v
+    from torchtitan_cp.models import model_config
+    from torchtitan_cp.train import load_config
+
+    config = load_config(["--config_file", str(REPO / "configs" / f"{name}.toml"),
+                          "--parallelism.context_parallel_degree", cp,
+                          "--parallelism.context_parallel_load_balancer", "ptrr"])  # fmt: skip
+    model_cfg = model_config(config.model.flavor, **config.model.overrides())
+    v._check_numbers(config, v._dp_degree(config, 8))
+    v._check_seq_len(config, model_cfg)
