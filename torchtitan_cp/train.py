@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan_cp.validate import parse_nproc, validate
 
     args = list(sys.argv[1:] if argv is None else argv)
+    check = False
     try:
         check, nproc_text, args = _split_launch_args(args)
         if check and nproc_text not in ("", "auto"):
