@@ -185,6 +185,34 @@ def test_dataset_smaller_than_the_data_parallel_ranks(capsys, tmp_path):
     assert code == 0, err
 
 
+def test_rank_whose_share_is_all_empty(capsys, tmp_path):
+    """The check finds what the loader would find on one rank only (the other rank would see a
+    lost connection): rank 0's two documents are empty."""
+    path = tmp_path / "half.jsonl"
+    texts = ["", "", "real words here", "and more words"]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    args = ["--dump_folder", str(tmp_path), "--dataloader.dataset", "jsonl",
+            "--dataloader.dataset_path", str(path)]  # fmt: skip
+    code, _, err = check(capsys, *args, nproc="2")
+    assert_one_line(code, err, 'the 2 documents of data-parallel rank 0 all have an empty "text"')
+    code, _, err = check(capsys, *args, "--parallelism.context_parallel_degree", "2", nproc="2")
+    assert code == 0, err
+
+
+# Fewer documents than ranks is refused before any split (datasets raises IndexError there).
+@pytest.mark.parametrize(
+    "documents, world", [(d, w) for d in (1, 2, 5, 7, 8, 13) for w in (1, 2, 3, 4) if d >= w]
+)
+def test_rank_share_matches_datasets_split(documents, world):
+    from datasets import Dataset
+    from datasets.distributed import split_dataset_by_node
+
+    ds = Dataset.from_dict({"i": list(range(documents))})
+    for rank in range(world):
+        want = split_dataset_by_node(ds, rank=rank, world_size=world)["i"]
+        assert list(jsonl.rank_share(documents, world, rank)) == want
+
+
 def test_scan_reads_only_up_to_its_limit(tmp_path):
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(100)))

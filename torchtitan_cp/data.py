@@ -182,10 +182,7 @@ def _check_rank_share(dataset: HuggingFaceTextDataset, config: Any, dp_rank: int
         return
     if _longest_text(data) == 0:
         where = local_jsonl_path(config.dataset, config.dataset_path) or config.dataset
-        raise DataError(
-            f"{where}: the {len(data)} documents of data-parallel rank {dp_rank} all have an "
-            'empty "text": no tokens to train on'
-        )
+        raise DataError(jsonl.empty_share_message(where, len(data), dp_rank))
 
 
 class PackedTextDataLoader(HuggingFaceTextDataLoader):

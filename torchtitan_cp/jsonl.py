@@ -12,7 +12,16 @@ import json
 import os
 from dataclasses import dataclass
 
-__all__ = ["DataError", "JsonlSummary", "check_documents_for_ranks", "check_jsonl_file", "scan"]
+__all__ = [
+    "DataError",
+    "JsonlSummary",
+    "check_documents_for_ranks",
+    "check_jsonl_file",
+    "check_rank_shares",
+    "empty_share_message",
+    "rank_share",
+    "scan",
+]
 
 SCAN_LIMIT_BYTES = 256 * 2**20
 """The pre-launch scan reads at most this much of a file; the loader checks the rest."""
@@ -32,6 +41,8 @@ class JsonlSummary:
     nonempty: int
     complete: bool
     """Whether the whole file was scanned (False: it is larger than the byte limit)."""
+    empty: tuple[int, ...] = ()
+    """Indices (0-based, = line - 1) of the documents whose text is empty."""
 
 
 def check_jsonl_file(path: str) -> None:
@@ -85,6 +96,7 @@ def scan(path: str, *, max_bytes: int | None = SCAN_LIMIT_BYTES) -> JsonlSummary
     check_jsonl_file(path)
     documents = nonempty = read = 0
     complete = True
+    empty: list[int] = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if max_bytes is not None and read >= max_bytes:
@@ -92,13 +104,15 @@ def scan(path: str, *, max_bytes: int | None = SCAN_LIMIT_BYTES) -> JsonlSummary
                 break
             read += len(raw)
             text = _check_line(path, lineno, raw.rstrip(b"\r\n"))
+            if not text:
+                empty.append(documents)
             documents += 1
             nonempty += bool(text)
     if complete and nonempty == 0:
         raise DataError(
             f'{path}: all {documents} documents have an empty "text": no tokens to train on'
         )
-    return JsonlSummary(path=path, documents=documents, nonempty=nonempty, complete=complete)
+    return JsonlSummary(path, documents, nonempty, complete, tuple(empty))
 
 
 def check_documents_for_ranks(path: str, documents: int, dp_world_size: int) -> None:
@@ -108,3 +122,29 @@ def check_documents_for_ranks(path: str, documents: int, dp_world_size: int) -> 
             f"{path}: {documents} document(s) for {dp_world_size} data-parallel ranks; every rank "
             "needs at least one (add documents or use fewer data-parallel ranks)"
         )
+
+
+def rank_share(documents: int, dp_world_size: int, dp_rank: int) -> range:
+    """The documents ``datasets.distributed.split_dataset_by_node`` gives a rank of a map-style
+    dataset: contiguous shards, the first ``documents % world`` ranks one document longer."""
+    div, mod = divmod(documents, dp_world_size)
+    start = div * dp_rank + min(dp_rank, mod)
+    return range(start, start + div + (dp_rank < mod))
+
+
+def empty_share_message(where: str, documents: int, dp_rank: int) -> str:
+    return (
+        f"{where}: the {documents} documents of data-parallel rank {dp_rank} all have an empty "
+        '"text": no tokens to train on (shuffle the file so every rank gets text)'
+    )
+
+
+def check_rank_shares(summary: JsonlSummary, dp_world_size: int) -> None:
+    """A rank whose documents all have empty text would pack BOS tokens only, at a crawl."""
+    if not summary.empty or not summary.complete:
+        return
+    empty = set(summary.empty)
+    for rank in range(dp_world_size):
+        share = rank_share(summary.documents, dp_world_size, rank)
+        if len(share) and all(i in empty for i in share):
+            raise DataError(empty_share_message(summary.path, len(share), rank))

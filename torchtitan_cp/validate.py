@@ -308,6 +308,7 @@ def _check_data(config: Any, model_cfg: Any, dp: int, *, scan: bool) -> None:
             summary = jsonl.scan(path)
             if summary.complete:
                 jsonl.check_documents_for_ranks(path, summary.documents, dp)
+                jsonl.check_rank_shares(summary, dp)
         except jsonl.DataError as e:
             raise ConfigError(f"{key}.dataset_path: {e}") from None
 
