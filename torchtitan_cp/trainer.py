@@ -217,10 +217,13 @@ def _preprocess(
     return inputs, labels, {"positions": positions, "seq_ctx": ctx}
 
 
-def check_attention_backend(config: Any, model_cfg: HybridDecoder.Config) -> bool:
+def check_attention_backend(
+    config: Any, model_cfg: HybridDecoder.Config, *, device_type: str | None = None
+) -> bool:
     """Whether this run's attention layers use flex; a ConfigError where flex cannot run:
-    training off CUDA (no flex backward there) or a CP shard that is not whole mask blocks."""
-    device = platform.device_type()
+    training off CUDA (no flex backward there) or a CP shard that is not whole mask blocks.
+    ``device_type`` defaults to this machine's."""
+    device = device_type or platform.device_type()
     if not model_cfg.uses_flex_attention(device):
         return False
     if device != "cuda":
