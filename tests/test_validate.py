@@ -59,6 +59,8 @@ BAD_VALUES = [
     (["--parallelism.context_parallel_load_balancer", "zigzag"], "2",
      ["context_parallel_load_balancer must be one of"]),
     (["--training.local_batch_size", "0"], "2", ["training.local_batch_size must be >= 1"]),
+    (["--compile.enable", "--compile.backend", "nosuch"], "2",
+     ["compile.backend 'nosuch' is not a torch.compile backend"]),
     (["--training.global_batch_size", "3"], "2",
      ["training.global_batch_size (3) must be a positive multiple of", "(2 x 2 = 4)"]),
     (["--parallelism.context_parallel_degree", "4"], "2",
