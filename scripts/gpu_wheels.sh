@@ -1,11 +1,78 @@
 #!/usr/bin/env bash
-# Download the wheels scripts/gpu_check.sh installs on a GPU machine without network (torch and
-# Triton are expected there already). Run where pip reaches PyPI: ./scripts/gpu_wheels.sh [DIR]
+# Download every wheel scripts/gpu_check.sh needs on a GPU image that has Python, a CUDA torch,
+# Triton and numpy but no network: ./scripts/gpu_wheels.sh [DIR] [--python-version X.Y]
+# (defaults .whl/ and 3.12; CPython, manylinux x86_64). Run it where pip reaches PyPI.
+#
+# pip resolves the dependencies for the target interpreter (nothing is guessed); what a stock
+# CUDA image already has (torch, triton, numpy, nvidia-*, cuda-*) is dropped. DIR/gpu_wheels.txt
+# records the target Python and each wheel; gpu_check.sh installs exactly those files.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DIR="${1:-$ROOT/.whl}"
 PY="${PYTHON:-python3}"
-"$PY" -m pip download -q --no-deps --only-binary=:all: -d "$DIR" \
-  torchtitan==0.3.0 fla-core==0.6.0 spmd_types==0.2.3 tyro docstring-parser typeguard \
-  pytest iniconfig pluggy pygments hypothesis sortedcontainers attrs
-ls -1 "$DIR"
+DIR="" PYVER="3.12"
+usage="usage: scripts/gpu_wheels.sh [DIR] [--python-version X.Y]"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --python-version) [[ $# -ge 2 ]] || { echo "gpu_wheels: --python-version needs X.Y" >&2; exit 2; }
+                      PYVER="$2"; shift 2 ;;
+    -h|--help) echo "$usage"; exit 0 ;;
+    -*) echo "gpu_wheels: unknown option $1; $usage" >&2; exit 2 ;;
+    *) [[ -z "$DIR" ]] || { echo "gpu_wheels: more than one DIR; $usage" >&2; exit 2; }
+       DIR="$1"; shift ;;
+  esac
+done
+[[ "$PYVER" =~ ^3\.[0-9]+$ ]] || { echo "gpu_wheels: --python-version must be 3.N, got '$PYVER'" >&2; exit 2; }
+DIR="${DIR:-$ROOT/.whl}"
+MAX_MIB=64  # what one call to the GPU machine may carry
+
+# What the GPU check imports (scripts/gpu_imports.py), as distributions. torchtitan comes
+# without its declared dependencies: datasets, wandb, tensorboard, ... serve the trainer, which
+# the check does not run; of them the model's modules need only spmd_types and tyro.
+# fla-core imports packaging at module level without declaring it.
+NO_DEPS=(torchtitan==0.3.0)
+WITH_DEPS=(fla-core==0.6.0 packaging spmd_types==0.2.3 tyro pytest)
+IMAGE_HAS='^(torch|triton|numpy|nvidia-.*|cuda-.*)$'  # normalised names
+
+TARGET=(--only-binary=:all: --implementation cp --python-version "$PYVER"
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64)
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+# Resolve (metadata only, nothing is installed) for the target interpreter.
+"$PY" -m pip install -q --dry-run --ignore-installed --target "$TMP/t" --report "$TMP/deps.json" \
+  "${TARGET[@]}" "${WITH_DEPS[@]}"
+"$PY" -m pip install -q --dry-run --ignore-installed --no-deps --target "$TMP/t" \
+  --report "$TMP/nodeps.json" "${TARGET[@]}" "${NO_DEPS[@]}"
+"$PY" - "$TMP" "$IMAGE_HAS" > "$TMP/pins.txt" <<'EOF'
+import json, re, sys
+tmp, image_has = sys.argv[1], re.compile(sys.argv[2])
+seen = set()
+for report in ("nodeps", "deps"):
+    for item in json.load(open(f"{tmp}/{report}.json"))["install"]:
+        name = re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower()
+        if name not in seen and not image_has.match(name):
+            seen.add(name)
+            print(f"{name}=={item['metadata']['version']}")
+EOF
+mkdir -p "$DIR"
+mapfile -t PINS < "$TMP/pins.txt"
+"$PY" -m pip download -q --no-deps "${TARGET[@]}" -d "$TMP/dl" "${PINS[@]}"
+MANIFEST="# scripts/gpu_wheels.sh: CPython $PYVER, manylinux x86_64; gpu_check.sh installs these
+python $PYVER"
+total=0
+for pin in "${PINS[@]}"; do
+  name="${pin%%==*}" version="${pin#*==}"
+  # Wheel file names spell the project with underscores and any case.
+  file="$(cd "$TMP/dl" && ls | grep -i -E "^${name//-/[-_.]}-${version//./\\.}-.*\\.whl$" | head -1)"
+  [[ -n "$file" ]] || { echo "gpu_wheels: pip fetched no wheel for $pin" >&2; exit 1; }
+  mv -f "$TMP/dl/$file" "$DIR/$file"
+  total=$((total + $(stat -c %s "$DIR/$file")))
+  MANIFEST+=$'\n'"$pin $file"
+done
+echo "$MANIFEST" > "$DIR/gpu_wheels.txt"
+sed -n '3,$p' "$DIR/gpu_wheels.txt"
+mib="$(awk -v b="$total" 'BEGIN { printf "%.1f", b / 1048576 }')"
+echo "gpu_wheels: ${#PINS[@]} wheels for CPython $PYVER in $DIR, $mib MiB in total (limit $MAX_MIB MiB)"
+if (( total > MAX_MIB * 1048576 )); then
+  echo "gpu_wheels: $mib MiB exceeds the $MAX_MIB MiB a GPU call may carry" >&2
+  exit 1
+fi

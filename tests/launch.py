@@ -19,9 +19,10 @@ def free_port() -> int:
 
 
 def torchrun_train(
-    args: list[str], *, nproc: int, dump_folder: Path, timeout: float = 300
+    args: list[str], *, nproc: int, dump_folder: Path, timeout: float = 300, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node=nproc -m torchtitan_cp.train ARGS --dump_folder DUMP``."""
+    """``torchrun --nproc_per_node=nproc -m torchtitan_cp.train ARGS --dump_folder DUMP``;
+    ``check=False`` returns a failed run instead of raising."""
     env = dict(os.environ)
     env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -32,27 +33,40 @@ def torchrun_train(
         "-m", "torchtitan_cp.train", *args, "--dump_folder", str(dump_folder),
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         raise AssertionError(
             f"training failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         )
     return proc
 
 
-def python_train(args: list[str], *, dump_folder: Path, timeout: float = 300):
-    """``python -m torchtitan_cp.train ARGS`` without torchrun (a world of one process)."""
+def python_train_cmd(args: list[str], *, dump_folder: Path) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``python -m torchtitan_cp.train ARGS``."""
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torchtitan_cp.train", *args, "--dump_folder", str(dump_folder)]
+    return cmd, env
+
+
+def python_train(args: list[str], *, dump_folder: Path, timeout: float = 300, check: bool = True):
+    """``python -m torchtitan_cp.train ARGS`` without torchrun (a world of one process);
+    ``check=False`` returns a failed run instead of raising."""
+    cmd, env = python_train_cmd(args, dump_folder=dump_folder)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         raise AssertionError(f"training failed (exit {proc.returncode}):\n{proc.stderr[-8000:]}")
     return proc
 
 
-def read_metrics(dump_folder: Path) -> list[dict]:
-    """Training rows of ``metrics.jsonl`` (validation rows are left out)."""
-    rows = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r]
+def read_metrics(dump_folder: Path, file: str = "metrics.jsonl") -> list[dict]:
+    """Training rows of ``metrics.jsonl`` (run header lines and validation rows are left out)."""
+    rows = [json.loads(line) for line in (dump_folder / file).read_text().splitlines()]
+    return [r for r in rows if "run_header" not in r and "loss" in r]
+
+
+def read_run_headers(dump_folder: Path, file: str = "metrics.jsonl") -> list[dict]:
+    """The ``run_header`` lines of ``metrics.jsonl``, one per run, oldest first."""
+    rows = [json.loads(line) for line in (dump_folder / file).read_text().splitlines()]
+    return [r["run_header"] for r in rows if "run_header" in r]

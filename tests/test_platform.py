@@ -79,3 +79,52 @@ def test_grad_norm_is_taken_in_float64_on_cpu():
     exact = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params))
     norm = dist_utils.clip_grad_norm_(params, max_norm=1e9)
     assert abs(float(norm) - float(exact)) <= 1e-12 * float(exact)
+
+
+def test_torch_floor_names_found_and_needed_version():
+    with pytest.raises(platform.TorchVersionError) as err:
+        platform.require_torch(platform.TRAINER_TORCH_FLOOR, "the trainer", "2.11.0+cu130")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "needs torch >= 2.14, found torch 2.11.0+cu130" in message
+    for ok in ("2.14.1", "2.14.0.dev20260801+cu130", "2.15.0", "3.0.0"):
+        platform.require_torch(platform.TRAINER_TORCH_FLOOR, "the trainer", ok)
+    platform.require_torch(platform.TRAINER_TORCH_FLOOR, "the trainer")  # the pinned torch
+    platform.require_torch(platform.LIBRARY_TORCH_FLOOR, "the model", "2.11.0")
+    with pytest.raises(platform.TorchVersionError, match="cannot read a torch version"):
+        platform.require_torch(platform.TRAINER_TORCH_FLOOR, "the trainer", "unknown")
+
+
+def test_train_entry_point_states_the_floor_before_importing_torchtitan(monkeypatch, capsys):
+    from torchtitan_cp import train
+
+    monkeypatch.setattr(platform, "TRAINER_TORCH_FLOOR", (99, 0))
+    assert train.main(["--help"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert err.startswith("torchtitan_cp.train: error: the trainer")
+    assert f"needs torch >= 99.0, found torch {torch.__version__}" in err
+
+
+def test_model_and_sequence_do_not_load_torchtitan_fsdp():
+    # torchtitan.distributed.fsdp needs torch >= 2.14; below the trainer the floor is 2.11.
+    import subprocess
+    import sys
+
+    from tests.launch import REPO
+
+    code = (
+        "import sys\n"
+        "import torchtitan_cp.models, torchtitan_cp.sequence, torchtitan_cp.host_metadata\n"
+        "from torchtitan_cp.models import model_config\n"
+        "model_config('debug').build()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torchtitan.distributed.fsdp')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
+    from torchtitan_cp.models import model_spec
+    from torchtitan_cp.models.parallelize import parallelize_hybrid
+
+    assert model_spec("debug").parallelize_fn is parallelize_hybrid

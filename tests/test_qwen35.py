@@ -216,6 +216,13 @@ def test_vision_under_cp_is_a_config_error():
     assert cfg.model.name == "qwen3_5" and not cfg.model.vision
 
 
+def test_compile_is_refused_for_qwen35():
+    from torchtitan_cp.train import load_config
+
+    with pytest.raises(ConfigError, match="compile.enable is not supported for model.name"):
+        load_config(["--config_file", "configs/qwen35_debug_cpu.toml", "--compile.enable"])
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="upstream's Qwen3.5 kernels are CUDA-only"
 )

@@ -1,5 +1,5 @@
 """The GPU check (scripts/gpu_check.sh and gpu_check.py) as a CPU dry run, so it does not rot
-between GPU sessions."""
+between GPU sessions; its bad-input errors; scripts/gpu_imports.py and scripts/gpu_wheels.sh."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.launch import REPO
 
@@ -27,3 +29,120 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert timing["device_readback"]["readbacks_per_step"] >= 1
     assert "| host |" in proc.stdout
     assert "skipped" in proc.stdout and "CUDA tests failed" not in proc.stderr
+
+
+def _gpu_check(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=sys.executable, **env_extra)
+    return subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def _manifest(folder, python: str, *lines: str) -> None:
+    folder.mkdir(exist_ok=True)
+    text = "\n".join(["# scripts/gpu_wheels.sh", f"python {python}", *lines])
+    (folder / "gpu_wheels.txt").write_text(text + "\n")
+
+
+PYVER = f"{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def test_gpu_check_names_the_missing_wheel(tmp_path):
+    wheels = tmp_path / "wheels"
+    _manifest(wheels, PYVER, "einops==0.8.2 einops-0.8.2-py3-none-any.whl")
+    proc = _gpu_check({"WHEEL_DIR": str(wheels), "SITE": str(tmp_path / "site")})
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "lacks the wheel of einops==0.8.2 (einops-0.8.2-py3-none-any.whl)" in proc.stderr
+    assert not (tmp_path / "site").exists()  # nothing installed, nothing measured
+    assert proc.stdout == ""
+
+
+def test_gpu_check_rejects_wheels_for_another_python(tmp_path):
+    wheels = tmp_path / "wheels"
+    _manifest(wheels, "3.99", "einops==0.8.2 einops-0.8.2-py3-none-any.whl")
+    proc = _gpu_check({"WHEEL_DIR": str(wheels), "SITE": str(tmp_path / "site")})
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert f"for Python 3.99 but {sys.executable} is Python {PYVER}" in proc.stderr
+    assert f"--python-version {PYVER}" in proc.stderr
+
+
+def test_gpu_check_wants_a_filled_wheel_folder(tmp_path):
+    proc = _gpu_check({"WHEEL_DIR": str(tmp_path), "SITE": str(tmp_path / "site")})
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"gpu_check: no gpu_wheels.txt in {tmp_path}; fill it with scripts/gpu_wheels.sh "
+        f"{tmp_path}\n"
+    )
+
+
+def _load_gpu_imports():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_imports", REPO / "scripts/gpu_imports.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_imports_name_the_first_failure():
+    gpu_imports = _load_gpu_imports()
+    # The pinned venv has the whole CUDA path, so a renamed module must update the list.
+    assert gpu_imports.check() is None
+    err = gpu_imports.check(("torchtitan_cp.routing:host_layout", "no_such_module_x.sub:f"))
+    assert err == (
+        "cannot import f from no_such_module_x.sub: ModuleNotFoundError: "
+        "No module named 'no_such_module_x'"
+    )
+    err = gpu_imports.check((), torch_version="2.10.1+cu128")
+    assert err is not None and err.startswith(
+        "the CUDA path needs torch >= 2.11, found torch 2.10.1+cu128"
+    )
+    err = gpu_imports.check(("torchtitan_cp.models:no_such_name",))
+    assert err is not None and err.startswith(
+        "cannot import no_such_name from torchtitan_cp.models"
+    )
+
+
+def _gpu_wheels(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "scripts/gpu_wheels.sh", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--python-version", "312"], "--python-version must be 3.N, got '312'"),
+        (["--python-version"], "--python-version needs X.Y"),
+        (["--abi", "cp312"], "unknown option --abi"),
+        (["a", "b"], "more than one DIR"),
+    ],
+)
+def test_gpu_wheels_rejects_bad_arguments(args, error):
+    proc = _gpu_wheels(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and error in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_gpu_wheels_resolves_for_python_312(tmp_path):
+    # Needs PyPI (as scripts/test.sh does for a fresh .venv). What the image check installs.
+    proc = _gpu_wheels(str(tmp_path), "--python-version", "3.12")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (tmp_path / "gpu_wheels.txt").read_text().splitlines()
+    assert lines[1] == "python 3.12"
+    pins = dict(line.split(" ") for line in lines[2:])
+    names = {pin.split("==")[0] for pin in pins}
+    assert {"torchtitan", "fla-core", "einops", "packaging", "spmd-types", "tyro"} <= names
+    assert {"pytest", "pluggy", "iniconfig", "typeguard", "docstring-parser"} <= names
+    assert not {n for n in names if n in ("torch", "triton", "numpy") or n.startswith("nvidia")}
+    wheels = sorted(p.name for p in tmp_path.glob("*.whl"))
+    assert wheels == sorted(pins.values())
+    for wheel in wheels:
+        tags = wheel[: -len(".whl")].split("-")[-3:]
+        assert tags[0] in ("py3", "py2.py3", "cp312"), wheel
+        assert tags[2] == "any" or "manylinux" in tags[2] and "x86_64" in tags[2], wheel
+    total = sum(p.stat().st_size for p in tmp_path.glob("*.whl"))
+    assert total <= 64 * 2**20
+    assert f"{len(pins)} wheels for CPython 3.12" in proc.stdout

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 
-from tests.launch import python_train, read_metrics, torchrun_train
+from tests.launch import python_train, read_metrics, read_run_headers, torchrun_train
 
 pytestmark = pytest.mark.slow
 
@@ -73,11 +74,18 @@ def test_checkpoint_resume_continues_the_loss_curve(tmp_path):
     full = {r["step"]: r["loss"] for r in read_metrics(dump)}
     shutil.rmtree(dump / "checkpoint" / "step-6")
     torchrun_train(args, nproc=2, dump_folder=dump)
+    # One history: each step once; the first run's rows 4-6 moved to metrics.superseded.jsonl.
     rows = read_metrics(dump)
-    resumed = {r["step"]: r["loss"] for r in rows[6:]}
-    assert sorted(resumed) == [4, 5, 6], "the resumed run starts after the step-3 checkpoint"
-    for step, loss in resumed.items():
-        assert loss == full[step], (step, loss, full[step])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_metrics(dump, "metrics.superseded.jsonl")] == [4, 5, 6]
+    headers = read_run_headers(dump)
+    assert [h["resumed_from_step"] for h in headers] == [0, 3], "the resumed run starts at step 4"
+    assert all(h["world_size"] == 2 for h in headers)
+    for r in rows:
+        assert r["loss"] == full[r["step"]], (r["step"], r["loss"], full[r["step"]])
+    # Both ranks hashed their share: the manifest covers every shard of the 2-rank save.
+    manifest = json.loads((dump / "checkpoint" / "step-6" / "manifest.sha256.json").read_text())
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(manifest["files"])
 
 
 @pytest.mark.parametrize("pattern, balancer", [("KKA", "headtail"), ("GGA", "ptrr")])
@@ -99,8 +107,6 @@ def test_host_and_readback_runs_are_bitwise_identical(tmp_path, pattern, balance
             nproc=2, dump_folder=dump,
         )  # fmt: skip
         runs[source] = (dump / "metrics.jsonl").read_text().splitlines()
-    import json
-
     host = [json.loads(x) for x in runs["host"]]
     dev = [json.loads(x) for x in runs["device_readback"]]
     train_h, train_d = [r for r in host if "loss" in r], [r for r in dev if "loss" in r]

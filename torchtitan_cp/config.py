@@ -76,8 +76,17 @@ class LinearAttentionConfig:
     """Routing plans kept in the LRU cache (>= 1)."""
     ptrr_block_size: int = 128
     """Block size of the document block mask the ptrr load balancer schedules."""
+    max_subsequences: int = 256
+    """With compile.enable: most document pieces one CP rank may hold in a microbatch (capped
+    at its token count). Fixes the routing shapes so a compiled model never recompiles per
+    layout; under CP it sizes per-layer state buffers [N, heads, K, V]. A larger microbatch is
+    an error naming this key."""
 
     def __post_init__(self) -> None:
+        if self.max_subsequences < 1:
+            raise ConfigError(
+                f"linear_attention.max_subsequences must be >= 1, got {self.max_subsequences}"
+            )
         if self.ptrr_block_size < 1:
             raise ConfigError(
                 f"linear_attention.ptrr_block_size must be >= 1, got {self.ptrr_block_size}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 from collections import namedtuple
 from datetime import timedelta
 from typing import Any
@@ -19,6 +20,39 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 _APPLIED = False
+
+# The trainer's floor: torchtitan 0.3.0 imports DataParallelMeshDims from torch.distributed.fsdp
+# and calls dist.set_timeout, both new in torch 2.14. routing/, ops/, models/, sequence.py and
+# host_metadata.py need only torch >= 2.11 (scripts/gpu_imports.py checks it; the GPU image
+# check runs them on 2.11.0).
+TRAINER_TORCH_FLOOR = (2, 14)
+LIBRARY_TORCH_FLOOR = (2, 11)
+
+
+class TorchVersionError(RuntimeError):
+    """The installed torch is older than a floor; the message is one line."""
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string such as ``"2.11.0+cu130"`` or
+    ``"2.14.0.dev20260801"`` (pre-releases of a minor count as that minor)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise TorchVersionError(f"cannot read a torch version from {version!r}")
+    return int(match[1]), int(match[2])
+
+
+def require_torch(floor: tuple[int, int], what: str, version: str | None = None) -> None:
+    """Raise ``TorchVersionError`` naming the found and the needed version when torch
+    (``version``, default the installed one) is older than ``floor``."""
+    found = str(torch.__version__) if version is None else version
+    if torch_release(found) < floor:
+        need = ".".join(map(str, floor))
+        raise TorchVersionError(
+            f"{what} needs torch >= {need}, found torch {found} "
+            "(./scripts/train.sh builds a venv with the pinned torch 2.14.1; see docs/gpu.md)"
+        )
+
 
 # Modules that bind ``device_type`` / ``device_module`` by value at import time.
 _DEVICE_BINDINGS: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -41,6 +41,8 @@ from torchtitan_cp.routing import (
     LOAD_BALANCERS,
     Layout,
     PlanCache,
+    RoutingCaps,
+    RoutingCapsExceeded,
     document_ids,
     host_layout,
     readback_layout,
@@ -102,6 +104,8 @@ class SequencePreprocessor:
         conv_history: int = 3,
         ptrr_block_size: int = 128,
         flex_attention: bool = False,
+        caps: RoutingCaps | None = None,
+        cap_keys: dict[str, str] | None = None,
     ) -> None:
         if routing_source not in SOURCES:
             raise ValueError(
@@ -125,6 +129,10 @@ class SequencePreprocessor:
         self.ptrr_block_size = ptrr_block_size
         self.stats = RoutingStats()
         self._warned_fallback = False
+        # Fixed routing shapes (torch.compile: no recompile per layout); ``cap_keys`` names the
+        # config key behind each cap in the error a too-large microbatch raises.
+        self.caps = caps
+        self.cap_keys = dict(cap_keys or {})
         # Flex attention layers take a document BlockMask per microbatch; under CP torch's mask
         # sharding asks a DeviceMesh for this rank, so wrap the group once.
         self.flex_attention = flex_attention
@@ -185,13 +193,19 @@ class SequencePreprocessor:
                 on_readback=self._count_readback,
             )  # fmt: skip
         plan = self.cache.get(layout.cu_seqlens, layout.fragments, self.rank)
-        ctx = build_sequence_context(
-            plan,
-            self.device,
-            self.group if self.world > 1 else None,  # no group: the layers run unsharded
-            source=source,
-            conv_history=self.conv_history,
-        )
+        try:
+            ctx = build_sequence_context(
+                plan,
+                self.device,
+                self.group if self.world > 1 else None,  # no group: the layers run unsharded
+                source=source,
+                conv_history=self.conv_history,
+                caps=self.caps,
+            )
+        except RoutingCapsExceeded as e:
+            key = self.cap_keys.get(e.cap)
+            hint = f"; raise {key}" if key else ""
+            raise ValueError(f"CP rank {self.rank}: {e}{hint}") from None
         self.stats.build_ms += (time.perf_counter() - t0) * 1e3
         self.stats.microbatches += 1
         self.stats.sources.add(source)

@@ -6,12 +6,17 @@ What changes against torchtitan 0.3.0's trainer:
   the microbatch's ``SequenceContext``; the model gets ``positions`` and ``seq_ctx``.
 * ``[model]`` (a ``ModelRecipe``) is the single source of the model spec.
 * Metrics add ``routing/*`` counters, a JSONL file and optional parameter checksums.
+* Runs hold their dump folder (``runs.start_run``: lock, verified resume plan), checkpoints carry
+  sha256 manifests (``checkpoint.HybridCheckpointManager``), and an optional loss-spike guard
+  acts before the optimizer step (``spike_guard``).
 """
 
 from __future__ import annotations
 
 from torchtitan_cp import platform
 
+# A clear start-up error instead of an ImportError deep inside torchtitan on an older torch.
+platform.require_torch(platform.TRAINER_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
 platform.apply()  # before torchtitan.trainer binds device names (see platform.py)
 
 import hashlib  # noqa: E402
@@ -19,12 +24,11 @@ import json  # noqa: E402
 import os  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, cast  # noqa: E402
+from typing import IO, Any, cast  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # noqa: E402
 from torchtitan.components.metrics import (  # noqa: E402
     BaseLogger,
@@ -36,9 +40,12 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.components.validate import Validator  # noqa: E402
 from torchtitan.config import DebugConfig as _TitanDebugConfig  # noqa: E402
 from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+from torchtitan_cp.checkpoint import HybridCheckpointManager  # noqa: E402
+from torchtitan_cp.compile import CAP_KEYS, check_compile, compile_counters  # noqa: E402
 from torchtitan_cp.config import ConfigError, LinearAttentionConfig, ModelRecipe  # noqa: E402
 from torchtitan_cp.data import (  # noqa: E402
     PackedTextDataLoader,
@@ -47,7 +54,9 @@ from torchtitan_cp.data import (  # noqa: E402
 )
 from torchtitan_cp.models import recipe_model_spec  # noqa: E402
 from torchtitan_cp.ops import check_flex_shape  # noqa: E402
+from torchtitan_cp.runs import RunContext, run_header, start_run, supersede_rows  # noqa: E402
 from torchtitan_cp.sequence import SequencePreprocessor  # noqa: E402
+from torchtitan_cp.spike_guard import SpikeGuard, SpikeGuardConfig  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -76,7 +85,8 @@ def tensors_sha256(model_parts: list[torch.nn.Module], *, grads: bool) -> str:
 
 class JsonlLogger(BaseLogger):
     """One JSON object per log call in ``<dump_folder>/metrics.jsonl``; floats at full
-    precision (``json`` writes ``repr``), for scripts and bitwise comparisons."""
+    precision (``json`` writes ``repr``), for scripts and bitwise comparisons. ``start_run``
+    moves rows past the resume step aside and writes the run's header line (see runs.py)."""
 
     ALIASES = {
         "loss_metrics/global_avg_loss": "loss",
@@ -88,7 +98,22 @@ class JsonlLogger(BaseLogger):
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
-        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the run
+        # Opened by start_run (or the first log), after the checkpoint load.
+        self._f: IO[str] | None = None
+
+    def start_run(self, header: dict[str, Any], resumed_from: int) -> None:
+        moved = supersede_rows(self.path, resumed_from)
+        if moved:
+            logger.info(
+                f"Moved {moved} rows past step {resumed_from} from {self.path} to its "
+                ".superseded.jsonl: this run replaces them"
+            )
+        self._open().write(json.dumps(header) + "\n")
+
+    def _open(self) -> IO[str]:
+        if self._f is None:
+            self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - kept open for the run
+        return self._f
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row: dict[str, Any] = {"step": step}
@@ -98,10 +123,11 @@ class JsonlLogger(BaseLogger):
             if k.startswith("lr"):
                 row.setdefault("lr", v)
             row[k] = v
-        self._f.write(json.dumps(row) + "\n")
+        self._open().write(json.dumps(row) + "\n")
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
 
 class HybridMetricsProcessor(MetricsProcessor):
@@ -122,6 +148,7 @@ class HybridMetricsProcessor(MetricsProcessor):
         super().__init__(config, **kwargs)
         self.extra_metrics_fn = None
         self.validation_metrics_fn = None
+        self.jsonl: JsonlLogger | None = None
         dump_folder = kwargs.get("dump_folder", "./outputs")
         rank = _get_metrics_rank(
             parallel_dims=kwargs["parallel_dims"], pp_schedule=kwargs.get("pp_schedule", "1F1B")
@@ -129,8 +156,15 @@ class HybridMetricsProcessor(MetricsProcessor):
         if config.jsonl_file and dist.get_rank() == rank:
             container = LoggerContainer()
             container.add_logger(self.logger)
-            container.add_logger(JsonlLogger(os.path.join(dump_folder, config.jsonl_file)))
+            self.jsonl = JsonlLogger(os.path.join(dump_folder, config.jsonl_file))
+            container.add_logger(self.jsonl)
             self.logger = container
+
+    def start_run(self, header: dict[str, Any], resumed_from: int) -> None:
+        """A new run in metrics.jsonl: earlier rows past ``resumed_from`` move aside, then the
+        run's header line (no-op off the metrics rank)."""
+        if self.jsonl is not None:
+            self.jsonl.start_run(header, resumed_from)
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         extra = dict(extra_metrics or {})
@@ -195,6 +229,13 @@ def check_model(config: Any) -> tuple[Any, bool]:
 
         try:
             check_qwen35_parallelism(spec.model, config.parallelism)
+            if config.compile.enable and "model" in config.compile.components:
+                # Untested: the swapped GatedDeltaNet layers pass the microbatch context
+                # through a Python attribute for the duration of each call.
+                raise ValueError(
+                    "compile.enable is not supported for model.name = 'qwen3_5' yet; "
+                    "use --compile.no-enable"
+                )
             ckpt = config.checkpoint
             if ckpt.enable and ckpt.initial_load_in_hf:
                 from torchtitan_cp.hf import check_hf_folder
@@ -205,10 +246,11 @@ def check_model(config: Any) -> tuple[Any, bool]:
     return spec, check_attention_backend(config, spec.model)
 
 
-def check_attention_backend(config: Any, model_cfg: Any) -> bool:
+def check_attention_backend(config: Any, model_cfg: Any, *, device_type: str | None = None) -> bool:
     """Whether this run's attention layers use flex; a ConfigError where flex cannot run:
-    training off CUDA (no flex backward there) or a CP shard that is not whole mask blocks."""
-    device = platform.device_type()
+    training off CUDA (no flex backward there) or a CP shard that is not whole mask blocks.
+    ``device_type`` defaults to this machine's."""
+    device = device_type or platform.device_type()
     if not model_cfg.uses_flex_attention(device):
         return False
     if device != "cuda":
@@ -234,6 +276,12 @@ class HybridTrainer(Trainer):
             default_factory=HybridMetricsProcessor.Config
         )
         validator: HybridValidator.Config = field(default_factory=HybridValidator.Config)  # pyrefly: ignore[bad-override-mutable-attribute]
+        checkpoint: HybridCheckpointManager.Config = field(  # pyrefly: ignore[bad-override-mutable-attribute]
+            default_factory=HybridCheckpointManager.Config
+        )
+        spike_guard: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)
+
+    run: RunContext
 
     def __init__(self, config: Config):
         spec, flex = check_model(config)
@@ -243,6 +291,7 @@ class HybridTrainer(Trainer):
         loss_fn_cfg = getattr(config.loss, "loss_fn", config.loss)
         if hasattr(loss_fn_cfg, "global_vocab_size"):
             setattr(loss_fn_cfg, "global_vocab_size", model_cfg.vocab_size)  # noqa: B010
+        caps = check_compile(config, model_cfg)  # fixed routing shapes when compiling
         super().__init__(config)
         pd = self.parallel_dims
         cp_group = pd.get_mesh("cp").get_group() if pd.cp_enabled else None
@@ -255,13 +304,87 @@ class HybridTrainer(Trainer):
             conv_history=model_cfg.conv_width - 1,
             ptrr_block_size=config.linear_attention.ptrr_block_size,
             flex_attention=flex,
+            caps=caps,
+            cap_keys=CAP_KEYS,
         )
+        self.report_compile = caps is not None
         if config.validator.enable:
             cast(HybridValidator, self.validator).sequence = self.sequence
         metrics = cast(HybridMetricsProcessor, self.metrics_processor)
         metrics.extra_metrics_fn = self._extra_metrics
         metrics.validation_metrics_fn = self._validation_metrics
         self.param_checksums = config.debug.param_checksums
+        ckpt = self.checkpointer
+        if isinstance(ckpt, HybridCheckpointManager):
+            ckpt.run_id = self.run.run_id
+            ckpt.plan = self.run.plan
+            ckpt.on_loaded = self._start_metrics_run
+        self.spike_guard = SpikeGuard(config.spike_guard) if config.spike_guard.enabled else None
+        self._step_loss: torch.Tensor | None = None
+        if self.spike_guard is not None:
+            self.optimizers.register_step_pre_hook(lambda *args, **kwargs: self._guard_step())
+
+    def init_distributed(self):
+        parallel_dims = super().init_distributed()
+        # Before anything is built: the dump folder's lock, a writable checkpoint folder and a
+        # verified resume plan, so a second run or a bad checkpoint folder fails in seconds.
+        cfg = self.config
+        self.run = start_run(
+            dump_folder=cfg.dump_folder,
+            checkpoint=cfg.checkpoint,
+            training_steps=cfg.training.steps,
+        )
+        for line in self.run.lines:
+            logger.warning(line)
+        return parallel_dims
+
+    def _start_metrics_run(self, resumed_from: int) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        header = run_header(self.run, resumed_from=resumed_from, world_size=world)
+        cast(HybridMetricsProcessor, self.metrics_processor).start_run(header, resumed_from)
+
+    def train(self):
+        plan = self.run.plan
+        if plan is not None and plan.complete:
+            logger.info(
+                f"Nothing to train: checkpoint step-{plan.step} already reached training.steps "
+                f"= {self.config.training.steps} (raise --training.steps to continue)"
+            )
+            return
+        super().train()  # its checkpointer.load() starts the metrics run (on_loaded)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if hasattr(self, "run"):
+                self.run.close()
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+        )
+        if self.spike_guard is not None:
+            # local loss sum / global valid tokens; summed over the loss mesh it is the
+            # global average torchtitan logs
+            loss_d = loss.detach()
+            self._step_loss = (
+                loss_d.clone() if self._step_loss is None else self._step_loss + loss_d
+            )
+        return loss
+
+    def _guard_step(self) -> None:
+        """Optimizer pre-step hook: the spike guard's verdict on this step's global loss."""
+        assert self.spike_guard is not None and self._step_loss is not None
+        pd = self.parallel_dims
+        mesh = pd.get_optional_mesh("loss") if pd.dp_cp_enabled else None
+        loss = dist_utils.dist_sum(self._step_loss, mesh)
+        self._step_loss = None
+        skipped = self.spike_guard.check(self.step, loss)
+        if skipped is not None:
+            logger.warning(skipped)
+            # No gradients: AdamW leaves parameters and moments of every parameter alone.
+            self.optimizers.zero_grad(set_to_none=True)
 
     def post_dataloading_process(self, input_dict, labels):
         inputs, labels, extra = _preprocess(self.sequence, input_dict, labels)
@@ -271,6 +394,7 @@ class HybridTrainer(Trainer):
 
     def train_step(self, data_iterator):
         self.sequence.stats.take()  # counters cover this step only (not validation before it)
+        self._step_loss = None
         return super().train_step(data_iterator)
 
     def _routing_metrics(self, prefix: str) -> dict[str, Any]:
@@ -293,6 +417,10 @@ class HybridTrainer(Trainer):
 
     def _extra_metrics(self) -> dict[str, Any]:
         out = self._routing_metrics("routing")
+        if self.report_compile:
+            out.update(compile_counters())
+        if self.spike_guard is not None:
+            out["spike_guard/skipped_steps"] = self.spike_guard.skipped
         if self.param_checksums:
             out["params_sha256"] = tensors_sha256(self.model_parts, grads=False)
             out["grads_sha256"] = tensors_sha256(self.model_parts, grads=True)
@@ -325,7 +453,7 @@ def recipe_config() -> HybridTrainer.Config:
         parallelism=ParallelismConfig(
             spmd_backend="partial_dtensor", context_parallel_load_balancer="headtail"
         ),
-        checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),
+        checkpoint=HybridCheckpointManager.Config(interval=10, last_save_model_only=False),
         activation_checkpoint=None,
         validator=HybridValidator.Config(freq=10, steps=4),
     )

@@ -12,6 +12,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torchtitan_cp.ops import flex_document_mask
 from torchtitan_cp.routing import (
     DeviceRouting,
+    RoutingCaps,
     RoutingPlan,
     cu_seqlens_from_positions,
     document_ids,
@@ -57,13 +58,15 @@ def build_sequence_context(
     source: str = "host",
     conv_history: int = 3,
     block_mask: BlockMask | None = None,
+    caps: RoutingCaps | None = None,
 ) -> SequenceContext:
     """Materialise ``plan`` on ``device``: the routing plus per-token global and document ids.
 
     Every call creates new device tensors (copied non-blocking from host memory), so no two
-    microbatches share routing storage.
+    microbatches share routing storage. ``caps`` pads the routing to layout-independent shapes
+    (what a compiled model needs to avoid recompiling per layout).
     """
-    routing = plan.to_device(device, conv_history=conv_history)
+    routing = plan.to_device(device, conv_history=conv_history, caps=caps)
     subs = plan.subsequences
     lengths = subs[:, 2] - subs[:, 1]
     local_starts = plan.cu_seqlens[:-1]

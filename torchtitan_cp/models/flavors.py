@@ -9,7 +9,6 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan_cp.config import ModelRecipe
 from torchtitan_cp.models.attention import resolve_attention_backend
 from torchtitan_cp.models.decoder import HybridDecoder, parse_layer_pattern
-from torchtitan_cp.models.parallelize import parallelize_hybrid
 
 # Sizes only; the layer pattern comes from config. Parameter counts are for the default
 # pattern of each flavor and the bundled tokenizer's vocabulary where it applies.
@@ -80,6 +79,10 @@ def recipe_model_spec(recipe: ModelRecipe) -> ModelSpec:
 
 
 def model_spec(flavor: str, **overrides) -> ModelSpec:
+    """The trainer's spec. Imports ``parallelize`` here, not at module load: it pulls
+    torchtitan's FSDP module (torch >= 2.14), and the model itself runs on torch >= 2.11."""
+    from torchtitan_cp.models.parallelize import parallelize_hybrid
+
     return ModelSpec(
         name="hybrid",
         flavor=flavor,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
@@ -60,6 +61,10 @@ def parallelize_hybrid(
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
+        # Blocks of different kinds (K, G, A) share one forward code object, so dynamo sees
+        # each new kind as a recompile; automatic dynamic shapes would then turn the kinds'
+        # different parameter sizes into symbols. Keep every shape static: one graph per kind.
+        torch._dynamo.config.automatic_dynamic_shapes = False
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from . import opaque
 from .torch_backend import causal_conv1d_torch, chunk_delta_rule_torch
 
 Kind = Literal["kda", "gdn"]
@@ -57,7 +60,9 @@ def _check_cu_seqlens(
             raise ValueError(
                 f"cu_seqlens {_shape(cu_seqlens)} and cu_seqlens_cpu {_shape(cu_seqlens_cpu)} differ"
             )
-    if host is None:
+    if host is None or torch.compiler.is_compiling():
+        # Under torch.compile the values are data, not constants: reading them would guard on
+        # every microbatch's layout. The shapes above are all a compiled graph can check.
         return None
     cu = host.tolist()
     if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu[:-1], cu[1:])):
@@ -129,7 +134,14 @@ def chunk_delta_rule(
         ):
             want = [N if N is not None else "N", HV, K, V]
             raise ValueError(f"initial_state must be {want}, got shape {_shape(initial_state)}")
-    if _resolve_backend(backend, q) == "fla":
+    resolved = _resolve_backend(backend, q)
+    if torch.compiler.is_compiling():
+        return _compiled_delta_rule(
+            resolved, q, k, v, g, beta, kind=kind, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+        )  # fmt: skip
+    if resolved == "fla":
         from .fla_backend import chunk_delta_rule_fla
 
         return chunk_delta_rule_fla(
@@ -207,8 +219,80 @@ def causal_conv1d(
         initial_state=initial_state,
         activation=activation,
     )
-    if _resolve_backend(backend, x) == "fla":
+    resolved = _resolve_backend(backend, x)
+    if torch.compiler.is_compiling():
+        return _compiled_conv(resolved, x, weight, bias, **kwargs)
+    if resolved == "fla":
         from .fla_backend import causal_conv1d_fla
 
         return causal_conv1d_fla(x, weight, bias, **kwargs)
     return causal_conv1d_torch(x, weight, bias, **kwargs)
+
+
+# ----------------------------------------------------------------------------- torch.compile
+# While dynamo traces, the kernels run as the custom ops of ``ops.opaque`` (opaque to the
+# compiler, no graph break); eager calls above keep their plain autograd.
+
+
+def _host_offsets(cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None) -> Tensor | None:
+    if cu_seqlens_cpu is not None or cu_seqlens is None:
+        return cu_seqlens_cpu
+    if cu_seqlens.device.type != "cpu":
+        raise ValueError(
+            "under torch.compile the local kernels need cu_seqlens_cpu (the host copy of "
+            "cu_seqlens): reading device offsets back would break the graph"
+        )
+    return cu_seqlens
+
+
+def _compiled_delta_rule(
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    kind: str,
+    scale: float | None,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    cu_cpu = _host_offsets(cu_seqlens, cu_seqlens_cpu)
+    if backend == "fla":
+        from .fla_backend import _device_cu_seqlens
+
+        cu_dev, cu_cpu = _device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
+        h0 = initial_state.float() if initial_state is not None else None
+        o, final, *_ = opaque.delta_rule_fla_op(
+            q, k, v, g, beta, h0, cu_dev, cu_cpu, None, kind, scale, output_final_state
+        )
+        return o, (final if output_final_state else None)
+    o, final = opaque.delta_rule_torch_op(q, k, v, g, beta, initial_state, cu_cpu, kind, scale)
+    return o, (final if output_final_state else None)
+
+
+def _compiled_conv(
+    backend: str,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    initial_state: Tensor | None,
+    activation: str | None,
+) -> Tensor:
+    act = "none" if activation is None else "silu"
+    cu_cpu = _host_offsets(cu_seqlens, cu_seqlens_cpu)
+    if backend == "fla":
+        from .fla_backend import _device_cu_seqlens
+
+        cu_dev, cu_cpu = _device_cu_seqlens(cu_seqlens, cu_cpu, x.device)
+        # fla's cache layout [N, D, W]: one leading zero column (see fla_backend).
+        h0 = F.pad(initial_state.to(x.dtype), (1, 0)) if initial_state is not None else None
+        return opaque.causal_conv1d_fla_op(x, weight, bias, h0, cu_dev, cu_cpu, None, act)
+    return opaque.causal_conv1d_torch_op(x, weight, bias, initial_state, cu_cpu, act)

@@ -4,7 +4,7 @@ See docs/routing.md for the vocabulary and docs/CONTRACTS.md for the exact devic
 """
 
 from .cache import PlanCache
-from .device import DeviceRouting, RoutingCaps
+from .device import DeviceRouting, RoutingCaps, RoutingCapsExceeded
 from .layouts import (
     FragmentTable,
     contiguous_fragments,
@@ -39,6 +39,7 @@ __all__ = [
     "FragmentTable",
     "PlanCache",
     "RoutingCaps",
+    "RoutingCapsExceeded",
     "RoutingPlan",
     "contiguous_fragments",
     "cu_seqlens_from_positions",

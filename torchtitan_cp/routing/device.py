@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-__all__ = ["DeviceRouting", "RoutingCaps"]
+__all__ = ["DeviceRouting", "RoutingCaps", "RoutingCapsExceeded"]
+
+
+class RoutingCapsExceeded(ValueError):
+    """A layout needs more than a ``RoutingCaps`` field allows; ``cap`` names the field."""
+
+    def __init__(self, message: str, cap: str) -> None:
+        super().__init__(message)
+        self.cap = cap
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .device import DeviceRouting, RoutingCaps
+from .device import DeviceRouting, RoutingCaps, RoutingCapsExceeded
 from .layouts import int_tensor
 
 __all__ = ["RoutingPlan"]
@@ -401,5 +401,7 @@ def _capped(name: str, cap: int | None, need: int, what: str) -> int:
     if cap is None:
         return need
     if need > cap:
-        raise ValueError(f"layout exceeds RoutingCaps.{name}={cap}: needs {need} {what}")
+        raise RoutingCapsExceeded(
+            f"layout exceeds RoutingCaps.{name}={cap}: needs {need} {what}", name
+        )
     return cap

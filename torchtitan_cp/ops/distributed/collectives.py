@@ -3,6 +3,10 @@
 Only one primitive is needed: an all-gather along dim 0 whose backward is a sum
 reduce-scatter, so every rank's contribution to a gathered tensor's gradient
 reaches the rank that owns those rows. Works on gloo (CPU) and NCCL (CUDA).
+
+Under ``torch.compile`` the same collectives are torch's functional ones
+(``_functional_collectives``), which dynamo traces into the graph without a break; eager runs
+keep the in-place c10d calls.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -43,6 +48,12 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 # the old names. Same semantics either way.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The functional all-gathers (the autograd one's backward is a reduce-scatter sum): renamed in
+# torch 2.14 as well.
+_funcol_all_gather_autograd = (
+    getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+)
+_funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 def check_routing_group(
@@ -98,6 +109,9 @@ def all_gather_autograd(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """
     if group_size(group) == 1:
         return x
+    assert group is not None
+    if torch.compiler.is_compiling():
+        return _funcol_all_gather_autograd(x.contiguous(), 0, group)
     return _AllGather.apply(x, group)
 
 
@@ -105,5 +119,7 @@ def all_gather_plain(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Non-differentiable all-gather of ``x [n, ...]`` into ``[world * n, ...]`` (for ids)."""
     if group is None or group_size(group) == 1:
         return x
+    if torch.compiler.is_compiling():
+        return _funcol_all_gather(x.detach().contiguous(), 0, group)
     with torch.no_grad():
         return _gather_flat(x, group)

@@ -1,0 +1,75 @@
+"""Import every module the CUDA path loads; the first failure is one line naming it (exit 2).
+
+The single list of what a GPU environment must provide below the trainer (which alone needs
+torch >= 2.14 and torchtitan's FSDP). scripts/gpu_check.sh runs this before anything else and
+scripts/gpu_image_check.sh runs it in the emulated image. Add a module here when the CUDA path
+starts importing it.
+
+``import fla`` alone proves nothing: fla's ``__init__`` swallows a missing dependency, so the
+entries name the exact functions the kernels adapters import (``module:attribute``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+CUDA_PATH_IMPORTS: tuple[str, ...] = (
+    # fla-core 0.6.0 entry points (torchtitan_cp/ops/fla_backend.py) and the helpers they load
+    "fla.ops.kda:chunk_kda",
+    "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
+    "fla.modules.causal_conv1d:causal_conv1d",
+    "fla.ops.utils.index:prepare_chunk_indices",
+    # torchtitan modules the model is built from (no torchtitan.distributed.fsdp: trainer only)
+    "torchtitan.protocols.module:Module",
+    "torchtitan.protocols.model_spec:ModelSpec",
+    "torchtitan.models.common.attention:FlexAttention",
+    # the project below the trainer
+    "torchtitan_cp.routing:host_layout",
+    "torchtitan_cp.ops:chunk_delta_rule",
+    "torchtitan_cp.ops.fla_backend:chunk_delta_rule_fla",
+    "torchtitan_cp.ops.fla_backend:causal_conv1d_fla",
+    "torchtitan_cp.models:model_config",
+    "torchtitan_cp.host_metadata:HostMetadata",
+    "torchtitan_cp.sequence:SequencePreprocessor",
+    # the runner of gpu_check.sh's CUDA-only tests (which need nothing else)
+    "pytest",
+)
+
+
+def check(
+    imports: tuple[str, ...] = CUDA_PATH_IMPORTS, torch_version: str | None = None
+) -> str | None:
+    """The first problem as one line, or None when all of ``imports`` load: torch (the
+    installed one, or ``torch_version``) below the floor of the code under the trainer, then
+    the first failing import."""
+    from torchtitan_cp import platform
+
+    try:
+        platform.require_torch(platform.LIBRARY_TORCH_FLOOR, "the CUDA path", torch_version)
+    except platform.TorchVersionError as e:
+        return str(e)
+    for entry in imports:
+        module_name, _, attr = entry.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+            if attr:
+                getattr(module, attr)
+        except Exception as e:  # ImportError, AttributeError, or whatever the module raises
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            target = f"{attr} from {module_name}" if attr else module_name
+            return f"cannot import {target}: {type(e).__name__}: {reason}"
+    return None
+
+
+def main() -> int:
+    error = check()
+    if error is not None:
+        print(f"gpu_imports: {error}", file=sys.stderr)
+        return 2
+    print(f"gpu_imports: {len(CUDA_PATH_IMPORTS)} imports of the CUDA path load")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""Checkpoint manifests, the resume plan, the run lock and metrics.jsonl history (one process,
+real files; the end-to-end runs are in test_runs.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan_cp.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    HybridCheckpointManager,
+    check_step,
+    check_writable,
+    list_files,
+    plan_resume,
+    write_manifest,
+)
+from torchtitan_cp.run_lock import RunError, RunLock
+from torchtitan_cp.runs import read_rows, supersede_rows
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_step(folder: Path, step: int, *, sealed: bool = True, run_id: str = "run-a") -> Path:
+    """A step folder shaped like a DCP save (``.metadata`` + one shard per rank)."""
+    d = folder / f"step-{step}"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(b"meta" * 100 + bytes([step]))
+    (d / "__0_0.distcp").write_bytes(os.urandom(4096))
+    (d / "__1_0.distcp").write_bytes(os.urandom(3000))
+    if sealed:
+        write_manifest(str(d), step=step, run_id=run_id)
+    return d
+
+
+def flip(path: Path, offset: int = 100, n: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(offset, offset + n):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_manifest_lists_every_file_and_is_written_atomically(tmp_path):
+    d = make_step(tmp_path, 3)
+    manifest = json.loads((d / MANIFEST).read_text())
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert manifest["step"] == 3 and manifest["run_id"] == "run-a"
+    assert manifest["files"]["__1_0.distcp"]["bytes"] == 3000
+    assert not [p for p in os.listdir(d) if ".tmp" in p], "the temp manifest is renamed away"
+    assert list_files(str(d)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert check_step(str(d)) is None
+
+
+def test_flipped_bytes_name_the_shard(tmp_path):
+    d = make_step(tmp_path, 3)
+    flip(d / "__1_0.distcp")
+    problem = check_step(str(d))
+    assert problem is not None and str(d / "__1_0.distcp") in problem and "corrupted" in problem
+    # size-only verification does not read the data, so it cannot see flipped bytes...
+    assert check_step(str(d), sha256=False) is None
+    # ...but it does see a truncated or missing file
+    (d / "__0_0.distcp").write_bytes(b"short")
+    assert "5 bytes" in (check_step(str(d), sha256=False) or "")
+    (d / "__0_0.distcp").unlink()
+    assert "missing" in (check_step(str(d), sha256=False) or "")
+
+
+def test_step_without_manifest_is_incomplete(tmp_path):
+    d = make_step(tmp_path, 3, sealed=False)
+    assert "incomplete" in (check_step(str(d)) or "")
+    (d / MANIFEST).write_text("{not json")
+    assert "unreadable" in (check_step(str(d)) or "")
+
+
+def test_resume_skips_incomplete_and_corrupt_steps_and_moves_them_aside(tmp_path):
+    folder = tmp_path / "checkpoint"
+    make_step(folder, 2)
+    make_step(folder, 4)
+    flip(folder / "step-4" / "__0_0.distcp")
+    make_step(folder, 6, sealed=False)  # a save killed midway
+    plan = plan_resume(str(folder), run_id="run-b", training_steps=10)
+    assert plan.step == 2 and not plan.complete
+    assert len(plan.lines) == 2
+    assert "step-6 skipped: incomplete" in plan.lines[0]
+    assert "step-4 skipped" in plan.lines[1] and "__0_0.distcp" in plan.lines[1]
+    assert sorted(os.listdir(folder)) == ["step-2"]
+    aside = tmp_path / "checkpoint.aside" / "run-b"
+    assert sorted(os.listdir(aside)) == ["step-4", "step-6"]
+    assert (aside / "step-4" / "__0_0.distcp").stat().st_size == 4096, "moved, not deleted"
+
+
+def test_resume_with_no_verified_step_is_an_error(tmp_path):
+    folder = tmp_path / "checkpoint"
+    make_step(folder, 4)
+    flip(folder / "step-4" / ".metadata")
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies .*\.metadata"):
+        plan_resume(str(folder), run_id="run-b", training_steps=10)
+    # only unfinished saves: a fresh start, each one named
+    folder2 = tmp_path / "c2"
+    make_step(folder2, 4, sealed=False)
+    plan = plan_resume(str(folder2), run_id="run-b", training_steps=10)
+    assert plan.step == -1 and "step-4 skipped: incomplete" in plan.lines[0]
+
+
+def test_folder_past_training_steps_is_refused(tmp_path):
+    folder = tmp_path / "checkpoint"
+    make_step(folder, 24)
+    with pytest.raises(
+        CheckpointError, match=r"holds step-24, past training.steps = 12.*--training.steps"
+    ):
+        plan_resume(str(folder), run_id="r", training_steps=12)
+    plan = plan_resume(str(folder), run_id="r", training_steps=24)
+    assert plan.step == 24 and plan.complete
+
+
+def test_load_step_below_newest_needs_discard_later_steps(tmp_path):
+    folder = tmp_path / "checkpoint"
+    for step in (4, 8, 12):
+        make_step(folder, step)
+    with pytest.raises(
+        CheckpointError, match="older than the newest checkpoint step-12.*discard_later_steps"
+    ):
+        plan_resume(str(folder), run_id="r", load_step=4, training_steps=30)
+    assert sorted(os.listdir(folder)) == ["step-12", "step-4", "step-8"], "nothing moved"
+    plan = plan_resume(
+        str(folder), run_id="r", load_step=4, training_steps=30, discard_later_steps=True
+    )
+    assert plan.step == 4 and sorted(os.listdir(folder)) == ["step-4"]
+    aside = tmp_path / "checkpoint.aside" / "r"
+    assert sorted(os.listdir(aside)) == ["step-12", "step-8"]
+    assert check_step(str(aside / "step-12")) is None, "moved intact"
+
+
+def test_explicit_load_step_that_fails_verification_names_the_file(tmp_path):
+    folder = tmp_path / "checkpoint"
+    make_step(folder, 4)
+    flip(folder / "step-4" / "__1_0.distcp")
+    with pytest.raises(
+        CheckpointError, match=r"load_step = 4: step-4 fails verification: .*__1_0\.distcp"
+    ):
+        plan_resume(str(folder), run_id="r", load_step=4, training_steps=30)
+    with pytest.raises(CheckpointError, match=r"no step-5 in .* \(present: step-4\)"):
+        plan_resume(str(folder), run_id="r", load_step=5, training_steps=30)
+
+
+def test_unwritable_checkpoint_folder_is_found_at_once(tmp_path):
+    check_writable(str(tmp_path / "ok"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match=r"checkpoint folder .*file/ckpt is not writable"):
+        check_writable(str(tmp_path / "file" / "ckpt"))
+    with pytest.raises(CheckpointError, match="is not writable"):
+        check_writable("/proc/torchtitan_cp_probe")  # read-only for root too
+
+
+def test_async_checkpointing_is_rejected():
+    with pytest.raises(ValueError, match="async_mode = 'async' is not supported"):
+        HybridCheckpointManager.Config(async_mode="async")
+
+
+def test_run_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path):
+    first = RunLock(str(tmp_path))
+    assert first.acquire("run-1", "2026-01-01T00:00:00Z") is None
+    second = RunLock(str(tmp_path))
+    with pytest.raises(RunError) as e:
+        second.acquire("run-2", "2026-01-01T00:01:00Z")
+    msg = str(e.value)
+    assert f"pid {os.getpid()}" in msg and "started 2026-01-01T00:00:00Z" in msg and "\n" not in msg
+    first.release()
+    assert second.acquire("run-2", "t") is None, "a clean release leaves no stale lock"
+    second.release()
+    # A holder that died (here: a child that exits holding the lock) leaves its record behind.
+    code = (
+        "import sys; from torchtitan_cp.run_lock import RunLock; "
+        f"RunLock({str(tmp_path)!r}).acquire('run-dead', 'then'); sys.exit(0)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    third = RunLock(str(tmp_path))
+    line = third.acquire("run-3", "now")
+    assert line is not None and "stale" in line and "run run-dead" in line
+    third.release()
+
+
+def test_supersede_rows_keeps_one_history(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"run_header": {"run_id": "a"}}] + [{"step": s, "loss": float(s)} for s in range(1, 7)]
+    rows.append({"step": 5, "validation_loss": 1.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert supersede_rows(str(path), 3) == 4
+    kept = path.read_text().splitlines()
+    assert json.loads(kept[0]) == {"run_header": {"run_id": "a"}}
+    assert [r["step"] for r in read_rows(str(path))] == [1, 2, 3]
+    moved = [
+        json.loads(x) for x in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()
+    ]
+    assert moved[0] == {"run_header": {"run_id": "a"}}
+    assert [r["step"] for r in moved[1:]] == [4, 5, 6, 5]
+    assert supersede_rows(str(path), 3) == 0
+
+
+def test_checkpoint_cli_verify_and_seal(tmp_path):
+    d = make_step(tmp_path, 7, sealed=False)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = [sys.executable, "-m", "torchtitan_cp.checkpoint"]
+    p = subprocess.run([*run, "verify", str(d)], capture_output=True, text=True, env=env)
+    assert p.returncode == 1 and "incomplete" in p.stderr
+    p = subprocess.run([*run, "seal", str(d)], capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr
+    p = subprocess.run([*run, "verify", str(d)], capture_output=True, text=True, env=env)
+    assert p.returncode == 0 and "ok" in p.stdout
+
+
+class _State:
+    """A minimal Stateful for the manager's dataloader and LR-scheduler slots."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+
+
+def _manager(tmp_path: Path, run_id: str) -> HybridCheckpointManager:
+    import torch
+
+    model = torch.nn.Linear(4, 3)
+    config = HybridCheckpointManager.Config(enable=True, interval=2, keep_latest_k=0)
+    manager = HybridCheckpointManager(
+        config,
+        dataloader=_State(),  # pyrefly: ignore[bad-argument-type]
+        model_parts=[model],
+        optimizers=torch.optim.AdamW(model.parameters()),  # pyrefly: ignore[bad-argument-type]
+        lr_schedulers=_State(),  # pyrefly: ignore[bad-argument-type]
+        states={},
+        sd_adapter=None,
+        base_folder=str(tmp_path),
+    )
+    manager.run_id = run_id
+    return manager
+
+
+def test_save_writes_a_manifest_and_never_overwrites_another_runs_step(tmp_path):
+    folder = tmp_path / "checkpoint"
+    first = _manager(tmp_path, "run-a")
+    assert first.save(curr_step=2)
+    assert check_step(str(folder / "step-2")) is None
+    assert json.loads((folder / "step-2" / MANIFEST).read_text())["run_id"] == "run-a"
+    first.close()
+    second = _manager(tmp_path, "run-b")
+    with pytest.raises(
+        CheckpointError, match=r"refusing to overwrite .*step-2: a complete checkpoint of run run-a"
+    ):
+        second.save(curr_step=2)
+    assert check_step(str(folder / "step-2")) is None, "left as it was"
+    # An unfinished leftover is moved aside, not overwritten in place.
+    make_step(folder, 4, sealed=False, run_id="run-a")
+    assert second.save(curr_step=4)
+    assert check_step(str(folder / "step-4")) is None
+    assert (tmp_path / "checkpoint.aside" / "run-b" / "step-4" / "__1_0.distcp").is_file()
+    second.close()
+
+
+def test_load_only_runs_name_bad_steps_but_move_nothing(tmp_path):
+    folder = tmp_path / "checkpoint"
+    make_step(folder, 2)
+    make_step(folder, 4, sealed=False)
+    plan = plan_resume(str(folder), run_id="r", training_steps=10, move=False)
+    assert plan.step == 2 and "step-4 skipped: incomplete" in plan.lines[0]
+    assert "left in place" in plan.lines[0]
+    assert sorted(os.listdir(folder)) == ["step-2", "step-4"]

@@ -1,0 +1,327 @@
+"""torch.compile support: the kernels' custom ops, fixed routing shapes, the compile check.
+
+* The PyTorch kernels' custom ops give the plain kernels' outputs and gradients bit for bit and
+  pass ``torch.library.opcheck`` (schema, fake impl, autograd registration).
+* fla-core's ops: fake impls give the shapes/dtypes fla returns (checked on CPU under
+  FakeTensorMode); opcheck against the real Triton kernels runs on CUDA only.
+* The local kernels compile with ``fullgraph=True`` and do not recompile when the document
+  layout changes; the CP delta rule and conv history compile on 2 gloo ranks, match eager
+  (outputs and gradients) and do not recompile across layouts with capped routing.
+* ``routing_caps`` bounds every layout of its load balancer; ``check_compile`` rejects
+  unsupported combinations with a ConfigError before any process group exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import random_cu_seqlens, run_distributed
+
+from torchtitan_cp.compile import CAP_KEYS, check_compile, routing_caps
+from torchtitan_cp.config import ConfigError
+from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule, opaque
+from torchtitan_cp.ops.torch_backend import causal_conv1d_torch, chunk_delta_rule_torch
+from torchtitan_cp.routing import RoutingPlan, host_layout
+from torchtitan_cp.sequence import SequencePreprocessor
+
+T, H, HV, K, V = 40, 1, 2, 8, 6
+
+
+def _delta_inputs(kind: str, n: int, dtype=torch.float64, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = F.normalize(rnd(1, T, H, K), dim=-1)
+    k = F.normalize(rnd(1, T, H, K), dim=-1)
+    v = rnd(1, T, HV, V)
+    g = -F.softplus(rnd(1, T, HV, K) if kind == "kda" else rnd(1, T, HV)) * 0.3
+    beta = torch.sigmoid(rnd(1, T, HV))
+    h0 = rnd(n, HV, K, V)
+    return [x.to(dtype).requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+
+
+# Three sequences, one of them empty (what routing caps pad with).
+CU = torch.tensor([0, 13, 13, T], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+@pytest.mark.parametrize("with_final", [True, False])
+def test_delta_rule_torch_op_matches_kernel_bitwise(kind, with_final):
+    ins = _delta_inputs(kind, 3)
+    o, fin = chunk_delta_rule_torch(
+        *ins[:5], kind=kind, scale=0.4, initial_state=ins[5], output_final_state=True,
+        cu_seqlens_cpu=CU,
+    )  # fmt: skip
+    assert fin is not None
+    o2, fin2 = opaque.delta_rule_torch_op(*ins, CU, kind, 0.4)
+    assert torch.equal(o, o2) and torch.equal(fin, fin2)
+    do, dfin = torch.randn_like(o), torch.randn_like(fin)
+    cots = [do, dfin] if with_final else [do]
+    ref = torch.autograd.grad([o, fin][: len(cots)], ins, cots)
+    got = torch.autograd.grad([o2, fin2][: len(cots)], ins, cots)
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], ref, got):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_delta_rule_torch_op_opcheck(kind):
+    ins = _delta_inputs(kind, 3, torch.float32)
+    torch.library.opcheck(opaque.delta_rule_torch_op, (*ins, CU, kind, 0.4))
+    # No initial state, one sequence.
+    torch.library.opcheck(opaque.delta_rule_torch_op, (*ins[:5], None, None, kind, 0.4))
+
+
+def test_conv_torch_op_matches_kernel_bitwise_and_opcheck():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, T, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(3, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = causal_conv1d_torch(x, w, b, cu_seqlens_cpu=CU, initial_state=h)
+    y2 = opaque.causal_conv1d_torch_op(x, w, b, h, CU, "silu")
+    assert torch.equal(y, y2)
+    dy = torch.randn_like(y)
+    for a, c in zip(
+        torch.autograd.grad(y, [x, w, b, h], dy), torch.autograd.grad(y2, [x, w, b, h], dy)
+    ):
+        assert torch.equal(a, c)
+    torch.library.opcheck(opaque.causal_conv1d_torch_op, (x, w, b, h, CU, "silu"))
+    torch.library.opcheck(opaque.causal_conv1d_torch_op, (x, w, None, None, CU, "none"))
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_fla_fake_impls_give_fla_shapes(kind):
+    """Shapes and dtypes the fake impls promise, for bf16 inputs as on the GPU (fla returns
+    the output in q's dtype, float32 states and cumulative gates, scores [1,T,HV,64])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        bf = torch.bfloat16
+        q, k = torch.empty(1, T, H, K, dtype=bf), torch.empty(1, T, H, K, dtype=bf)
+        v = torch.empty(1, T, HV, V, dtype=bf)
+        g = torch.empty(*((1, T, HV, K) if kind == "kda" else (1, T, HV)))
+        beta = torch.empty(1, T, HV, dtype=bf)
+        h0 = torch.empty(3, HV, K, V)
+        cu = torch.empty(4, dtype=torch.int32)
+        o, fin, g_cum, a1, a2 = opaque.delta_rule_fla_op(
+            q, k, v, g, beta, h0, cu, cu, None, kind, 0.3, True
+        )
+        assert (o.shape, o.dtype) == ((1, T, HV, V), bf)
+        assert (fin.shape, fin.dtype) == ((3, HV, K, V), torch.float32)
+        assert (g_cum.shape, g_cum.dtype) == (g.shape, torch.float32)
+        assert a1.shape == (1, T, HV, opaque.FLA_CHUNK)
+        assert a2.shape == (a1.shape if kind == "kda" else (0,))
+        grads = opaque.delta_rule_fla_bwd_op(
+            q, k, v, beta, g_cum, a1, a2, h0, cu, cu, None, o, fin, kind, 0.3
+        )
+        for grad, x in zip(grads, (q, k, v, g_cum, beta, h0)):
+            assert (grad.shape, grad.dtype) == (x.shape, x.dtype)
+        x = torch.empty(1, T, 5, dtype=bf)
+        w = torch.empty(5, 4, dtype=bf)
+        y = opaque.causal_conv1d_fla_op(
+            x, w, None, torch.empty(3, 5, 4, dtype=bf), cu, cu, None, "silu"
+        )
+        assert (y.shape, y.dtype) == (x.shape, bf)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's Triton kernels need CUDA")
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_fla_ops_opcheck_cuda(kind):
+    ins = [x.detach().cuda().float().requires_grad_(True) for x in _delta_inputs(kind, 3)]
+    cu = CU.cuda()
+    torch.library.opcheck(
+        opaque.delta_rule_fla_op, (*ins[:5], ins[5], cu, CU, None, kind, 0.4, True)
+    )
+    x = torch.randn(1, T, 64, device="cuda", requires_grad=True)
+    w = torch.randn(64, 4, device="cuda", requires_grad=True)
+    h = torch.randn(3, 64, 4, device="cuda", requires_grad=True)
+    torch.library.opcheck(opaque.causal_conv1d_fla_op, (x, w, None, h, cu, CU, None, "silu"))
+
+
+def _layer(q, k, v, g, beta, w, cu_cpu):
+    """A KDA-like local step: conv over v, then the delta rule, both on host offsets only."""
+    vv = causal_conv1d(v.flatten(-2), w, cu_seqlens_cpu=cu_cpu).unflatten(-1, (HV, V))
+    o, _ = chunk_delta_rule(q, k, vv, g, beta, kind="kda", cu_seqlens_cpu=cu_cpu)
+    return o
+
+
+def test_local_kernels_compile_fullgraph_without_recompiles():
+    """Different document layouts of the same shape reuse one compiled graph; outputs and
+    gradients match eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_layer, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(3)
+    ins = _delta_inputs("kda", 1, torch.float32)[:5]
+    w = torch.randn(HV * V, 4, generator=gen).requires_grad_(True)
+    for i, cu in enumerate(([0, 13, 20, T], [0, 1, 2, T], [0, 30, 39, T])):
+        cu_cpu = torch.tensor(cu, dtype=torch.int32)
+        ref = _layer(*ins, w, cu_cpu)
+        got = compiled(*ins, w, cu_cpu)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+        do = torch.randn_like(ref)
+        for a, b in zip(
+            torch.autograd.grad(ref, [*ins, w], do), torch.autograd.grad(got, [*ins, w], do)
+        ):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        assert counter.frame_count == 1, f"layout {i} recompiled"
+
+
+def _cp_compiled(rank: int, world: int) -> dict:
+    """CP delta rule + conv history under compile vs eager, three layouts, capped routing."""
+    import torch.distributed as dist
+
+    from torchtitan_cp.ops import context_parallel_conv_history, context_parallel_delta_rule
+    from torchtitan_cp.routing import headtail_fragments
+
+    group = dist.group.WORLD
+    rows, row_len = 2, 48
+    caps = routing_caps(load_balancer="headtail", batch_size=rows, seq_len=row_len,
+                        cp_degree=world, ptrr_block_size=128, max_subsequences=32)  # fmt: skip
+    table = headtail_fragments(row_len, rows, world)
+
+    def step(x, w, q, k, g, beta, routing):
+        hist = context_parallel_conv_history(x, routing=routing, group=group)
+        y = causal_conv1d(x, w, cu_seqlens=routing.cu_seqlens,
+                          cu_seqlens_cpu=routing.cu_seqlens_cpu, initial_state=hist)  # fmt: skip
+        v = y.unflatten(-1, (HV, V))
+        o, _ = context_parallel_delta_rule(q, k, v, g, beta, kind="gdn", routing=routing,
+                                           group=group)  # fmt: skip
+        return o
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(7)
+    n = rows * row_len // world
+    worst = 0.0
+    for layout in range(3):
+        cu = random_cu_seqlens(gen, rows, row_len, max_doc=30)
+        routing = RoutingPlan.build(cu, table, rank).to_device("cpu", caps=caps)
+        torch.manual_seed(100 * layout + rank)
+        x = torch.randn(1, n, HV * V, requires_grad=True)
+        w = torch.randn(HV * V, 4, requires_grad=True)
+        q = F.normalize(torch.randn(1, n, H, K), dim=-1).requires_grad_(True)
+        k = F.normalize(torch.randn(1, n, H, K), dim=-1).requires_grad_(True)
+        g = (-F.softplus(torch.randn(1, n, HV)) * 0.3).requires_grad_(True)
+        beta = torch.rand(1, n, HV, requires_grad=True)
+        leaves = [x, w, q, k, g, beta]
+        ref = step(*leaves, routing)
+        do = torch.randn_like(ref)
+        ref_grads = torch.autograd.grad(ref, leaves, do)
+        got = compiled(*leaves, routing)
+        got_grads = torch.autograd.grad(got, leaves, do)
+        worst = max(worst, (got - ref).abs().max().item())
+        for a, b in zip(ref_grads, got_grads):
+            worst = max(worst, (a - b).abs().max().item())
+    return {"worst": worst, "frames": counter.frame_count}
+
+
+@pytest.mark.slow
+def test_cp_ops_compile_on_gloo_without_recompiles():
+    """2 gloo ranks, head-tail, capped routing: compiled CP conv history + GDN delta rule equal
+    eager within 2e-5 (float32, outputs and every gradient); 3 layouts, one compile."""
+    results = run_distributed(_cp_compiled, 2, timeout=400)
+    for rank, res in enumerate(results):
+        assert res["worst"] <= 2e-5, (rank, res)
+        assert res["frames"] == 1, (rank, res)
+
+
+@pytest.mark.parametrize("lb", ["contiguous", "headtail", "ptrr"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_routing_caps_bound_every_layout(lb, world):
+    """Random documents, every rank: slots and predecessors never exceed the derived caps."""
+    rows, row_len = 2, 256
+    caps = routing_caps(load_balancer=lb, batch_size=rows, seq_len=row_len, cp_degree=world,
+                        ptrr_block_size=32, max_subsequences=rows * row_len)  # fmt: skip
+    gen = torch.Generator().manual_seed(world)
+    for _ in range(6):
+        cu = random_cu_seqlens(gen, rows, row_len, max_doc=200)
+        positions = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])]).view(
+            rows, row_len
+        )
+        layout = host_layout(positions, load_balancer=lb, world_size=world, device="cpu",
+                             block_size=32)  # fmt: skip
+        for rank in range(world):
+            RoutingPlan.build(layout.cu_seqlens, layout.fragments, rank).to_device("cpu", caps=caps)
+
+
+def test_too_many_subsequences_names_the_config_key():
+    rows, row_len = 1, 64
+    caps = routing_caps(load_balancer="headtail", batch_size=rows, seq_len=row_len,
+                        cp_degree=1, ptrr_block_size=128, max_subsequences=4)  # fmt: skip
+    seq = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="headtail",
+                               caps=caps, cap_keys=CAP_KEYS)  # fmt: skip
+    from torchtitan_cp.host_metadata import HostMetadata
+
+    positions = torch.arange(8).repeat(8).view(1, 64)  # 8 documents > 4
+    tokens = torch.zeros(1, 64, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"linear_attention\.max_subsequences") as e:
+        seq(tokens, tokens, positions, HostMetadata(positions))
+    assert "needs 8 subsequences" in str(e.value)
+    ok = torch.arange(16).repeat(4).view(1, 64)  # 4 documents fit and are padded to the cap
+    _, _, _, ctx = seq(tokens, tokens, ok, HostMetadata(ok))
+    assert ctx.routing.cu_seqlens.shape == (5,)
+
+
+def _config(*args: str):
+    from torchtitan_cp.train import load_config
+
+    return load_config(["--config_file", "configs/debug_cpu.toml", *args])
+
+
+def test_check_compile_rejects_unsupported_combinations():
+    """Config errors from load_config (no process group yet), each naming its key."""
+    with pytest.raises(ConfigError, match="compile.backend 'nope'"):
+        _config("--compile.enable", "--compile.backend", "nope")
+    with pytest.raises(ConfigError, match=r"linear_attention\.max_subsequences = 2 is below"):
+        _config("--compile.enable", "--parallelism.context_parallel_degree", "2",
+                "--linear_attention.max_subsequences", "2")  # fmt: skip
+    with pytest.raises(SystemExit):  # tyro reports a section's __post_init__ error and exits
+        _config("--compile.enable", "--linear_attention.max_subsequences", "0")
+
+
+def test_check_compile_caps_follow_the_config():
+    from torchtitan_cp.models import model_config
+
+    cfg = _config("--compile.enable", "--parallelism.context_parallel_degree", "2")
+    caps = check_compile(cfg, model_config(cfg.model.flavor, **cfg.model.overrides()))
+    assert caps is not None
+    # debug_cpu: 2 rows of 256 tokens, head-tail over 2 ranks.
+    assert (caps.slots, caps.predecessors, caps.subsequences, caps.terminal) == (4, 3, 256, 256)
+    eager = _config("--parallelism.context_parallel_degree", "2")
+    assert check_compile(eager, model_config("debug")) is None
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager_without_recompiles(tmp_path):
+    """The debug config with K, G and A layers, 2 CPU ranks, CP=2 head-tail, 4 steps:
+    ``--compile.enable`` (inductor) gives eager's losses within 1e-5, and after step 1 dynamo
+    compiles nothing more although every step brings a new document layout."""
+    from tests.launch import read_metrics, torchrun_train
+
+    common = ["--config_file", "configs/debug_cpu.toml", "--model.layer_pattern", "KGA",
+              "--training.steps", "4", "--validator.no-enable", "--metrics.no-enable-wandb",
+              "--parallelism.context_parallel_degree", "2"]  # fmt: skip
+    torchrun_train(common, nproc=2, dump_folder=tmp_path / "eager")
+    torchrun_train([*common, "--compile.enable"], nproc=2, dump_folder=tmp_path / "compiled",
+                   timeout=900)  # fmt: skip
+    eager, compiled = read_metrics(tmp_path / "eager"), read_metrics(tmp_path / "compiled")
+    assert [r["step"] for r in compiled] == [1, 2, 3, 4]
+    for a, b in zip(eager, compiled, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+    # New layouts after step 1 (plan cache misses; the bundled corpus repeats some), yet no
+    # new frame or graph after step 1.
+    assert compiled[-1]["routing/cache_misses"] >= 2
+    first = compiled[0]
+    assert first["compile/graphs"] > 0
+    for row in compiled[1:]:
+        for key in ("compile/frames", "compile/graphs"):
+            assert row[key] == first[key], (row["step"], key, row[key], first[key])
