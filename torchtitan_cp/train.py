@@ -62,12 +62,10 @@ def load_config(argv: list[str]):
     sys.stderr.write(captured.getvalue())
     # Validate the model recipe now so a bad flavor or layer letter fails before any process
     # group is created.
-    from torchtitan_cp.models import model_config
-    from torchtitan_cp.trainer import check_attention_backend, check_compile
+    from torchtitan_cp.trainer import check_compile, check_model
 
-    model_cfg = model_config(config.model.flavor, **config.model.overrides())
-    check_attention_backend(config, model_cfg)
-    check_compile(config, model_cfg)
+    spec, _ = check_model(config)
+    check_compile(config, spec.model)
     return config
 
 

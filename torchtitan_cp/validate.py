@@ -327,10 +327,13 @@ def validate(
     Raises ConfigError (one line: key, value, fix). ``scan_data`` reads local JSONL datasets line
     by line (up to ``jsonl.SCAN_LIMIT_BYTES``); without it only their presence is checked (the
     loader checks the content itself)."""
-    from torchtitan_cp.models import model_config
+    from torchtitan_cp.models import recipe_model_spec
 
     _need(world_size >= 1, f"the run needs at least one process, got {world_size} (NPROC)")
-    model_cfg = model_config(config.model.flavor, **config.model.overrides())
+    try:  # the hybrid decoder or torchtitan's Qwen3.5, as [model] name says
+        model_cfg = recipe_model_spec(config.model).model
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     dp = _dp_degree(config, world_size)
     _check_numbers(config, dp)
     _check_seq_len(config, model_cfg)
