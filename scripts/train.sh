@@ -7,10 +7,15 @@ source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 CONFIG="configs/debug_cpu.toml"
 if [ $# -gt 0 ] && [[ "$1" == *.toml ]]; then CONFIG="$1"; shift; fi
-if [ -z "${NPROC:-}" ]; then
-  NGPU="$(python -c 'import torch; print(torch.cuda.device_count())')"
-  if [ "$NGPU" -gt 0 ]; then NPROC="$NGPU"; else NPROC=2; fi
-fi
+# Validate the whole config for NPROC processes in one process before torchrun starts any: a bad
+# value is one line and exit 2 in seconds. It prints the process count (NPROC or auto-detected).
+for arg in "$@"; do
+  if [ "$arg" == "--help" ] || [ "$arg" == "-h" ]; then
+    exec python -m torchtitan_cp.train --config_file "$CONFIG" "$@"
+  fi
+done
+NPROC="$(python -m torchtitan_cp.train --check --nproc "${NPROC:-auto}" --config_file "$CONFIG" "$@")" \
+  || exit $?
 # Console output of rank LOG_RANK only (torchtitan's convention); LOG_RANK=0,1 shows both.
 exec torchrun --standalone --nproc_per_node="$NPROC" --local-ranks-filter "${LOG_RANK:-0}" \
   --role rank --tee 3 -m torchtitan_cp.train --config_file "$CONFIG" "$@"

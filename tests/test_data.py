@@ -16,6 +16,7 @@ from torchtitan_cp.data import (
     BUNDLED_TRAIN_PATH,
     BUNDLED_VALIDATION_PATH,
     HOST_METADATA_KEY,
+    DataError,
     HostMetadata,
     PackedTextDataLoader,
     PackedValidationDataLoader,
@@ -257,3 +258,55 @@ def test_jsonl_dataset_reads_any_local_file(tokenizer, tmp_path):
     assert torch.equal(input_dict["positions"], want_pos)
     with pytest.raises(ValueError, match="dataset_path"):
         build(tokenizer, PackedTextDataLoader.Config(dataset="jsonl"))
+
+
+# The loader's own errors, for launches that skip the pre-launch check: the same "path:line"
+# messages as torchtitan_cp.jsonl.scan (tests/test_validate.py), not a datasets traceback.
+BAD_JSONL = [
+    (b"", ": empty file: no documents"),
+    (b'{"text": "a"}\n{"text": "b"\n', ":2: malformed JSON"),
+    (b'{"text": "a"}\n{"body": "b"}\n', ':2: no "text" key (keys: body)'),
+    (b'{"text": "a"}\n{"text": null}\n', ':2: "text" is null, expected a string'),
+    (b'{"text": "a"}\n{"text": 5}\n', ':2: "text" is int, expected a string'),
+    (b'{"text": "a"}\n{"text": "caf\xe9"}\n', ":2: not UTF-8"),
+    (b'{"text": "a"}\n\n{"text": "b"}\n', ":2: blank line"),
+    (b'{"text": ""}\n{"text": ""}\n', ': all 2 documents have an empty "text"'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("data, message", BAD_JSONL, ids=[m for _, m in BAD_JSONL])
+def test_bad_jsonl_file_is_named_with_its_line(tokenizer, tmp_path, data, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(data)
+    cfg = PackedTextDataLoader.Config(dataset="jsonl", dataset_path=str(path), infinite=False)
+    with pytest.raises(DataError) as info:
+        list(build(tokenizer, cfg, seq_len=8, batch=1))
+    assert str(info.value).startswith(f"{path}{message}"), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_jsonl_file(tokenizer, tmp_path):
+    cfg = PackedTextDataLoader.Config(dataset="jsonl", dataset_path=str(tmp_path / "no.jsonl"))
+    with pytest.raises(DataError, match="no.jsonl: no such file"):
+        build(tokenizer, cfg)
+
+
+def test_fewer_documents_than_data_parallel_ranks(tokenizer, tmp_path):
+    """Every rank raises the same line (before: rank 1 IndexError, rank 0 a lost connection)."""
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"text": "only one"}) + "\n")
+    cfg = PackedTextDataLoader.Config(dataset="jsonl", dataset_path=str(path))
+    for rank in (0, 1):
+        with pytest.raises(DataError, match=r"1 document\(s\) for 2 data-parallel ranks"):
+            build(tokenizer, cfg, dp_rank=rank, dp_world_size=2)
+    build(tokenizer, cfg, dp_rank=0, dp_world_size=1)
+
+
+def test_rank_whose_documents_are_all_empty(tokenizer, tmp_path):
+    path = tmp_path / "half.jsonl"
+    texts = ["", "", "real words here", "and more words"]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cfg = PackedTextDataLoader.Config(dataset="jsonl", dataset_path=str(path))
+    with pytest.raises(DataError, match='data-parallel rank 0 all have an empty "text"'):
+        build(tokenizer, cfg, dp_rank=0, dp_world_size=2)
+    build(tokenizer, cfg, dp_rank=1, dp_world_size=2)

@@ -1,6 +1,7 @@
 """The explain CLI: JSON, table, plot and one-line errors with exit status 2."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -44,6 +45,52 @@ def test_plot(tmp_path, capsys):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_without_suffix_writes_the_name_given(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "layout"
+    assert main([*ARGS, "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "layout.png").exists()
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("dir", "is a directory; give a file name such as"),
+        ("file/layout.png", "cannot write"),  # parent is a regular file
+        ("missing/layout.png", "cannot write"),
+        ("layout.svg", "give a file name ending in .png"),
+    ],
+)
+def test_bad_plot_path_is_one_line_exit_2(tmp_path, capsys, target, message):
+    """A directory or a path that cannot be written: one line, exit 2, nothing written or
+    printed (before: an OSError traceback, and ``--plot /tmp`` wrote /tmp.png)."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    path = tmp_path / target
+    assert main([*ARGS, "--plot", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert message in err and str(path) in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "dir.png").exists() and not path.is_file()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_plot_into_read_only_directory_exit_2(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        assert main([*ARGS, "--plot", str(ro / "layout.png")]) == 2
+    finally:
+        ro.chmod(0o755)
+    err = capsys.readouterr().err
+    assert "cannot write: Permission denied" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -83,3 +130,17 @@ def test_subprocess_exit_code():
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1 and "gap: tokens [2, 3)" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_subprocess_plot_to_directory_exit_2(tmp_path):
+    """Through the module entry point: ``--plot DIR`` (before: wrote ``DIR.png`` next to it)."""
+    pytest.importorskip("matplotlib")
+    bad = subprocess.run(
+        [sys.executable, "-m", "torchtitan_cp.routing", *ARGS, "--plot", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.count("\n") == 1 and "is a directory" in bad.stderr
+    assert not tmp_path.with_suffix(".png").exists()

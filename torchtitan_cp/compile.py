@@ -46,7 +46,7 @@ CAP_KEYS = {
 def _runs_per_row(load_balancer: str | None, seq_len: int, world: int, block: int) -> int:
     """Most contiguous token runs one rank owns in one row."""
     lb = load_balancer or "contiguous"
-    if lb == "contiguous":
+    if lb == "contiguous" or world == 1:  # without CP no balancer reorders the row
         return 1
     if lb == "headtail":
         return 2

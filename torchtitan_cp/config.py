@@ -25,10 +25,18 @@ class ConfigError(ValueError):
 
 @dataclass(kw_only=True, slots=True)
 class ModelRecipe:
-    """``[model]``: which hybrid decoder to build. Unset sizes come from the flavor."""
+    """``[model]``: which model to build. Unset sizes come from the flavor."""
 
+    name: Literal["hybrid", "qwen3_5"] = "hybrid"
+    """hybrid: this recipe's KDA/GDN/attention decoder; qwen3_5: torchtitan's Qwen3.5 (its
+    flavors, Gated DeltaNet + gated attention, HF checkpoints; torchtitan_cp/models/qwen35.py)."""
     flavor: str = "debug"
-    """Model size: debug, 150M or 1B (see torchtitan_cp/models/flavors.py)."""
+    """Model size. hybrid: debug, 150M or 1B (torchtitan_cp/models/flavors.py); qwen3_5:
+    torchtitan's flavors (debugmodel, 0.8B, 2B, 4B, 9B, 27B, ...)."""
+    n_layers: int | None = None
+    """qwen3_5 only: keep the flavor's first n layers (every 4th is attention)."""
+    vision: bool = False
+    """qwen3_5 only: keep the vision encoder (not allowed with context parallelism)."""
     layer_pattern: str | None = None
     """Layer letters, e.g. "KKKA": K = KDA, G = GDN, A = softmax attention."""
     vocab_size: int | None = None
@@ -50,7 +58,8 @@ class ModelRecipe:
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name != "flavor" and getattr(self, f.name) is not None
+            if f.name not in ("name", "flavor", "n_layers", "vision")
+            and getattr(self, f.name) is not None
         }
 
 

@@ -1,14 +1,25 @@
 """Entry point: ``torchrun ... -m torchtitan_cp.train --config_file configs/NAME.toml [--a.b v]``.
 
 Precedence: command line > TOML > recipe defaults (``torchtitan_cp.trainer.recipe_config``).
+
+``--check [--nproc N]`` validates the configuration for a launch of N processes (``auto``: one
+per GPU, else 2) in this one process, prints N and exits: 0 when the launch can start, 2 with one
+line on stderr when not. ``./scripts/train.sh`` runs it before torchrun. Every rank of a real
+launch runs the same validation (``torchtitan_cp.validate``) before building the trainer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
+import logging
 import os
 import sys
+from typing import Any
 
 from torchtitan_cp.config import ConfigError, apply_table, read_toml, split_config_file
+from torchtitan_cp.jsonl import DataError
 
 DEFAULT_CONFIG = "configs/debug_cpu.toml"
 
@@ -30,18 +41,104 @@ def load_config(argv: list[str]):
         "Train a hybrid KDA/GDN/attention model. --config_file PATH.toml sets any option below "
         f"(default {DEFAULT_CONFIG}); flags given here override the file."
     )
-    config = tyro.cli(
-        type(config), args=rest, default=config, registry=custom_registry, description=description
-    )
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            config = tyro.cli(
+                type(config), args=rest, default=config, registry=custom_registry,
+                description=description,
+            )  # fmt: skip
+    except SystemExit as e:
+        if e.code:  # tyro's boxed error message, folded into one line
+            raise ConfigError(f"command line: {_one_line(captured.getvalue())}") from None
+        sys.stderr.write(captured.getvalue())
+        raise
+    except (AssertionError, ValueError) as e:
+        # A section's own __post_init__ check (torchtitan asserts some): name the section.
+        if isinstance(e, ConfigError):
+            raise
+        section = _failing_section(e, config)
+        raise ConfigError(f"{section}{e}" if section else str(e)) from None
+    sys.stderr.write(captured.getvalue())
     # Validate the model recipe now so a bad flavor or layer letter fails before any process
     # group is created.
-    from torchtitan_cp.models import model_config
-    from torchtitan_cp.trainer import check_attention_backend, check_compile
+    from torchtitan_cp.trainer import check_compile, check_model
 
-    model_cfg = model_config(config.model.flavor, **config.model.overrides())
-    check_attention_backend(config, model_cfg)
-    check_compile(config, model_cfg)
+    spec, _ = check_model(config)
+    check_compile(config, spec.model)
     return config
+
+
+def _failing_section(exc: BaseException, config: Any) -> str:
+    """``"[validator] "`` when ``exc`` came from the ``__post_init__`` of the config section at
+    that path (found by type in ``config``), else ``""``."""
+    failing, tb = None, exc.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if tb.tb_frame.f_code.co_name == "__post_init__" and dataclasses.is_dataclass(obj):
+            failing = type(obj)
+        tb = tb.tb_next
+    if failing is None:
+        return ""
+
+    def find(node: Any, prefix: str) -> str | None:
+        for f in dataclasses.fields(node):
+            child = getattr(node, f.name, None)
+            if dataclasses.is_dataclass(child) and not isinstance(child, type):
+                path = f"{prefix}{f.name}"
+                if type(child) is failing:
+                    return path
+                found = find(child, f"{path}.")
+                if found:
+                    return found
+        return None
+
+    path = find(config, "")
+    return f"[{path}] " if path else ""
+
+
+def _one_line(box: str) -> str:
+    """tyro's error box (title, message, sections split by rules) as one line: the message,
+    plus the first suggestion of a "Perhaps you meant" section. Box characters differ with the
+    terminal, so only the rules between sections are relied on."""
+    sections: list[list[str]] = [[]]
+    for raw in box.splitlines():
+        line = raw.strip().strip("│|").strip()  # rich draws ASCII boxes on non-UTF-8 streams
+        if not line or line[0] in "╭╰+":
+            continue
+        if set(line) <= set("─━-= "):
+            sections.append([])
+            continue
+        sections[-1].append(line)
+    texts = [" ".join(section) for section in sections if section]
+    # Without a box (stderr not a terminal) the title is a section of its own: skip it.
+    message = next((t for t in texts if ":" in t), texts[0] if texts else "invalid arguments")
+    for section in sections[1:]:
+        if len(section) > 1 and section[0].startswith("Perhaps you meant"):
+            message += f" (did you mean {section[1].split()[0]}?)"
+            break
+    return message
+
+
+def _split_launch_args(argv: list[str]) -> tuple[bool, str, list[str]]:
+    """Pull ``--check`` and ``--nproc N`` (not trainer options) out of ``argv``."""
+    check, nproc, rest = False, "auto", []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--check":
+            check = True
+        elif a == "--nproc":
+            if i + 1 >= len(argv):
+                raise ConfigError("--nproc needs a number")
+            nproc = argv[i + 1]
+            i += 1
+        elif a.startswith("--nproc="):
+            nproc = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return check, nproc, rest
 
 
 def _single_process_defaults() -> None:
@@ -87,12 +184,37 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from torchtitan.tools.logging import init_logger, logger
 
-    init_logger()
+    from torchtitan_cp.validate import parse_nproc, validate
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    check = False
     try:
-        config = load_config(sys.argv[1:] if argv is None else argv)
+        check, nproc_text, args = _split_launch_args(args)
+        if check and nproc_text not in ("", "auto"):
+            parse_nproc(nproc_text, device_type="cpu")  # a bad NPROC fails before the imports
+        if check:
+            # The check's output is the verdict alone: torchtitan's config warnings (also shown
+            # by the run itself) would bury it.
+            logging.disable(logging.WARNING)
+        else:
+            init_logger()
+        config = load_config(args)
+        device_type = platform.device_type()
+        if check:
+            nproc = parse_nproc(nproc_text, device_type=device_type)
+            validate(config, nproc, device_type)
+            print(nproc)
+            return 0
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        # The data files were scanned by --check (or are checked by the loader when they fail).
+        validate(config, world, device_type, local_world_size=local_world, scan_data=False)
     except (ConfigError, ValueError) as e:
         print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if check:
+            logging.disable(logging.NOTSET)
 
     import torch
 
@@ -117,15 +239,17 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
-    except RunError as e:
-        # A busy dump folder, an unusable checkpoint, a loss spike: one line, no traceback.
+    except (RunError, ConfigError, DataError) as e:
+        # A bad value or data file every rank meets alike, a busy dump folder, an unusable
+        # checkpoint, a loss spike: one line, no traceback.
         if trainer is not None:
             trainer.close()
-        print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
-        _record_for_torchrun(f"torchtitan_cp.train: error: {e}")
+        line = f"torchtitan_cp.train: error: {e}"
+        print(line, file=sys.stderr)
+        _record_for_torchrun(line)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        return e.exit_code
+        return getattr(e, "exit_code", 2)
     except Exception:
         if trainer is not None:
             trainer.close()

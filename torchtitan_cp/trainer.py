@@ -52,7 +52,7 @@ from torchtitan_cp.data import (  # noqa: E402
     PackedValidationDataLoader,
     pop_host_metadata,
 )
-from torchtitan_cp.models import HybridDecoder, model_spec  # noqa: E402
+from torchtitan_cp.models import recipe_model_spec  # noqa: E402
 from torchtitan_cp.ops import check_flex_shape  # noqa: E402
 from torchtitan_cp.runs import RunContext, run_header, start_run, supersede_rows  # noqa: E402
 from torchtitan_cp.sequence import SequencePreprocessor  # noqa: E402
@@ -217,10 +217,40 @@ def _preprocess(
     return inputs, labels, {"positions": positions, "seq_ctx": ctx}
 
 
-def check_attention_backend(config: Any, model_cfg: HybridDecoder.Config) -> bool:
+def check_model(config: Any) -> tuple[Any, bool]:
+    """Build ``[model]``'s spec and check it against the run's parallelism and device; returns
+    ``(spec, flex)``. Every problem is a one-line ConfigError naming the key."""
+    try:
+        spec = recipe_model_spec(config.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if config.model.name == "qwen3_5":
+        from torchtitan_cp.models.qwen35 import check_qwen35_parallelism
+
+        try:
+            check_qwen35_parallelism(spec.model, config.parallelism)
+            if config.compile.enable and "model" in config.compile.components:
+                # Untested: the swapped GatedDeltaNet layers pass the microbatch context
+                # through a Python attribute for the duration of each call.
+                raise ValueError(
+                    "compile.enable is not supported for model.name = 'qwen3_5' yet; "
+                    "use --compile.no-enable"
+                )
+            ckpt = config.checkpoint
+            if ckpt.enable and ckpt.initial_load_in_hf:
+                from torchtitan_cp.hf import check_hf_folder
+
+                check_hf_folder(ckpt.initial_load_path or config.hf_assets_path, spec.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return spec, check_attention_backend(config, spec.model)
+
+
+def check_attention_backend(config: Any, model_cfg: Any, *, device_type: str | None = None) -> bool:
     """Whether this run's attention layers use flex; a ConfigError where flex cannot run:
-    training off CUDA (no flex backward there) or a CP shard that is not whole mask blocks."""
-    device = platform.device_type()
+    training off CUDA (no flex backward there) or a CP shard that is not whole mask blocks.
+    ``device_type`` defaults to this machine's."""
+    device = device_type or platform.device_type()
     if not model_cfg.uses_flex_attention(device):
         return False
     if device != "cuda":
@@ -254,14 +284,13 @@ class HybridTrainer(Trainer):
     run: RunContext
 
     def __init__(self, config: Config):
-        spec = model_spec(config.model.flavor, **config.model.overrides())
-        model_cfg = cast(HybridDecoder.Config, spec.model)
+        spec, flex = check_model(config)
+        model_cfg = spec.model  # HybridDecoder.Config or Qwen35TextModel.Config
         config.model_spec = spec
         # The loss is sized by the model's vocabulary, whichever flavor or override set it.
         loss_fn_cfg = getattr(config.loss, "loss_fn", config.loss)
         if hasattr(loss_fn_cfg, "global_vocab_size"):
             setattr(loss_fn_cfg, "global_vocab_size", model_cfg.vocab_size)  # noqa: B010
-        flex = check_attention_backend(config, model_cfg)
         caps = check_compile(config, model_cfg)  # fixed routing shapes when compiling
         super().__init__(config)
         pd = self.parallel_dims

@@ -2,7 +2,7 @@
 
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.models.decoder import HybridBlock, HybridDecoder, parse_layer_pattern
-from torchtitan_cp.models.flavors import FLAVORS, model_config, model_spec
+from torchtitan_cp.models.flavors import FLAVORS, model_config, model_spec, recipe_model_spec
 
 __all__ = [
     "FLAVORS",
@@ -12,4 +12,5 @@ __all__ = [
     "model_config",
     "model_spec",
     "parse_layer_pattern",
+    "recipe_model_spec",
 ]

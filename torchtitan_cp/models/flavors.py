@@ -6,6 +6,7 @@ import dataclasses
 
 from torchtitan.protocols.model_spec import ModelSpec
 
+from torchtitan_cp.config import ModelRecipe
 from torchtitan_cp.models.attention import resolve_attention_backend
 from torchtitan_cp.models.decoder import HybridDecoder, parse_layer_pattern
 
@@ -50,6 +51,31 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
         )
     resolve_attention_backend(cfg.attention_backend, "cpu")
     return cfg
+
+
+def recipe_model_spec(recipe: ModelRecipe) -> ModelSpec:
+    """The ``ModelSpec`` that ``[model]`` names: the hybrid decoder or torchtitan's Qwen3.5.
+    A key that does not apply to the chosen model is a ValueError naming it."""
+    overrides = recipe.overrides()
+    if recipe.name == "hybrid":
+        if recipe.n_layers is not None or recipe.vision:
+            key = "n_layers" if recipe.n_layers is not None else "vision"
+            raise ValueError(f"model.{key} applies to model.name = 'qwen3_5' only")
+        return model_spec(recipe.flavor, **overrides)
+    if recipe.name == "qwen3_5":
+        from torchtitan_cp.models.qwen35 import qwen35_model_spec
+
+        allowed = ("vocab_size", "attention_backend", "enable_weight_tying")
+        bad = sorted(set(overrides) - set(allowed))
+        if bad:
+            raise ValueError(
+                f"model.{bad[0]} does not apply to qwen3_5 (its flavor fixes the architecture; "
+                f"settable: n_layers, vision, {', '.join(allowed)})"
+            )
+        return qwen35_model_spec(
+            recipe.flavor, n_layers=recipe.n_layers, vision=recipe.vision, **overrides
+        )
+    raise ValueError(f"unknown model.name {recipe.name!r}; choose 'hybrid' or 'qwen3_5'")
 
 
 def model_spec(flavor: str, **overrides) -> ModelSpec:

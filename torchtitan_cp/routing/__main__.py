@@ -12,7 +12,8 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import IO, Any, NoReturn
 
 from .layouts import FragmentTable, parse_fragments
 from .plan import RoutingPlan
@@ -83,9 +84,12 @@ def _table(plan: RoutingPlan) -> str:
     return "\n".join(lines)
 
 
-def plot_layout(cu_seqlens: Sequence[int], fragments: FragmentTable, rank: int, path: str) -> None:
+def plot_layout(
+    cu_seqlens: Sequence[int], fragments: FragmentTable, rank: int, path: str | IO[bytes]
+) -> None:
     """Draw documents, every rank's fragments and the state routes (arrows from a fragment to the
-    next piece of a document it continues into) to a PNG. ``rank``'s fragments are outlined."""
+    next piece of a document it continues into) to a PNG at ``path`` (a file name, written as
+    given, or a binary file). ``rank``'s fragments are outlined."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,8 +131,29 @@ def plot_layout(cu_seqlens: Sequence[int], fragments: FragmentTable, rank: int, 
     ax.set_xlabel("global token")
     ax.set_title(f"routing layout (rank {rank} outlined, arrows = state routes)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # format= keeps the name as given: without it matplotlib appends ".png" to a suffix-less name.
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
+
+
+def _open_plot(path: str) -> IO[bytes]:
+    """Open ``--plot``'s file for writing before any work, so a bad path is one line, not a
+    traceback after the table was printed."""
+    p = Path(path)
+    if p.suffix.lower() not in ("", ".png"):
+        raise ValueError(f"--plot {path}: writes a PNG; give a file name ending in .png")
+    if p.is_dir():
+        raise ValueError(
+            f"--plot {path}: is a directory; give a file name such as {p / 'layout.png'}"
+        )
+    try:
+        import matplotlib  # noqa: F401  (checked here so a missing install is one line too)
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    try:
+        return p.open("wb")
+    except OSError as e:
+        raise ValueError(f"--plot {path}: cannot write: {e.strerror or e}") from None
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -152,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         fragments = parse_fragments(args.fragments)
         plan = RoutingPlan.build(args.cu_seqlens, fragments, args.rank)
+        plot_file = _open_plot(args.plot) if args.plot else None
     except (_UsageError, ValueError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
@@ -161,8 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(explain(plan)))
     else:
         print(_table(plan))
-    if args.plot:
-        plot_layout(args.cu_seqlens, fragments, args.rank, args.plot)
+    if plot_file is not None:
+        with plot_file:
+            plot_layout(args.cu_seqlens, fragments, args.rank, plot_file)
     return 0
 
 

@@ -1,0 +1,183 @@
+"""Hugging Face checkpoints in and out for Qwen3.5, without network.
+
+An HF folder is written from a random debug model (config.json, safetensors through
+torchtitan's ``Qwen35StateDictAdapter``, the bundled tokenizer) and read back through
+torchtitan's own checkpoint loading code (``CheckpointManager.dcp_load`` with ``from_hf``).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_cp import platform
+
+platform.apply()
+
+from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
+
+from tests.launch import REPO, read_metrics, torchrun_train  # noqa: E402
+from tests.test_qwen35 import make_batch  # noqa: E402
+from torchtitan_cp.config import ConfigError  # noqa: E402
+from torchtitan_cp.hf import check_hf_folder, write_hf_folder  # noqa: E402
+from torchtitan_cp.models.qwen35 import qwen35_config  # noqa: E402
+
+set_spmd_backend("partial_dtensor")
+
+TOKENIZER = REPO / "torchtitan_cp" / "assets" / "tokenizer"
+CONFIG = "configs/qwen35_debug_cpu.toml"
+
+
+def _cfg(tied: bool = False):
+    return qwen35_config(
+        "debugmodel", n_layers=4, vocab_size=4096, attention_backend="sdpa",
+        enable_weight_tying=tied,
+    )  # fmt: skip
+
+
+def _random_model(seed: int, tied: bool = False):
+    torch.manual_seed(seed)
+    model = _cfg(tied).build()
+    model.init_states()
+    with torch.no_grad():  # zero-initialised norms and biases would hide a mis-mapped key
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model
+
+
+def test_to_hf_then_from_hf_returns_the_same_tensors():
+    from torchtitan.models.qwen3_5 import Qwen35StateDictAdapter
+
+    model = _random_model(0)
+    adapter = Qwen35StateDictAdapter(model.config, None)
+    sd = model.state_dict()
+    hf = adapter.to_hf(dict(sd))
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in hf
+    assert not any(k.startswith("model.visual") for k in hf)  # text-only model
+    back = adapter.from_hf(hf)
+    assert sorted(back) == sorted(sd)
+    for k, v in sd.items():
+        assert torch.equal(back[k], v), k
+
+
+def _load_through_torchtitan(model, path: Path) -> None:
+    """torchtitan's CheckpointManager.dcp_load(from_hf=True) on a manager holding ``model``."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.checkpointer.base import ModelWrapper
+    from torchtitan.models.qwen3_5 import Qwen35StateDictAdapter
+
+    wrapper = ModelWrapper(model)
+    manager = types.SimpleNamespace(
+        sd_adapter=Qwen35StateDictAdapter(model.config, str(path)), states={"model": wrapper}
+    )
+    CheckpointManager.dcp_load(  # pyrefly: ignore[bad-argument-type]
+        manager, wrapper.state_dict(), checkpoint_id=str(path), from_hf=True, from_quantized=False
+    )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_folder_loads_back_with_bitwise_logits(tmp_path, tied):
+    """Also with tied embeddings (HF's tie_word_embeddings, Qwen3.5 0.8B-4B): the folder then
+    has no lm_head.weight and loading still gives the same model."""
+    from safetensors import safe_open
+
+    model = _random_model(0, tied)
+    folder = write_hf_folder(model, model.config, tmp_path / "hf", tokenizer_dir=TOKENIZER)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+        f.name for f in folder.iterdir()
+    }
+    check_hf_folder(folder, model.config)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert ("lm_head.weight" in f.keys()) != tied
+    other = _random_model(1, tied)
+    tokens, positions, _ = make_batch(7, 2, 64, vocab=4096)
+    assert not torch.equal(model(tokens, positions), other(tokens, positions))
+    _load_through_torchtitan(other, folder)
+    assert torch.equal(model(tokens, positions), other(tokens, positions))
+
+
+def test_config_mismatch_names_the_first_field(tmp_path):
+    model = _random_model(0)
+    folder = write_hf_folder(model, model.config, tmp_path / "hf", tokenizer_dir=None)
+    cfg_file = folder / "config.json"
+    hf = json.loads(cfg_file.read_text())
+    hf["text_config"]["layer_types"][1] = "full_attention"
+    hf["text_config"]["linear_key_head_dim"] = 32
+    cfg_file.write_text(json.dumps(hf))
+    with pytest.raises(ValueError) as e:
+        check_hf_folder(folder, model.config)
+    msg = str(e.value)
+    assert "text_config.layer_types is" in msg and "linear_key_head_dim" not in msg
+    assert "\n" not in msg
+    hf["text_config"]["hidden_size"] = 1024
+    cfg_file.write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=r"text_config.hidden_size is 1024 but the model flavor"):
+        check_hf_folder(folder, model.config)
+
+
+def test_missing_shard_is_one_line(tmp_path):
+    model = _random_model(0)
+    folder = write_hf_folder(model, model.config, tmp_path / "hf", tokenizer_dir=None)
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors",
+                            "b": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError) as e:
+        check_hf_folder(folder, model.config)
+    assert "missing safetensors shard(s) model-00002-of-00002.safetensors" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_training_config_checks_the_hf_folder_before_starting(tmp_path):
+    from torchtitan_cp.train import load_config
+
+    model = _random_model(0)
+    folder = write_hf_folder(model, model.config, tmp_path / "hf", tokenizer_dir=TOKENIZER)
+    (folder / "model.safetensors").unlink()
+    argv = ["--config_file", CONFIG, "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+            "--checkpoint.initial_load_model_only", "--checkpoint.initial_load_path",
+            str(folder)]  # fmt: skip
+    with pytest.raises(ConfigError, match="no \\*.safetensors weights"):
+        load_config(argv)
+
+
+@pytest.mark.slow
+def test_training_continues_from_an_hf_folder_and_exports_back(tmp_path):
+    """Train 10 steps, export to an HF folder (scripts/export_hf.py), start a CP=2 run from
+    that folder: its first loss continues the first run's curve (far below a fresh start);
+    last_save_in_hf writes HF safetensors again."""
+    import subprocess
+    import sys
+
+    first = tmp_path / "first"
+    base = ["--config_file", CONFIG, "--validator.no-enable", "--metrics.no-enable-wandb"]
+    torchrun_train([*base, "--training.steps", "10", "--checkpoint.enable",
+                    "--checkpoint.interval", "10"], nproc=2, dump_folder=first)  # fmt: skip
+    fresh = read_metrics(first)
+    hf = tmp_path / "hf"
+    proc = subprocess.run(
+        [sys.executable, "scripts/export_hf.py", "--config_file", CONFIG,
+         "--checkpoint", str(first / "checkpoint" / "step-10"), "--out", str(hf)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file()
+
+    second = tmp_path / "second"
+    torchrun_train([*base, "--training.steps", "3", "--parallelism.context_parallel_degree", "2",
+                    "--checkpoint.enable", "--checkpoint.interval", "3",
+                    "--checkpoint.initial_load_path", str(hf),
+                    "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only",
+                    "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"],
+                   nproc=2, dump_folder=second)  # fmt: skip
+    resumed = read_metrics(second)
+    assert resumed[0]["loss"] < fresh[0]["loss"] - 1.0, (fresh[0]["loss"], resumed[0]["loss"])
+    # ... and below every loss of the first run's first half: it starts where that run got to.
+    assert resumed[0]["loss"] < min(r["loss"] for r in fresh[:5]), (fresh, resumed[0])
+    exported = list((second / "checkpoint" / "step-3").glob("*.safetensors"))
+    assert exported, "last_save_in_hf wrote no safetensors"

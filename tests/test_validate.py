@@ -1,0 +1,316 @@
+"""Validation before launching: every bad value or file is one line naming the key and the fix,
+exit status 2, no traceback, and no process started (``train --check``, which
+``./scripts/train.sh`` runs before torchrun, and the same check inside the trainer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+from tests.launch import REPO, free_port
+from torchtitan_cp import jsonl
+from torchtitan_cp.train import main
+
+ON_CUDA = torch.cuda.is_available()
+
+
+def check(capsys, *args: str, nproc: str = "2") -> tuple[int, str, str]:
+    """``python -m torchtitan_cp.train --check --nproc N ARGS`` in this process."""
+    code = main(["--check", "--nproc", nproc, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("torchtitan_cp.train: error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def test_default_config_passes_and_prints_the_process_count(capsys, tmp_path):
+    code, out, err = check(capsys, "--dump_folder", str(tmp_path / "run"), nproc="2")
+    assert (code, out, err) == (0, "2\n", "")
+    assert not (tmp_path / "run").exists(), "the check creates nothing"
+    code, out, _ = check(capsys, "--dump_folder", str(tmp_path), nproc="auto")
+    assert code == 0 and int(out) == (torch.cuda.device_count() if ON_CUDA else 2)
+
+
+# Each row: the flags, the process count, and what the line must say (the key and the fix).
+BAD_VALUES = [
+    (["--training.steps", "-3"], "2", ["training.steps must be >= 0, got -3"]),
+    (["--optimizer.param_groups.0.optimizer_kwargs.lr", "-0.001"], "2",
+     ["optimizer.param_groups.0.optimizer_kwargs.lr must be >= 0"]),
+    (["--training.seq_len", "0"], "2", ["training.seq_len must be >= 1"]),
+    (["--training.seq_len", "100"], "2", ["loss.num_chunks (8)", "use seq_len 96 or 104"]),
+    (["--training.seq_len", "66", "--parallelism.context_parallel_degree", "2"], "2",
+     ["training.seq_len (66) must be divisible by 2 x context_parallel_degree (2)", "64 or 68"]),
+    (["--training.seq_len", "128", "--parallelism.context_parallel_degree", "2",
+      "--parallelism.context_parallel_load_balancer", "ptrr"], "2",
+     ["ptrr_block_size x context_parallel_degree (128 x 2)", "use 256"]),
+    (["--parallelism.context_parallel_load_balancer", "zigzag"], "2",
+     ["context_parallel_load_balancer must be one of"]),
+    (["--training.local_batch_size", "0"], "2", ["training.local_batch_size must be >= 1"]),
+    (["--compile.enable", "--compile.backend", "nosuch"], "2",
+     ["compile.backend 'nosuch' is not a torch.compile backend"]),
+    (["--training.global_batch_size", "3"], "2",
+     ["training.global_batch_size (3) must be a positive multiple of", "(2 x 2 = 4)"]),
+    (["--parallelism.context_parallel_degree", "4"], "2",
+     ["context_parallel_degree (4)", "does not divide the 2 processes"]),
+    (["--parallelism.data_parallel_shard_degree", "3"], "2",
+     ["data_parallel_shard_degree (3)", "but 2 processes run"]),
+    (["--parallelism.tensor_parallel_degree", "2"], "2", ["tensor_parallel_degree = 2"]),
+    (["--validator.freq", "0"], "2", ["validator.freq must be >= 1", "--validator.no-enable"]),
+    (["--validator.steps", "0"], "2", ["[validator] validation steps must be positive or -1"]),
+    (["--metrics.log_freq", "0"], "2", ["metrics.log_freq must be >= 1"]),
+    (["--training.gc_freq", "0"], "2", ["training.gc_freq must be >= 1"]),
+    (["--lr_scheduler.warmup_steps", "-1"], "2", ["lr_scheduler.warmup_steps must be >= 0"]),
+    (["--lr_scheduler.min_lr_factor", "2"], "2", ["lr_scheduler.min_lr_factor must be in [0, 1]"]),
+    (["--training.seq_len", "262144"], "2", ["exceeds the model's max_seq_len"]),
+    (["--model.vocab_size", "100"], "2",
+     ["model.vocab_size (100) is smaller than the tokenizer's 4096", "--model.vocab_size 4096"]),
+    ([], "0", ["NPROC must be a whole number >= 1", "'0'"]),
+    ([], "two", ["NPROC must be a whole number >= 1", "'two'"]),
+    (["--training.stepz", "3"], "2",
+     ["command line: Unrecognized options: --training.stepz", "did you mean --training.steps?"]),
+    (["--training.steps", "three"], "2", ["Error parsing --training.steps", "'three'"]),
+    (["--linear_attention.plan_cache_size", "0"], "2", ["plan_cache_size must be >= 1"]),
+    (["--checkpoint.enable", "--checkpoint.interval", "0"], "2", ["interval"]),
+    (["--dataloader.dataset", "c5"], "2", ["dataloader.dataset 'c5' is unknown", "bundled"]),
+    (["--dataloader.dataset", "jsonl"], "2", ["'jsonl' needs dataloader.dataset_path"]),
+    (["--hf_assets_path", "/nonexistent/tok"], "2", ["hf_assets_path /nonexistent/tok: no such"]),
+    (["--checkpoint.enable", "--checkpoint.initial_load_path", "/nonexistent/step-0"], "2",
+     ["checkpoint.initial_load_path /nonexistent/step-0: no such"]),
+]  # fmt: skip
+if not ON_CUDA:
+    BAD_VALUES += [
+        (["--linear_attention.backend", "fla"], "2",
+         ["linear_attention.backend = 'fla' needs CUDA", "use 'torch' or 'auto'"]),
+        (["--model.attention_backend", "flex"], "2", ["attention_backend = 'flex' cannot train"]),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args, nproc, needles", BAD_VALUES, ids=[" ".join(r[0]) or f"NPROC={r[1]}" for r in BAD_VALUES]
+)
+def test_bad_value_is_one_line_naming_the_key(capsys, tmp_path, args, nproc, needles):
+    code, out, err = check(capsys, "--dump_folder", str(tmp_path), *args, nproc=nproc)
+    assert out == ""
+    assert_one_line(code, err, *needles)
+
+
+def test_unwritable_dump_folder(capsys, tmp_path):
+    (tmp_path / "file").write_text("x")
+    code, _, err = check(capsys, "--dump_folder", str(tmp_path / "file" / "run"))
+    assert_one_line(code, err, f"dump_folder {tmp_path}/file/run", "is a file, not a folder")
+    probe = "/sys/torchtitan-cp-run"  # /sys is a read-only mount, also for root
+    if os.path.isdir("/sys") and _read_only("/sys"):
+        code, _, err = check(capsys, "--dump_folder", probe)
+        assert_one_line(code, err, f"dump_folder {probe}: not writable (its parent /sys")
+
+
+def _read_only(folder: str) -> bool:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return False
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_checkpoint_folder(capsys, tmp_path):
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    ckpt.chmod(0o555)
+    try:
+        code, _, err = check(capsys, "--dump_folder", str(tmp_path), "--checkpoint.enable")
+    finally:
+        ckpt.chmod(0o755)
+    assert_one_line(code, err, "checkpoint.folder", "not writable")
+
+
+# ------------------------------------------------------------------------ data files
+
+# Each row: file bytes, and the "path:line: problem" the check and the loader both report.
+BAD_FILES = [
+    (b"", ": empty file: no documents"),
+    (b'{"text": "a"}\n{"text": "b"\n', ':2: malformed JSON: Expecting \',\' delimiter'),
+    (b'{"text": "a"}\n{"body": "b"}\n', ':2: no "text" key (keys: body)'),
+    (b'{"text": "a"}\n{"text": null}\n', ':2: "text" is null, expected a string'),
+    (b'{"text": "a"}\n{"text": 5}\n', ':2: "text" is int, expected a string'),
+    (b'{"text": "a"}\n{"text": "caf\xe9"}\n', ":2: not UTF-8 (byte 14 of the line)"),
+    (b'{"text": "a"}\n\n{"text": "b"}\n', ":2: blank line"),
+    (b'{"text": "a"}\n{"text": "b"}\n\n', ":3: blank line"),
+    (b'["a"]\n', ':1: expected a JSON object {"text": ...}, got list'),
+    (b'{"text": ""}\n{"text": ""}\n', ': all 2 documents have an empty "text": no tokens'),
+]  # fmt: skip
+FILE_IDS = ["empty", "malformed", "no-text", "null", "int", "utf8", "blank", "trailing-blank",
+            "list", "all-empty"]  # fmt: skip
+
+
+@pytest.mark.parametrize("data, message", BAD_FILES, ids=FILE_IDS)
+def test_bad_data_file_names_file_and_line(capsys, tmp_path, data, message):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(data)
+    code, _, err = check(
+        capsys, "--dump_folder", str(tmp_path), "--dataloader.dataset", "jsonl",
+        "--dataloader.dataset_path", str(path),
+    )  # fmt: skip
+    assert_one_line(code, err, f"dataloader.dataset_path: {path}{message}")
+
+
+def test_bad_validation_file_is_named_under_its_own_key(capsys, tmp_path):
+    path = tmp_path / "val.jsonl"
+    path.write_bytes(b'{"text": "a"}\n{"txt": "b"}\n')
+    code, _, err = check(capsys, "--dump_folder", str(tmp_path), "--validator.dataloader.dataset",
+                         "jsonl", "--validator.dataloader.dataset_path", str(path))  # fmt: skip
+    assert_one_line(code, err, f'validator.dataloader.dataset_path: {path}:2: no "text" key')
+
+
+def test_dataset_smaller_than_the_data_parallel_ranks(capsys, tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"text": "a single document"}) + "\n")
+    args = ["--dump_folder", str(tmp_path), "--dataloader.dataset", "jsonl",
+            "--dataloader.dataset_path", str(path)]  # fmt: skip
+    code, _, err = check(capsys, *args, nproc="2")
+    assert_one_line(code, err, "1 document(s) for 2 data-parallel ranks")
+    # With CP = 2 the two processes are one data-parallel rank: the file is enough.
+    code, _, err = check(capsys, *args, "--parallelism.context_parallel_degree", "2", nproc="2")
+    assert code == 0, err
+
+
+def test_rank_whose_share_is_all_empty(capsys, tmp_path):
+    """The check finds what the loader would find on one rank only (the other rank would see a
+    lost connection): rank 0's two documents are empty."""
+    path = tmp_path / "half.jsonl"
+    texts = ["", "", "real words here", "and more words"]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    args = ["--dump_folder", str(tmp_path), "--dataloader.dataset", "jsonl",
+            "--dataloader.dataset_path", str(path)]  # fmt: skip
+    code, _, err = check(capsys, *args, nproc="2")
+    assert_one_line(code, err, 'the 2 documents of data-parallel rank 0 all have an empty "text"')
+    code, _, err = check(capsys, *args, "--parallelism.context_parallel_degree", "2", nproc="2")
+    assert code == 0, err
+
+
+# Fewer documents than ranks is refused before any split (datasets raises IndexError there).
+@pytest.mark.parametrize(
+    "documents, world", [(d, w) for d in (1, 2, 5, 7, 8, 13) for w in (1, 2, 3, 4) if d >= w]
+)
+def test_rank_share_matches_datasets_split(documents, world):
+    from datasets import Dataset
+    from datasets.distributed import split_dataset_by_node
+
+    ds = Dataset.from_dict({"i": list(range(documents))})
+    for rank in range(world):
+        want = split_dataset_by_node(ds, rank=rank, world_size=world)["i"]
+        assert list(jsonl.rank_share(documents, world, rank)) == want
+
+
+def test_scan_reads_only_up_to_its_limit(tmp_path):
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(100)))
+    full = jsonl.scan(str(path), max_bytes=None)
+    assert (full.documents, full.nonempty, full.complete) == (100, 100, True)
+    part = jsonl.scan(str(path), max_bytes=100)
+    assert not part.complete and 0 < part.documents < 100
+
+
+# ------------------------------------------------------------------------ real entry points
+
+
+def run_train_sh(*args: str, nproc: str | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true")
+    env.pop("NPROC", None)
+    if nproc is not None:
+        env["NPROC"] = nproc
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(REPO / "scripts" / "train.sh"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return proc, time.perf_counter() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, nproc, needle",
+    [
+        (["--training.steps", "-3"], None, "training.steps must be >= 0"),
+        (["--parallelism.context_parallel_degree", "4"], "2", "does not divide the 2 processes"),
+        ([], "0", "NPROC must be a whole number >= 1"),
+        (["--dataloader.dataset", "jsonl", "--dataloader.dataset_path", "{bad}"], None, ":2: "),
+    ],
+    ids=["steps", "cp-degree", "NPROC=0", "data-file"],
+)
+def test_train_sh_refuses_before_torchrun(tmp_path, args, nproc, needle):
+    """Through ./scripts/train.sh: exit 2, the one line, no torchrun block (torchrun never ran:
+    before, each of these started both ranks and ended in a 40-line ChildFailedError, exit 1)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "a"}\n{"text": 1}\n')
+    args = [a.replace("{bad}", str(bad)) for a in args]
+    proc, seconds = run_train_sh(*args, "--dump_folder", str(tmp_path / "run"), nproc=nproc)
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("[env]")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr[-3000:]
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+    print(f"refused in {seconds:.1f} s: {lines[0]}")
+
+
+def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun -m torchtitan_cp.train``, bypassing train.sh's check: the trainer's own."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           "-m", "torchtitan_cp.train", *args]  # fmt: skip
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_direct_torchrun_runs_the_same_validation(tmp_path):
+    proc = torchrun("--validator.freq", "0", "--dump_folder", str(tmp_path))
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "torchtitan_cp.train: error:" in line]
+    assert len(errors) == 2 and all("validator.freq must be >= 1" in e for e in errors), errors
+    assert "ZeroDivisionError" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_one_document_on_two_ranks_names_documents_and_ranks(tmp_path):
+    """Bypassing the pre-launch scan, the loader itself stops every rank with the same line
+    (before: rank 1 raised IndexError and rank 0 saw only gloo's "Connection closed by peer")."""
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"text": "a single document"}) + "\n")
+    proc = torchrun("--dataloader.dataset", "jsonl", "--dataloader.dataset_path", str(path),
+                    "--validator.no-enable", "--metrics.no-enable-wandb",
+                    "--dump_folder", str(tmp_path / "run"))  # fmt: skip
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "torchtitan_cp.train: error:" in line]
+    want = f"{path}: 1 document(s) for 2 data-parallel ranks"
+    assert len(errors) == 2 and all(want in e for e in errors), proc.stderr[-3000:]
+    assert "IndexError" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["gpu_kda_1b", "gpu_gdn_1b"])
+@pytest.mark.parametrize("cp", ["1", "2"])
+def test_shipped_gpu_configs_pass_the_size_checks(name, cp):
+    """The rules are not stricter than the shipped runs: 8 GPUs, with and without CP (ptrr).
+    (Device, tokenizer and data checks need the GPU machine's files: see docs/gpu.md.)"""
+    from torchtitan_cp import validate as v
+    from torchtitan_cp.models import model_config
+    from torchtitan_cp.train import load_config
+
+    config = load_config(["--config_file", str(REPO / "configs" / f"{name}.toml"),
+                          "--parallelism.context_parallel_degree", cp,
+                          "--parallelism.context_parallel_load_balancer", "ptrr"])  # fmt: skip
+    model_cfg = model_config(config.model.flavor, **config.model.overrides())
+    v._check_numbers(config, v._dp_degree(config, 8))
+    v._check_seq_len(config, model_cfg)
