@@ -422,3 +422,37 @@ def test_compiled_path_ops_get_the_routing_table(fla_recorder, kind):
     for phase in ("fwd", "bwd"):
         assert "causal_conv1d_fwd_kernel:chunk_indices" in checked[phase]
         assert len(checked[phase]) >= 3, checked
+
+
+@pytest.mark.slow
+def test_qwen35_layers_pass_tables(fla_recorder, monkeypatch):
+    # Qwen3.5's swapped GDN kernel and conv (unsharded path) hand fla the routing's tables too.
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    from torchtitan_cp.host_metadata import HostMetadata
+    from torchtitan_cp.models.qwen35 import qwen35_config
+    from torchtitan_cp.sequence import SequencePreprocessor
+
+    set_spmd_backend("partial_dtensor")  # as tests/test_qwen35.py (the trainer sets it)
+    monkeypatch.setattr(local_ops, "_resolve_backend", lambda backend, x: "fla")
+    torch.manual_seed(0)
+    model = qwen35_config(
+        "debugmodel", n_layers=2, vocab_size=97, attention_backend="sdpa",
+        linear_attention_backend="torch",
+    ).build()  # fmt: skip
+    model.init_states()
+    positions = torch.cat([torch.arange(n) for n in (70, 1, 129)]).unsqueeze(0)
+    tokens = torch.randint(0, 97, (1, 200))
+    seq = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="headtail")
+    inp, _, pos, ctx = seq(tokens, tokens, positions, HostMetadata(positions.clone()))
+    logits = model(inp, pos, ctx)
+    fla_recorder.phase = "bwd"
+    _backward(logits)
+    checked = check_launches(fla_recorder, [ctx.routing.cu_seqlens])
+    names = {c.split(":")[0] for phase in ("fwd", "bwd") for c in checked[phase]}
+    for kernel in (
+        "causal_conv1d_fwd_kernel",
+        "causal_conv1d_bwd_kernel",
+        "chunk_bwd_kernel_dqkwg",
+    ):
+        assert kernel in names, kernel
