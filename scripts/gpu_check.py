@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+import traceback
 
 import torch
 
@@ -76,6 +77,17 @@ class Step:
         self.opt.step()
 
 
+def sync_site(exc: BaseException) -> str:
+    """``file:line function`` of the innermost project or fla frame that raised (where to look)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if "torchtitan_cp" in f.filename or "/fla/" in f.filename]
+    f = (ours or frames or [None])[-1]
+    if f is None:
+        return "?"
+    parts = f.filename.replace("\\", "/").split("/")
+    return f"{'/'.join(parts[-3:])}:{f.lineno} {f.name}"
+
+
 def sync_check(args, gen) -> dict[str, str]:
     out = {}
     for source in ("host", "device_readback"):
@@ -90,7 +102,7 @@ def sync_check(args, gen) -> dict[str, str]:
             step(*pinned)
             out[source] = "no synchronisation"
         except RuntimeError as e:
-            out[source] = "synchronised: " + str(e).splitlines()[0][:120]
+            out[source] = f"synchronised at {sync_site(e)}: " + str(e).splitlines()[0][:120]
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()

@@ -146,3 +146,22 @@ def test_gpu_wheels_resolves_for_python_312(tmp_path):
     total = sum(p.stat().st_size for p in tmp_path.glob("*.whl"))
     assert total <= 64 * 2**20
     assert f"{len(pins)} wheels for CPython 3.12" in proc.stdout
+
+
+def test_sync_check_names_the_synchronising_frame():
+    # A synchronising step is reported with the innermost project/fla frame, where to look.
+    import importlib.util
+
+    import pytest
+    import torch
+
+    from torchtitan_cp.ops.fla_backend import _chunk_table
+
+    spec = importlib.util.spec_from_file_location("gpu_check", f"{REPO}/scripts/gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    with pytest.raises(ValueError) as info:
+        _chunk_table(None, 0, torch.zeros(1, 2), None)
+    site = gpu_check.sync_site(info.value)
+    assert site.startswith("torchtitan_cp/ops/fla_backend.py:") and "_chunk_table" in site

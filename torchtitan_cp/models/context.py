@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.nn.attention.flex_attention import BlockMask
 
 from torchtitan_cp.ops import flex_document_mask
+from torchtitan_cp.ops.fla_backend import FLA_CHUNK_SIZE
 from torchtitan_cp.routing import (
     DeviceRouting,
     RoutingCaps,
@@ -66,7 +67,10 @@ def build_sequence_context(
     microbatches share routing storage. ``caps`` pads the routing to layout-independent shapes
     (what a compiled model needs to avoid recompiling per layout).
     """
-    routing = plan.to_device(device, conv_history=conv_history, caps=caps)
+    # Chunk tables for fla's kernels come with the routing (no host sync inside fla).
+    routing = plan.to_device(
+        device, conv_history=conv_history, caps=caps, chunk_size=FLA_CHUNK_SIZE
+    )
     subs = plan.subsequences
     lengths = subs[:, 2] - subs[:, 1]
     local_starts = plan.cu_seqlens[:-1]

@@ -69,6 +69,7 @@ class ShortConvolution(Module):
             None,
             cu_seqlens=routing.cu_seqlens,
             cu_seqlens_cpu=routing.cu_seqlens_cpu,
+            chunk_indices=routing.chunk_indices,
             initial_state=history,
             activation="silu",
             backend=backend,
@@ -200,6 +201,7 @@ class DeltaNetMixer(Module):
             o, _ = chunk_delta_rule(
                 q, kk, vv, g, beta, kind=self.kind,
                 cu_seqlens=ctx.routing.cu_seqlens, cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu,
+                chunk_indices=ctx.routing.chunk_indices, chunk_offsets=ctx.routing.chunk_offsets,
                 backend=self.backend,
             )  # fmt: skip
         if self.kind == "kda":

@@ -150,7 +150,8 @@ class RoutedGatedDeltaKernel(Module):
         else:
             o, _ = chunk_delta_rule(
                 q, k, v, g, beta, kind="gdn", cu_seqlens=ctx.routing.cu_seqlens,
-                cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu, backend=self.backend,
+                cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu, chunk_indices=ctx.routing.chunk_indices,
+                chunk_offsets=ctx.routing.chunk_offsets, backend=self.backend,
             )  # fmt: skip
         return o
 
@@ -174,8 +175,8 @@ def _routed_causal_conv(
         history = context_parallel_conv_history(x_BLD, routing=ctx.routing, group=ctx.group)
     return causal_conv1d(
         x_BLD, weight, None, cu_seqlens=ctx.routing.cu_seqlens,
-        cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu, initial_state=history, activation="silu",
-        backend=kernel.backend,
+        cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu, chunk_indices=ctx.routing.chunk_indices,
+        initial_state=history, activation="silu", backend=kernel.backend,
     )  # fmt: skip
 
 

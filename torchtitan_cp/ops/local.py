@@ -85,6 +85,8 @@ def chunk_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
+    chunk_indices: Tensor | None = None,
+    chunk_offsets: Tensor | None = None,
     backend: Backend = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """Gated delta rule over packed sequences (KDA per-channel gate or GDN scalar gate).
@@ -102,6 +104,9 @@ def chunk_delta_rule(
         output_final_state: also return the state after every sequence.
         cu_seqlens: ``[N+1]`` int offsets on the tensors' device; cu_seqlens_cpu: the same on
             the host (avoids a device→host copy). Zero-length sequences are allowed.
+        chunk_indices, chunk_offsets: ``[NT, 2]`` int32 / ``[N+1]`` int64 chunk tables of
+            cu_seqlens on its device (``DeviceRouting.chunk_indices`` ...), so the fla kernels
+            derive nothing from cu_seqlens on the host; the torch backend does not need them.
         backend: "auto" (fla on CUDA, torch otherwise), "torch" or "fla".
 
     Returns:
@@ -139,7 +144,7 @@ def chunk_delta_rule(
         return _compiled_delta_rule(
             resolved, q, k, v, g, beta, kind=kind, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu,
+            cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
         )  # fmt: skip
     if resolved == "fla":
         from .fla_backend import chunk_delta_rule_fla
@@ -156,6 +161,8 @@ def chunk_delta_rule(
             output_final_state=output_final_state,
             cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu,
+            chunk_indices=chunk_indices,
+            chunk_offsets=chunk_offsets,
         )
     return chunk_delta_rule_torch(
         q,
@@ -179,6 +186,7 @@ def causal_conv1d(
     *,
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
+    chunk_indices: Tensor | None = None,
     initial_state: Tensor | None = None,
     activation: Literal["silu"] | None = "silu",
     backend: Backend = "auto",
@@ -189,6 +197,7 @@ def causal_conv1d(
         x: ``[1, T, D]``; weight ``[D, W]`` (column W-1 multiplies the current token);
             bias ``[D]`` or None.
         cu_seqlens / cu_seqlens_cpu: ``[N+1]`` offsets (device / host), as for chunk_delta_rule.
+        chunk_indices: ``[NT, 2]`` int32 chunk table of cu_seqlens, as for chunk_delta_rule.
         initial_state: ``[N, D, W-1]``, the W-1 tokens before each sequence, oldest first
             (zeros where a sequence has no history; None = zeros everywhere).
         activation: "silu" or None.
@@ -221,11 +230,11 @@ def causal_conv1d(
     )
     resolved = _resolve_backend(backend, x)
     if torch.compiler.is_compiling():
-        return _compiled_conv(resolved, x, weight, bias, **kwargs)
+        return _compiled_conv(resolved, x, weight, bias, chunk_indices=chunk_indices, **kwargs)
     if resolved == "fla":
         from .fla_backend import causal_conv1d_fla
 
-        return causal_conv1d_fla(x, weight, bias, **kwargs)
+        return causal_conv1d_fla(x, weight, bias, chunk_indices=chunk_indices, **kwargs)
     return causal_conv1d_torch(x, weight, bias, **kwargs)
 
 
@@ -259,6 +268,7 @@ def _compiled_delta_rule(
     output_final_state: bool,
     cu_seqlens: Tensor | None,
     cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     cu_cpu = _host_offsets(cu_seqlens, cu_seqlens_cpu)
@@ -268,7 +278,7 @@ def _compiled_delta_rule(
         cu_dev, cu_cpu = _device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
         h0 = initial_state.float() if initial_state is not None else None
         o, final, *_ = opaque.delta_rule_fla_op(
-            q, k, v, g, beta, h0, cu_dev, cu_cpu, None, kind, scale, output_final_state
+            q, k, v, g, beta, h0, cu_dev, cu_cpu, chunk_indices, kind, scale, output_final_state
         )
         return o, (final if output_final_state else None)
     o, final = opaque.delta_rule_torch_op(q, k, v, g, beta, initial_state, cu_cpu, kind, scale)
@@ -285,6 +295,7 @@ def _compiled_conv(
     cu_seqlens_cpu: Tensor | None,
     initial_state: Tensor | None,
     activation: str | None,
+    chunk_indices: Tensor | None = None,
 ) -> Tensor:
     act = "none" if activation is None else "silu"
     cu_cpu = _host_offsets(cu_seqlens, cu_seqlens_cpu)
@@ -294,5 +305,5 @@ def _compiled_conv(
         cu_dev, cu_cpu = _device_cu_seqlens(cu_seqlens, cu_cpu, x.device)
         # fla's cache layout [N, D, W]: one leading zero column (see fla_backend).
         h0 = F.pad(initial_state.to(x.dtype), (1, 0)) if initial_state is not None else None
-        return opaque.causal_conv1d_fla_op(x, weight, bias, h0, cu_dev, cu_cpu, None, act)
+        return opaque.causal_conv1d_fla_op(x, weight, bias, h0, cu_dev, cu_cpu, chunk_indices, act)
     return opaque.causal_conv1d_torch_op(x, weight, bias, initial_state, cu_cpu, act)

@@ -25,9 +25,11 @@ eager path keeps its plain autograd. Shapes and conventions are those of ``ops.l
 precomputed index (fla's ``chunk_indices``, ...) is one more optional argument on the forward op,
 saved in ``_setup_*`` and passed on by its backward op. An argument's shape is part of the
 compiled graph's guards, though: an index whose length follows the layout (fla's chunk indices
-are ``[number of chunks, 2]``) recompiles per layout unless it is padded to a fixed size, so
-such indices are derived inside the op (``_fla_chunk_indices``), where shapes are invisible to
-the compiler.
+are ``[number of chunks, 2]``) recompiles per layout unless it is padded to a fixed size. So
+``DeviceRouting.chunk_indices`` is padded to a layout-independent row count when the routing has
+caps, and ``_fla_chunk_indices`` cuts it to the real chunk count inside the op (from the host
+offsets, where shapes are invisible to the compiler); given no table, the op falls back to
+fla's own helper (a host sync per call).
 
 Only APIs present since torch 2.4 are used (``torch.library.custom_op``, ``register_fake``,
 ``register_autograd``), so the ops load on the GPU image's torch 2.11 as well.
@@ -267,10 +269,20 @@ causal_conv1d_torch_op.register_autograd(_backward_conv_torch, setup_context=_se
 
 
 def _fla_chunk_indices(
-    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None,
+    num_tokens: int,
 ) -> Tensor | None:
-    if cu_seqlens is None or chunk_indices is not None:
-        return chunk_indices
+    """The chunk table fla's kernels get: the routing's (``DeviceRouting.chunk_indices``, padded
+    to a fixed row count with caps) cut to its first NT rows, NT from the host offsets (a view:
+    no copy, no device read); without one, fla's own helper (a host sync per call)."""
+    if cu_seqlens is None:
+        return None
+    if chunk_indices is not None:
+        from .fla_backend import _chunk_table
+
+        return _chunk_table(cu_seqlens_cpu, num_tokens, chunk_indices, None)
     from fla.ops.utils.index import prepare_chunk_indices
 
     return prepare_chunk_indices(cu_seqlens, FLA_CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -299,7 +311,7 @@ def delta_rule_fla_op(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    chunk_indices = _fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    chunk_indices = _fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, q.shape[1])
     # Untyped kwargs: fla annotates optional tensors (initial_state, offsets) as required.
     kw: dict[str, Any] = dict(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
@@ -355,7 +367,7 @@ def delta_rule_fla_bwd_op(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """fla-core's own backward; ``(dq, dk, dv, dg, dbeta, dh0)`` (dh0 ``[0]`` without h0)."""
-    chunk_indices = _fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    chunk_indices = _fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, q.shape[1])
     do = do.contiguous()
     kw: dict[str, Any] = dict(
         q=q, k=k, v=v, beta=beta, scale=scale, initial_state=initial_state, do=do, dht=dfinal,
@@ -442,6 +454,7 @@ def causal_conv1d_fla_op(
     x, weight = x.contiguous(), weight.contiguous()
     if initial_state is not None:
         initial_state = initial_state.contiguous()
+    chunk_indices = _fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, x.shape[1])
     y, _ = causal_conv1d_fwd(
         x=x, weight=weight, bias=bias, residual=None, initial_state=initial_state,
         output_final_state=False, activation=act, cu_seqlens=cu_seqlens,
@@ -475,6 +488,7 @@ def causal_conv1d_fla_bwd_op(
     x, weight = x.contiguous(), weight.contiguous()
     if initial_state is not None:
         initial_state = initial_state.contiguous()
+    chunk_indices = _fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, x.shape[1])
     dx, dw, db, _, dh0 = causal_conv1d_bwd(
         x=x, dy=dy.contiguous(), dht=None, weight=weight, bias=bias, residual=None,
         initial_state=initial_state, activation=act, cu_seqlens=cu_seqlens,

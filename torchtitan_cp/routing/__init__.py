@@ -4,6 +4,7 @@ See docs/routing.md for the vocabulary and docs/CONTRACTS.md for the exact devic
 """
 
 from .cache import PlanCache
+from .chunks import chunk_bound, chunk_indices, chunk_offsets, chunk_tables
 from .device import DeviceRouting, RoutingCaps, RoutingCapsExceeded
 from .layouts import (
     FragmentTable,
@@ -41,6 +42,10 @@ __all__ = [
     "RoutingCaps",
     "RoutingCapsExceeded",
     "RoutingPlan",
+    "chunk_bound",
+    "chunk_indices",
+    "chunk_offsets",
+    "chunk_tables",
     "contiguous_fragments",
     "cu_seqlens_from_positions",
     "cu_seqlens_tensor_from_positions",

@@ -66,3 +66,12 @@ class DeviceRouting:
     summary_token_index: Tensor  # [Ls] local token ids of the summary-pass sequences
     summary_cu_seqlens: Tensor  # [Ns + 1] int32 offsets into summary_token_index
     summary_cu_seqlens_cpu: Tensor  # [Ns + 1] int32, the same on the host
+    # The kernels' chunk tables (``routing.chunks``) for both passes, so fla-core derives
+    # nothing from cu_seqlens: NT = sum of ceil(len / chunk_size) over the sequences.
+    chunk_size: int  # tokens per chunk the tables were built for (fla-core: 64)
+    # [NT, 2] int32 (sequence, chunk within it), from cu_seqlens; with caps padded with (-1, -1)
+    # rows to chunk_bound(num_tokens, N, chunk_size) rows: the kernels take the first NT.
+    chunk_indices: Tensor
+    chunk_offsets: Tensor  # [N + 1] first chunk of each sequence, then NT
+    summary_chunk_indices: Tensor  # [NTs, 2] int32, the same from summary_cu_seqlens
+    summary_chunk_offsets: Tensor  # [Ns + 1], the same from summary_cu_seqlens

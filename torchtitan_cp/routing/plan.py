@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .chunks import chunk_bound, chunk_tables
 from .device import DeviceRouting, RoutingCaps, RoutingCapsExceeded
 from .layouts import int_tensor
 
@@ -268,14 +269,19 @@ class RoutingPlan:
         *,
         caps: RoutingCaps | None = None,
         conv_history: int = 3,
+        chunk_size: int = 64,
     ) -> DeviceRouting:
         """Device tensors of this plan (fields and shapes in docs/CONTRACTS.md).
 
         Builds fresh host tensors on every call (pinned when CUDA is available) and copies them
-        with ``non_blocking=True``, packed into one int64 buffer so there is a single copy.
+        with ``non_blocking=True``, packed into one int64 and one int32 buffer (two copies).
+        ``chunk_size`` is the token chunk of the kernels' chunk tables (fla-core's is 64).
         """
         if conv_history < 0:
             raise ValueError(f"conv_history must be >= 0, got {conv_history}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        fixed_shapes = caps is not None
         caps = caps or RoutingCaps()
         n_local = len(self.fragments)
         n_sub = self.num_subsequences
@@ -351,11 +357,23 @@ class RoutingPlan:
 
         cu_cpu = torch.full((n_cap + 1,), self.num_tokens, dtype=torch.int32)
         cu_cpu[: n_sub + 1] = self.cu_seqlens
-        cu_fields = (cu_cpu, summary_cu.to(torch.int32))
+        # The kernels' chunk tables of both passes, so the kernel library derives nothing from
+        # cu_seqlens itself (its own helper copies from pageable memory: a sync per call).
+        main_chunks, main_offsets = chunk_tables(cu_cpu, chunk_size)
+        summary_chunks, summary_offsets = chunk_tables(summary_cu, chunk_size)
+        if fixed_shapes:
+            # Layout-independent shapes: rows up to chunk_bound, padding rows (-1, -1). The
+            # kernels get the first NT rows (NT from the host offsets), never the padding.
+            n_sum = summary_cu.numel() - 1
+            main_chunks = _pad_rows(main_chunks, chunk_bound(self.num_tokens, n_cap, chunk_size))
+            summary_chunks = _pad_rows(
+                summary_chunks, chunk_bound(int(summary_cu[-1]), n_sum, chunk_size)
+            )
+        cu_fields = (cu_cpu, summary_cu.to(torch.int32), main_chunks, summary_chunks)
         fields = (frag_first, frag_last, publish, pred_slots, terminal, tail_index, halo_index,
-                  summary_row, summary_tokens)  # fmt: skip
+                  summary_row, summary_tokens, main_offsets, summary_offsets)  # fmt: skip
         packed = torch.cat([f.reshape(-1) for f in fields])
-        cu_packed = torch.cat(cu_fields)
+        cu_packed = torch.cat([f.reshape(-1) for f in cu_fields])
         pin = torch.cuda.is_available()
         if pin:
             packed, cu_packed = packed.pin_memory(), cu_packed.pin_memory()
@@ -367,7 +385,7 @@ class RoutingPlan:
         views = [p.view(f.shape) for p, f in zip(parts, fields)]
         cu_sizes = [f.numel() for f in cu_fields]
         cu_host_views = torch.split(cu_packed, cu_sizes)
-        cu_dev_views = torch.split(cu_dev, cu_sizes)
+        cu_dev_views = [p.view(f.shape) for p, f in zip(torch.split(cu_dev, cu_sizes), cu_fields)]
         return DeviceRouting(
             rank=self.rank,
             world_size=self.world_size,
@@ -387,6 +405,11 @@ class RoutingPlan:
             summary_token_index=views[8],
             summary_cu_seqlens=cu_dev_views[1],
             summary_cu_seqlens_cpu=cu_host_views[1],
+            chunk_size=chunk_size,
+            chunk_indices=cu_dev_views[2],
+            chunk_offsets=views[9],
+            summary_chunk_indices=cu_dev_views[3],
+            summary_chunk_offsets=views[10],
         )
 
     def __repr__(self) -> str:
@@ -395,6 +418,12 @@ class RoutingPlan:
             f"num_slots={self.num_slots}, fragments={self.fragments}, "
             f"subsequences={self.num_subsequences}, num_tokens={self.num_tokens})"
         )
+
+
+def _pad_rows(table: Tensor, rows: int) -> Tensor:
+    out = torch.full((rows, table.shape[1]), -1, dtype=table.dtype)
+    out[: table.shape[0]] = table
+    return out
 
 
 def _capped(name: str, cap: int | None, need: int, what: str) -> int:

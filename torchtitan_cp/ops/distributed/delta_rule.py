@@ -98,6 +98,8 @@ def context_parallel_delta_rule(
             output_final_state=True,
             cu_seqlens=routing.summary_cu_seqlens,
             cu_seqlens_cpu=routing.summary_cu_seqlens_cpu,
+            chunk_indices=routing.summary_chunk_indices,
+            chunk_offsets=routing.summary_chunk_offsets,
             backend=backend,
         )
         assert fin is not None  # output_final_state=True
@@ -146,6 +148,8 @@ def context_parallel_delta_rule(
         output_final_state=output_final_state,
         cu_seqlens=routing.cu_seqlens,
         cu_seqlens_cpu=routing.cu_seqlens_cpu,
+        chunk_indices=routing.chunk_indices,
+        chunk_offsets=routing.chunk_offsets,
         backend=backend,
     )
     if not output_final_state or fin is None:
