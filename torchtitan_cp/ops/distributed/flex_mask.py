@@ -62,25 +62,25 @@ def check_flex_shape(seq_len: int, world_size: int) -> None:
 
 
 def flex_document_mask(
-    doc_ids: Tensor, *, index: Tensor | None = None, mesh: DeviceMesh | None = None
+    row_doc: Tensor, *, index: Tensor | None = None, mesh: DeviceMesh | None = None
 ) -> BlockMask:
-    """The causal document ``BlockMask`` of ``doc_ids [B, L]`` (per-row document index, on the
-    device the mask is for).
+    """The causal document ``BlockMask`` of ``row_doc [B, L]`` (``routing.row_document_index``:
+    per-row document index, on the device the mask is for).
 
     Without ``mesh`` (or with a one-rank mesh) it covers all ``L`` queries. With a CP mesh of
     W ranks it covers this rank's ``L / W`` queries against the ``L`` all-gathered keys, both in
     the order ``index`` (the layout's rearrange index, None = contiguous) puts the tokens.
     """
     global _compiled_create_block_mask
-    bsz, seqlen = doc_ids.shape
-    mask_mod = document_mask_mod(doc_ids)
+    bsz, seqlen = row_doc.shape
+    mask_mod = document_mask_mod(row_doc)
     world = 1 if mesh is None else mesh.size()
     if world == 1:
         # Compiled: eager create_block_mask materialises the dense L x L mask.
         if _compiled_create_block_mask is None:
             _compiled_create_block_mask = torch.compile(create_block_mask)
         return _compiled_create_block_mask(
-            mask_mod, bsz, None, seqlen, seqlen, device=doc_ids.device
+            mask_mod, bsz, None, seqlen, seqlen, device=row_doc.device
         )
     check_flex_shape(seqlen, world)
     assert mesh is not None
