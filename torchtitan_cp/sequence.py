@@ -163,10 +163,7 @@ class SequencePreprocessor:
         microbatch's ``SequenceContext``. Returns local ``[B, L / W]`` tensors."""
         bsz, seqlen = inputs.shape
         source = self._source_for(host)
-        if seqlen % self.world:
-            raise ValueError(
-                f"sequence length {seqlen} is not divisible by context_parallel_degree {self.world}"
-            )
+        self.balancer.check(seqlen, self.world)
         t0 = time.perf_counter()
         if host is not None and tuple(host.positions.shape) != (bsz, seqlen):
             raise ValueError(

@@ -24,7 +24,7 @@ from torch.nn.attention.flex_attention import (
     create_block_mask,
 )
 
-from torchtitan_cp.routing import document_mask_mod
+from torchtitan_cp.routing import check_divisible, document_mask_mod
 
 __all__ = ["FLEX_BLOCK_SIZE", "LayoutOrder", "check_flex_shape", "flex_document_mask"]
 
@@ -52,13 +52,15 @@ class LayoutOrder(_LoadBalancer):
 
 def check_flex_shape(seq_len: int, world_size: int) -> None:
     """torch's CP flex mask needs whole blocks per rank: ``L % (W * 128) == 0``."""
-    if world_size > 1 and seq_len % (world_size * FLEX_BLOCK_SIZE):
-        raise ValueError(
-            f"flex attention under context parallelism needs training.seq_len ({seq_len}) "
-            f"divisible by context_parallel_degree x {FLEX_BLOCK_SIZE} "
-            f"({world_size} x {FLEX_BLOCK_SIZE}); use model.attention_backend = 'sdpa' for "
-            "other lengths"
-        )
+    if world_size == 1:
+        return
+    block = FLEX_BLOCK_SIZE
+    why = f"context_parallel_degree x {block} ({world_size} x {block})"
+    context = (
+        "for flex attention under context parallelism "
+        "(model.attention_backend = 'sdpa' takes other lengths)"
+    )
+    check_divisible(seq_len, [(world_size * block, why)], context)
 
 
 def flex_document_mask(
