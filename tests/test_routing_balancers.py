@@ -160,6 +160,7 @@ def test_a_new_balancer_is_one_registered_class(monkeypatch):
     from torchtitan_cp.sequence import SequencePreprocessor
 
     monkeypatch.setattr(balancers_mod, "_REGISTRY", dict(balancers_mod._REGISTRY))
+    monkeypatch.setattr(balancers_mod, "_RESOLVED", {})
     register(_Reversed)
     assert "reversed" in balancer_names() and get_balancer("reversed") == _Reversed()
     world, bsz, seqlen = 3, 2, 24

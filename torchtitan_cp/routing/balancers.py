@@ -115,6 +115,7 @@ class LoadBalancer(ABC):
 
 
 _REGISTRY: dict[str, type[LoadBalancer]] = {}
+_RESOLVED: dict[object, LoadBalancer] = {}  # get_balancer's answers (balancers are immutable)
 
 
 def register(cls: type[LoadBalancer]) -> type[LoadBalancer]:
@@ -122,6 +123,7 @@ def register(cls: type[LoadBalancer]) -> type[LoadBalancer]:
     if cls.name in _REGISTRY:
         raise ValueError(f"a load balancer named {cls.name!r} is already registered")
     _REGISTRY[cls.name] = cls
+    _RESOLVED.clear()
     return cls
 
 
@@ -133,13 +135,21 @@ def balancer_names() -> tuple[str, ...]:
 def get_balancer(name: str | LoadBalancer | None, **options: int) -> LoadBalancer:
     """The balancer a config names (None = contiguous, torchtitan's convention), built from the
     ``linear_attention`` options it reads (e.g. ``ptrr_block_size=128``; the others ignore
-    them); an instance passes through."""
-    if isinstance(name, LoadBalancer):
-        return name
-    cls = _REGISTRY.get(name or "contiguous")
-    if cls is None:
-        raise ValueError(f"{BALANCER_KEY} must be one of {', '.join(_REGISTRY)}, got {name!r}")
-    return cls.from_options(**options)
+    them); an instance passes through. Resolved once per (name, options): the sources call
+    this for every microbatch."""
+    if name is not None and type(name) is not str:
+        if isinstance(name, LoadBalancer):
+            return name
+        raise TypeError(f"{BALANCER_KEY} must be a name or a LoadBalancer, got {name!r}")
+    key = (name, *options.items()) if options else name
+    balancer = _RESOLVED.get(key)
+    if balancer is None:
+        cls = _REGISTRY.get(name or "contiguous")
+        if cls is None:
+            choices = ", ".join(_REGISTRY)
+            raise ValueError(f"{BALANCER_KEY} must be one of {choices}, got {name!r}")
+        balancer = _RESOLVED[key] = cls.from_options(**options)
+    return balancer
 
 
 @register

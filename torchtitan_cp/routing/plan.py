@@ -404,8 +404,8 @@ class RoutingPlan:
         }
         dev = torch.device(device)
         pin = torch.cuda.is_available()
-        _, wide_dev = _pack(wide, dev, pin, keep_host=False)
-        narrow_host, narrow_dev = _pack(narrow, dev, pin, keep_host=True)
+        _, wide_dev = _pack(wide, dev, pin)
+        narrow_host, narrow_dev = _pack(narrow, dev, pin, host=("cu_seqlens", "summary_cu_seqlens"))
         wide_dev["publish"] = wide_dev["publish"].to(torch.bool)
         return DeviceRouting(
             rank=self.rank,
@@ -429,20 +429,23 @@ class RoutingPlan:
 
 
 def _pack(
-    fields: dict[str, Tensor], device: torch.device, pin: bool, keep_host: bool
+    fields: dict[str, Tensor], device: torch.device, pin: bool, host: tuple[str, ...] = ()
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Copy same-dtype host tensors to ``device`` as one buffer; returns ``(host, device)``
-    views by name, each of its field's shape (``host`` empty unless ``keep_host``). With
-    ``keep_host`` a CPU target gets a copy too, so the host views never alias the device's."""
-    packed = torch.cat([f.reshape(-1) for f in fields.values()])
+    """Copy same-dtype host tensors to ``device`` as one buffer; returns ``(host views of the
+    1-D fields named in host, device views of every field)`` by name, each of its field's
+    shape. With ``host`` a CPU target gets a copy too, so host and device never alias."""
+    tensors = list(fields.values())
+    packed = torch.cat([f.reshape(-1) for f in tensors])
     if pin:
         packed = packed.pin_memory()
-    packed_dev = packed.to(device, non_blocking=True, copy=keep_host)
-    sizes = [f.numel() for f in fields.values()]
-    dev = {k: d.view(f.shape) for (k, f), d in zip(fields.items(), packed_dev.split(sizes))}
-    if not keep_host:
+    packed_dev = packed.to(device, non_blocking=True, copy=bool(host))
+    sizes = [f.numel() for f in tensors]
+    parts = torch.split(packed_dev, sizes)
+    dev = {k: p.view(f.shape) for (k, f), p in zip(fields.items(), parts)}
+    if not host:
         return {}, dev
-    return {k: h.view(f.shape) for (k, f), h in zip(fields.items(), packed.split(sizes))}, dev
+    host_parts = dict(zip(fields, torch.split(packed, sizes)))
+    return {k: host_parts[k] for k in host}, dev
 
 
 def _pad_rows(table: Tensor, rows: int) -> Tensor:

@@ -10,7 +10,6 @@ load-balancer permutation back (one copy for all ranks), reporting each copy to 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,15 +40,22 @@ def _fragments(index: Tensor | None, world: int, bsz: int, seqlen: int) -> Fragm
     return fragments_from_indices(frag_index, world, bsz, seqlen)
 
 
-@functools.lru_cache(maxsize=32)
 def _fixed_layout(
     balancer: LoadBalancer, bsz: int, seqlen: int, world_size: int
 ) -> tuple[tuple[tuple[tuple[int, int], ...], ...], Tensor | None]:
     """Fragments and index of a balancer whose order ignores the documents: the same for every
-    microbatch of one shape, so computed once (from a stand-in of that shape)."""
-    index = balancer.indices(torch.zeros(1, seqlen, dtype=torch.int64), world_size, "cpu")
-    table = _fragments(index, world_size, bsz, seqlen)
-    return tuple(tuple(frags) for frags in table), index
+    microbatch of one shape, so computed once (from a stand-in of that shape) and memoised on
+    the balancer itself (int keys: cheaper per microbatch than hashing the balancer)."""
+    memo = balancer.__dict__.setdefault("_fixed_layouts", {})  # frozen: not a field
+    key = (bsz, seqlen, world_size)
+    hit = memo.get(key)
+    if hit is None:
+        index = balancer.indices(torch.zeros(1, seqlen, dtype=torch.int64), world_size, "cpu")
+        table = _fragments(index, world_size, bsz, seqlen)
+        if len(memo) >= 32:
+            memo.clear()
+        hit = memo[key] = (tuple(tuple(frags) for frags in table), index)
+    return hit
 
 
 def host_layout(
