@@ -20,13 +20,17 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     proc = subprocess.run(
         ["bash", "scripts/gpu_check.sh", "--device", "cpu", "--flavor", "debug",
          "--pattern", "KA", "--seq-len", "256", "--mean-doc", "40", "--steps", "2",
-         "--warmup", "1", "--json", str(out)],
+         "--warmup", "1", "--compile-backend", "aot_eager", "--json", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    timing = json.loads(out.read_text())["timing"]
+    result = json.loads(out.read_text())
+    timing = result["timing"]
     assert timing["host"]["readbacks_per_step"] == 0
     assert timing["device_readback"]["readbacks_per_step"] >= 1
+    # Compiled blocks take the second microbatch's new layout without compiling again.
+    assert result["compile"]["compiled"]["frames_compiled_after_warmup"] == 0
+    assert "| compiled |" in proc.stdout
     assert "| host |" in proc.stdout
     assert "skipped" in proc.stdout and "CUDA tests failed" not in proc.stderr
 
