@@ -163,6 +163,7 @@ def test_async_checkpointing_is_rejected():
         HybridCheckpointManager.Config(async_mode="async")
 
 
+@pytest.mark.slow
 def test_run_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path):
     first = RunLock(str(tmp_path))
     assert first.acquire("run-1", "2026-01-01T00:00:00Z") is None
@@ -204,6 +205,7 @@ def test_supersede_rows_keeps_one_history(tmp_path):
     assert supersede_rows(str(path), 3) == 0
 
 
+@pytest.mark.slow
 def test_checkpoint_cli_verify_and_seal(tmp_path):
     d = make_step(tmp_path, 7, sealed=False)
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -94,6 +94,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line_and_exit_2(tmp_path):
     proc = run_cli("--config_file", str(tmp_path / "missing.toml"))
     assert proc.returncode == 2
@@ -104,6 +105,7 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and "unknown key 'training.stepz'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_help_lists_options():
     proc = run_cli("--help")
     assert proc.returncode == 0

@@ -89,6 +89,7 @@ def _cp_flex_forward(rank: int, world: int, bsz: int, seqlen: int):
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, bsz, seqlen", [(2, 2, 256), (3, 1, 384), (4, 1, 512)])
 def test_flex_cp_forward_equals_unsharded_sdpa(world: int, bsz: int, seqlen: int) -> None:
     for worst in run_distributed(_cp_flex_forward, world, bsz, seqlen, timeout=400.0):

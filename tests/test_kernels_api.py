@@ -76,6 +76,7 @@ def test_conv_errors():
         causal_conv1d(x, w, backend="fla")
 
 
+@pytest.mark.slow
 def test_auto_backend_on_cpu_is_torch_and_fla_not_imported():
     """Importing and running ops.local on CPU must not load fla's Triton kernels."""
     code = (

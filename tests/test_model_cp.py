@@ -67,6 +67,7 @@ def _cp_model(rank: int, world: int, pattern: str, balancer: str, bsz: int, seql
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world, pattern, balancer, bsz, seqlen",
     [

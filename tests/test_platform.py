@@ -44,6 +44,7 @@ def _pg_timeouts(rank: int, world: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 @cpu_only
 def test_set_pg_timeouts_works_on_gloo():
     assert run_distributed(_pg_timeouts, 2) == [True, True]
@@ -62,6 +63,7 @@ def _fsdp_sum(rank: int, world: int) -> list[float]:
     return model.weight.grad.full_tensor().reshape(-1).tolist()
 
 
+@pytest.mark.slow
 def test_fsdp_gradients_are_summed_on_gloo():
     # d(sum(W x))/dW = x per output row: rank 0 contributes 1s, rank 1 contributes 2s.
     grads = run_distributed(_fsdp_sum, 2)
@@ -106,6 +108,7 @@ def test_train_entry_point_states_the_floor_before_importing_torchtitan(monkeypa
     assert f"needs torch >= 99.0, found torch {torch.__version__}" in err
 
 
+@pytest.mark.slow
 def test_model_and_sequence_do_not_load_torchtitan_fsdp():
     # torchtitan.distributed.fsdp needs torch >= 2.14; below the trainer the floor is 2.11.
     import subprocess

@@ -109,6 +109,7 @@ def test_bad_arguments_exit_2(argv, message, capsys):
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_subprocess_exit_code():
     bad = subprocess.run(
         [
@@ -132,6 +133,7 @@ def test_subprocess_exit_code():
     assert "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 def test_subprocess_plot_to_directory_exit_2(tmp_path):
     """Through the module entry point: ``--plot DIR`` (before: wrote ``DIR.png`` next to it)."""
     pytest.importorskip("matplotlib")

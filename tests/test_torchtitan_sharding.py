@@ -41,6 +41,7 @@ def _compare(rank: int, world: int, balancer: str, bsz: int, seqlen: int) -> boo
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world, balancer, bsz, seqlen",
     [(2, "headtail", 2, 64), (4, "headtail", 1, 128), (2, "ptrr", 2, 256), (4, "ptrr", 1, 512)],
