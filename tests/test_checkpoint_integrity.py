@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import flip
 from torchtitan_cp.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -37,13 +38,6 @@ def make_step(folder: Path, step: int, *, sealed: bool = True, run_id: str = "ru
     if sealed:
         write_manifest(str(d), step=step, run_id=run_id)
     return d
-
-
-def flip(path: Path, offset: int = 100, n: int = 64) -> None:
-    data = bytearray(path.read_bytes())
-    for i in range(offset, offset + n):
-        data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def test_manifest_lists_every_file_and_is_written_atomically(tmp_path):

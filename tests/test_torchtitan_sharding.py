@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.test_routing_sources import positions_from_lengths
+from tests.helpers import positions_from_lengths
 
 
 def _compare(rank: int, world: int, balancer: str, bsz: int, seqlen: int) -> bool:
