@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.launch import REPO
+from tests.launch import REPO, run_module
 from torchtitan_cp.config import ConfigError
 from torchtitan_cp.train import load_config
 
@@ -85,13 +84,7 @@ def test_flex_attention_off_cuda_is_a_config_error(tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "torchtitan_cp.train", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_module("torchtitan_cp.train", *args)
 
 
 @pytest.mark.slow

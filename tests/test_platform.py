@@ -111,10 +111,7 @@ def test_train_entry_point_states_the_floor_before_importing_torchtitan(monkeypa
 @pytest.mark.slow
 def test_model_and_sequence_do_not_load_torchtitan_fsdp():
     # torchtitan.distributed.fsdp needs torch >= 2.14; below the trainer the floor is 2.11.
-    import subprocess
-    import sys
-
-    from tests.launch import REPO
+    from tests.launch import run_python
 
     code = (
         "import sys\n"
@@ -123,8 +120,7 @@ def test_model_and_sequence_do_not_load_torchtitan_fsdp():
         "model_config('debug').build()\n"
         "print(sorted(m for m in sys.modules if m.startswith('torchtitan.distributed.fsdp')))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = run_python(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"
     from torchtitan_cp.models import model_spec
