@@ -27,6 +27,7 @@ class _Module:
         self.tree = tree
         self.defs: dict[str, ast.FunctionDef] = {}
         self.imports: dict[str, tuple[str, str]] = {}  # local name -> (module, name)
+        self.aliases: dict[str, str] = {}  # ``import tests.launch as launch``: launch -> launch
         for node in tree.body:
             if isinstance(node, ast.FunctionDef):
                 self.defs[node.name] = node
@@ -35,14 +36,21 @@ class _Module:
                     if isinstance(item, ast.FunctionDef):
                         self.defs[f"{node.name}.{item.name}"] = item
         for node in ast.walk(tree):  # also function-local imports
-            if isinstance(node, ast.ImportFrom) and node.module:
+            if isinstance(node, ast.ImportFrom) and node.module == "tests":
+                for alias in node.names:
+                    self.aliases[alias.asname or alias.name] = alias.name
+            elif isinstance(node, ast.ImportFrom) and node.module:
                 module = node.module.removeprefix("tests.")
                 for alias in node.names:
                     self.imports[alias.asname or alias.name] = (module, alias.name)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    self.aliases[alias.asname or alias.name] = alias.name.removeprefix("tests.")
 
 
 def _called_names(fn: ast.AST) -> tuple[set[str], bool]:
-    """Names this function calls, and whether it starts a process itself."""
+    """Names this function calls (``f`` and ``module.f``), and whether it starts a process
+    itself."""
     names: set[str] = set()
     direct = False
     for node in ast.walk(fn):
@@ -56,6 +64,8 @@ def _called_names(fn: ast.AST) -> tuple[set[str], bool]:
             if base == "subprocess" or (base, f.attr) in _SPAWN_ATTRS or f.attr == "Process":
                 direct = True
             names.add(f.attr)
+            if base is not None:
+                names.add(f"{base}.{f.attr}")
     return names, direct
 
 
@@ -89,6 +99,9 @@ class Scanner:
             return self.spawns(mod.name, name)
         if name in mod.imports:
             return self.spawns(*mod.imports[name])
+        base, _, attr = name.partition(".")
+        if attr and base in mod.aliases:
+            return self.spawns(mod.aliases[base], attr)
         return False
 
     def unmarked(self) -> list[str]:
@@ -168,6 +181,7 @@ CASES = """
 import pytest
 from helper import run_cli
 from dist_utils import run_distributed
+import helper as h
 
 @pytest.fixture
 def started():
@@ -189,6 +203,9 @@ def test_through_fixture(started):
 def test_marked():
     run_cli("z")
 
+def test_through_module():
+    h.run_cli("v")
+
 def test_in_process():
     _worker(0, 1)
 
@@ -206,6 +223,7 @@ def test_the_scan_flags_unmarked_launches_and_spares_marked_ones() -> None:
         "test_cases.py::test_direct",
         "test_cases.py::test_through_fixture",
         "test_cases.py::test_through_helper",
+        "test_cases.py::test_through_module",
     ]
     sources["test_cases"] = "import pytest\npytestmark = [pytest.mark.slow]\n" + CASES
     assert Scanner(sources).unmarked() == []
