@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import random_batch
 from tests.reference import conv_reference, delta_rule_reference, seq_bounds
 from torchtitan_cp import platform
 
@@ -44,21 +45,7 @@ VOCAB = 97
 
 def make_batch(seed: int, bsz: int, seqlen: int, vocab: int = VOCAB):
     """Tokens, positions (random documents, some one token long), next-token labels."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (bsz, seqlen), generator=g)
-    positions = torch.empty(bsz, seqlen, dtype=torch.int64)
-    for b in range(bsz):
-        t = 0
-        while t < seqlen:
-            n = (
-                1
-                if torch.rand((), generator=g) < 0.15
-                else int(torch.randint(2, seqlen // 2, (), generator=g))
-            )
-            n = min(n, seqlen - t)
-            positions[b, t : t + n] = torch.arange(n)
-            t += n
-    return tokens, positions, torch.roll(tokens, -1, dims=1)
+    return random_batch(seed, bsz, seqlen, vocab, one_token_share=0.15)
 
 
 # ----------------------------------------------------------------------------- upstream + refs

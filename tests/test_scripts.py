@@ -13,6 +13,7 @@ import pytest
 from tests.launch import REPO
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     # The shell wrapper too: its dependency probe, then its CUDA-only tests (skipped here).
@@ -50,6 +51,7 @@ def _manifest(folder, python: str, *lines: str) -> None:
 PYVER = f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 
+@pytest.mark.slow
 def test_gpu_check_names_the_missing_wheel(tmp_path):
     wheels = tmp_path / "wheels"
     _manifest(wheels, PYVER, "einops==0.8.2 einops-0.8.2-py3-none-any.whl")
@@ -61,6 +63,7 @@ def test_gpu_check_names_the_missing_wheel(tmp_path):
     assert proc.stdout == ""
 
 
+@pytest.mark.slow
 def test_gpu_check_rejects_wheels_for_another_python(tmp_path):
     wheels = tmp_path / "wheels"
     _manifest(wheels, "3.99", "einops==0.8.2 einops-0.8.2-py3-none-any.whl")
@@ -71,6 +74,7 @@ def test_gpu_check_rejects_wheels_for_another_python(tmp_path):
     assert f"--python-version {PYVER}" in proc.stderr
 
 
+@pytest.mark.slow
 def test_gpu_check_wants_a_filled_wheel_folder(tmp_path):
     proc = _gpu_check({"WHEEL_DIR": str(tmp_path), "SITE": str(tmp_path / "site")})
     assert proc.returncode == 2
@@ -114,6 +118,7 @@ def _gpu_wheels(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, error",
     [
