@@ -288,7 +288,9 @@ def test_one_document_on_two_ranks_names_documents_and_ranks(tmp_path):
                     "--validator.no-enable", "--metrics.no-enable-wandb",
                     "--dump_folder", str(tmp_path / "run"))  # fmt: skip
     assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if "torchtitan_cp.train: error:" in line]
+    # Each rank's own line (torchrun's summary block repeats it, indented, as the root cause).
+    lines = proc.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("torchtitan_cp.train: error:")]
     want = f"{path}: 1 document(s) for 2 data-parallel ranks"
     assert len(errors) == 2 and all(want in e for e in errors), proc.stderr[-3000:]
     assert "IndexError" not in proc.stderr
