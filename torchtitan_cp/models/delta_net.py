@@ -180,7 +180,9 @@ class DeltaNetMixer(Module):
         # Gates stay in at least float32: they are summed over long ranges inside the kernel.
         return -a.to(acc) * F.softplus(f.to(acc) + bias.to(acc))
 
-    def forward(self, x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, ctx: SequenceContext, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         h, k, v = self.n_heads, self.head_dim, self.value_head_dim
         # The local span is the B rows' local pieces back to back: one packed stream.

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from torchtitan.protocols.model_spec import ModelSpec
 
-from torchtitan_cp.config import ModelRecipe
 from torchtitan_cp.models.attention import resolve_attention_backend
 from torchtitan_cp.models.decoder import HybridDecoder, parse_layer_pattern
 
@@ -53,7 +53,7 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
     return cfg
 
 
-def recipe_model_spec(recipe: ModelRecipe) -> ModelSpec:
+def recipe_model_spec(recipe: Any) -> ModelSpec:
     """The ``ModelSpec`` that ``[model]`` names: the hybrid decoder or torchtitan's Qwen3.5.
     A key that does not apply to the chosen model is a ValueError naming it."""
     overrides = recipe.overrides()
