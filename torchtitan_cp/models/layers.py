@@ -10,13 +10,14 @@ a kind is its module plus two lines here (docs/architecture.md, "Adding a layer 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.attention import SoftmaxAttention
 from torchtitan_cp.models.delta_net import DeltaNetMixer
+from torchtitan_cp.models.mamba2 import Mamba2Mixer, Mamba2Options
 from torchtitan_cp.ops import Kind
 
 __all__ = ["LAYERS", "LayerKind", "LayerOptions", "parse_layer_pattern"]
@@ -28,6 +29,8 @@ _CHUNK = 64
 @dataclass(kw_only=True, slots=True)
 class LayerOptions:
     """``[model.layer_options]``: per-kind sizes that the shared model fields do not cover."""
+
+    mamba2: Mamba2Options = field(default_factory=Mamba2Options)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ LAYERS: dict[str, LayerKind] = {
     "K": LayerKind("kda", "KDA (Kimi Delta Attention)", _delta_net("kda"), _delta_flops),
     "G": LayerKind("gdn", "GDN (Gated DeltaNet)", _delta_net("gdn"), _delta_flops),
     "A": LayerKind("attention", "softmax attention", _attention, _attention_flops, True),
+    "M": LayerKind("mamba2", "Mamba2 (SSD)", Mamba2Mixer.from_model, Mamba2Mixer.flops),
 }
 
 
