@@ -128,3 +128,12 @@ def test_mamba2_mixer_matches_reference(n_groups: int) -> None:
     got = mixer(x, ctx).reshape(1, 80, 16)
     want = _reference_layer(mixer, x.reshape(1, 80, 16), [0, 13, 40, 53, 80])
     assert (got - want).abs().max().item() <= 1e-10
+
+
+def test_compile_with_mamba2_is_a_config_error() -> None:
+    # SSD has no torch.compile custom op yet (ops/opaque.py): refuse before launch, naming it.
+    from torchtitan_cp.config import ConfigError
+    from torchtitan_cp.train import load_config
+
+    with pytest.raises(ConfigError, match=r"without torch.compile custom ops: M \(Mamba2"):
+        load_config(["--config_file", "configs/debug_mamba2_cpu.toml", "--compile.enable"])

@@ -41,6 +41,8 @@ class LayerKind:
     the mixer's forward is ``(x [B, L, D], ctx, positions [B, L] | None) -> [B, L, D]``.
     ``flops(cfg, seq_len)``: training FLOPs per token (forward + backward) beyond the mixer's
     parameter matmuls. ``flex_mask``: needs the document ``BlockMask`` when flex runs.
+    ``compiles``: its kernels run under ``torch.compile`` without graph breaks (custom ops in
+    ``ops/opaque.py``); ``compile.enable`` with a kind that does not is a config error.
     """
 
     name: str
@@ -48,6 +50,7 @@ class LayerKind:
     mixer: Callable[[Any, int], Module.Config]
     flops: Callable[[Any, int], int]
     flex_mask: bool = False
+    compiles: bool = True
 
 
 def _delta_net(kind: Kind) -> Callable[[Any, int], Module.Config]:
@@ -85,7 +88,9 @@ LAYERS: dict[str, LayerKind] = {
     "K": LayerKind("kda", "KDA (Kimi Delta Attention)", _delta_net("kda"), _delta_flops),
     "G": LayerKind("gdn", "GDN (Gated DeltaNet)", _delta_net("gdn"), _delta_flops),
     "A": LayerKind("attention", "softmax attention", _attention, _attention_flops, True),
-    "M": LayerKind("mamba2", "Mamba2 (SSD)", Mamba2Mixer.from_model, Mamba2Mixer.flops),
+    "M": LayerKind(
+        "mamba2", "Mamba2 (SSD)", Mamba2Mixer.from_model, Mamba2Mixer.flops, compiles=False
+    ),
 }
 
 
