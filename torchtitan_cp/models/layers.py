@@ -16,9 +16,8 @@ from typing import Any
 from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.attention import SoftmaxAttention
-from torchtitan_cp.models.delta_net import DeltaNetMixer
+from torchtitan_cp.models.delta_net import DeltaNetMixer, GDNMixer, KDAMixer
 from torchtitan_cp.models.mamba2 import Mamba2Mixer, Mamba2Options
-from torchtitan_cp.ops import Kind
 
 __all__ = ["LAYERS", "LayerKind", "LayerOptions", "parse_layer_pattern"]
 
@@ -53,10 +52,10 @@ class LayerKind:
     compiles: bool = True
 
 
-def _delta_net(kind: Kind) -> Callable[[Any, int], Module.Config]:
+def _delta_net(mixer: type[DeltaNetMixer]) -> Callable[[Any, int], Module.Config]:
     def build(cfg: Any, layer_id: int) -> Module.Config:
-        return DeltaNetMixer.Config(
-            kind=kind, dim=cfg.dim, n_heads=cfg.n_heads, head_dim=cfg.head_dim,
+        return mixer.Config(
+            dim=cfg.dim, n_heads=cfg.n_heads, head_dim=cfg.head_dim,
             value_head_dim=cfg.value_head_dim, conv_width=cfg.conv_width, norm_eps=cfg.norm_eps,
             layer_id=layer_id, backend=cfg.linear_attention_backend,
         )  # fmt: skip
@@ -85,8 +84,8 @@ def _attention_flops(cfg: Any, seq_len: int) -> int:
 
 
 LAYERS: dict[str, LayerKind] = {
-    "K": LayerKind("kda", "KDA (Kimi Delta Attention)", _delta_net("kda"), _delta_flops),
-    "G": LayerKind("gdn", "GDN (Gated DeltaNet)", _delta_net("gdn"), _delta_flops),
+    "K": LayerKind("kda", "KDA (Kimi Delta Attention)", _delta_net(KDAMixer), _delta_flops),
+    "G": LayerKind("gdn", "GDN (Gated DeltaNet)", _delta_net(GDNMixer), _delta_flops),
     "A": LayerKind("attention", "softmax attention", _attention, _attention_flops, True),
     "M": LayerKind(
         "mamba2", "Mamba2 (SSD)", Mamba2Mixer.from_model, Mamba2Mixer.flops, compiles=False
