@@ -76,7 +76,17 @@ def test_layer_fields_from_toml_and_cli(tmp_path) -> None:
 def test_bad_mamba2_sizes_name_the_keys() -> None:
     opts = LayerOptions(mamba2=Mamba2Options(head_dim=24))
     with pytest.raises(ValueError, match=r"model.layer_options.mamba2: expand\*dim = 128"):
-        model_config("debug", layer_pattern="M", layer_options=opts).build()
+        model_config("debug", layer_pattern="M", layer_options=opts)
+
+
+def test_bad_mamba2_sizes_fail_the_prelaunch_check() -> None:
+    # load_config runs the model checks (what ./scripts/train.sh's --check reports).
+    from torchtitan_cp.config import ConfigError
+    from torchtitan_cp.train import load_config
+
+    with pytest.raises(ConfigError, match=r"heads a multiple of n_groups = 3"):
+        load_config(["--config_file", "configs/debug_mamba2_cpu.toml",
+                     "--model.layer_options.mamba2.n_groups", "3"])  # fmt: skip
 
 
 def _reference_layer(m: Mamba2Mixer, x: torch.Tensor, cu: list[int]) -> torch.Tensor:

@@ -42,6 +42,18 @@ class Mamba2Options:
     """Groups sharing B and C (ngroups); divides the number of heads."""
 
 
+def _check_sizes(dim: int, opt: Mamba2Options) -> None:
+    d_inner = opt.expand * dim
+    if min(opt.expand, opt.head_dim, opt.state_dim, opt.n_groups) < 1:
+        raise ValueError(f"model.layer_options.mamba2: every size must be >= 1, got {opt}")
+    if d_inner % opt.head_dim or (d_inner // opt.head_dim) % opt.n_groups:
+        raise ValueError(
+            f"model.layer_options.mamba2: expand*dim = {d_inner} must be a multiple of "
+            f"head_dim = {opt.head_dim}, and its {d_inner // opt.head_dim} heads a multiple of "
+            f"n_groups = {opt.n_groups}"
+        )
+
+
 class GatedGroupRMSNorm(Module):
     """The reference's ``RMSNormGated(norm_before_gate=False)``: ``rmsnorm(y * silu(z))`` over
     groups of ``group_size`` channels, then a weight. ``y, z [.., D]``."""
@@ -81,7 +93,9 @@ class Mamba2Mixer(Module):
 
     @staticmethod
     def from_model(cfg: Any, layer_id: int) -> Mamba2Mixer.Config:
-        """The mixer of layer ``layer_id`` of a ``HybridDecoder.Config`` (the registry's hook)."""
+        """The mixer of layer ``layer_id`` of a ``HybridDecoder.Config`` (the registry's hook);
+        a ValueError naming the keys when the sizes do not fit together."""
+        _check_sizes(cfg.dim, cfg.layer_options.mamba2)
         return Mamba2Mixer.Config(
             dim=cfg.dim, options=cfg.layer_options.mamba2, conv_width=cfg.conv_width,
             norm_eps=cfg.norm_eps, layer_id=layer_id, backend=cfg.linear_attention_backend,
@@ -98,13 +112,8 @@ class Mamba2Mixer(Module):
     def __init__(self, config: Config):
         super().__init__()
         opt = config.options
+        _check_sizes(config.dim, opt)
         d_inner = opt.expand * config.dim
-        if d_inner % opt.head_dim or (d_inner // opt.head_dim) % opt.n_groups:
-            raise ValueError(
-                f"model.layer_options.mamba2: expand*dim = {d_inner} must be a multiple of "
-                f"head_dim = {opt.head_dim}, and its {d_inner // max(opt.head_dim, 1)} heads a "
-                f"multiple of n_groups = {opt.n_groups}"
-            )
         self.n_heads = h = d_inner // opt.head_dim
         self.head_dim, self.state_dim, self.n_groups = opt.head_dim, opt.state_dim, opt.n_groups
         self.d_inner = d_inner
