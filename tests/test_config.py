@@ -36,7 +36,7 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
 
 
 def test_shipped_configs_load():
-    for name in ("debug_cpu", "gpu_kda_1b", "gpu_gdn_1b"):
+    for name in ("debug_cpu", "debug_mamba2_cpu", "gpu_kda_1b", "gpu_gdn_1b"):
         cfg = load_config(["--config_file", str(REPO / "configs" / f"{name}.toml")])
         assert cfg.model.flavor
 
