@@ -12,7 +12,7 @@ fi
 STAMP="$VENV/.torchtitan_cp.stamp"
 WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
-   || ! "$VENV/bin/python" -c "import torchtitan_cp, torch, torchtitan" >/dev/null 2>&1; then
+   || ! "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('torchtitan_cp', 'torch', 'torchtitan')))" >/dev/null 2>&1; then
   echo "[env] installing pinned dependencies (torch 2.14.1, torchtitan 0.3.0, fla-core 0.6.0)" >&2
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"

@@ -3,10 +3,16 @@
 1. Sync check: one training step (preprocessing, forward, backward, AdamW) of the hybrid model
    under ``torch.cuda.set_sync_debug_mode("error")`` on the host path must not synchronise; the
    same step on the device-readback path must (its document offsets are read back).
-2. Step time at CP=1 on packed documents, host vs readback, a new packing every step.
+2. Kernel accuracy: fla-core against the pure-PyTorch backend for KDA, GDN and the causal conv,
+   forward and backward, in float32 and bfloat16 (CUDA only).
+3. Step time at CP=1 on packed documents, host vs readback, a new packing every step.
+4. Compiled vs eager step time (every block ``torch.compile``d with ``fullgraph=True`` as
+   torchtitan does, routing padded to fixed caps), with the compile time of the first step and
+   the frames dynamo compiled after it (0: no recompile across layouts).
 
-``--device cpu`` runs the same code without the sync check (a dry run for CI machines).
-Prints markdown tables; ``--json PATH`` also writes the numbers.
+``--device cpu`` runs the same code without the sync check and the kernel comparison (a dry run
+for CI machines; ``--compile-backend aot_eager`` keeps its compile short). Prints markdown
+tables; ``--json PATH`` also writes the numbers.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ def packed_batch(gen: torch.Generator, bsz: int, seqlen: int, vocab: int, mean_d
 class Step:
     """One optimizer step of the model on one microbatch, through a SequencePreprocessor."""
 
-    def __init__(self, args, source: str) -> None:
+    def __init__(self, args, source: str, compile_backend: str | None = None) -> None:
         self.device = torch.device(args.device)
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         torch.manual_seed(0)
@@ -55,6 +61,19 @@ class Step:
         self.model.to(self.dtype)
         self.vocab = cfg.vocab_size
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
+        caps = None
+        if compile_backend is not None:
+            # What parallelize does for --compile.enable: fixed routing shapes, every block
+            # compiled on its own with fullgraph=True.
+            from torchtitan_cp.compile import routing_caps
+
+            caps = routing_caps(
+                load_balancer="headtail", batch_size=args.batch, seq_len=args.seq_len,
+                cp_degree=1, ptrr_block_size=128, max_subsequences=args.max_subsequences,
+            )  # fmt: skip
+            torch._dynamo.config.automatic_dynamic_shapes = False
+            for block in self.model.layers.values():
+                block.compile(fullgraph=True, backend=compile_backend)
         self.pre = SequencePreprocessor(
             device=self.device,
             cp_group=None,
@@ -62,6 +81,7 @@ class Step:
             routing_source=source,
             conv_history=cfg.conv_width - 1,
             flex_attention=cfg.uses_flex_attention(self.device),
+            caps=caps,
         )
 
     def __call__(self, tokens_cpu, positions_cpu) -> None:
@@ -140,6 +160,103 @@ def timing(args, gen) -> dict[str, dict[str, float]]:
     return out
 
 
+def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return ((a.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+
+
+def kernel_accuracy(args, gen) -> list[dict]:
+    """fla against the torch backend on the same inputs (the torch backend computes in float32
+    from them), KDA / GDN / conv, forward and backward: max relative error per tensor."""
+    import torch.nn.functional as F
+
+    from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule
+
+    dev = torch.device("cuda")
+    lengths = torch.randint(1, 2 * args.mean_doc, (64,), generator=gen).tolist()
+    cu = [0]
+    for n in lengths:
+        if cu[-1] + n > args.seq_len:
+            break
+        cu.append(cu[-1] + n)
+    cu.append(args.seq_len)
+    cu_cpu = torch.tensor(cu, dtype=torch.int32)
+    T, H, K, V = args.seq_len, 4, 128, 128
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for kind in ("kda", "gdn"):
+            q = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+            k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+            v = torch.randn(1, T, H, V, generator=gen)
+            gshape = (1, T, H, K) if kind == "kda" else (1, T, H)
+            g = -0.1 * torch.rand(*gshape, generator=gen)
+            beta = torch.rand(1, T, H, generator=gen)
+            inputs = [x.to(dev, dtype) for x in (q, k, v)] + [g.to(dev), beta.to(dev, dtype)]
+            out = {}
+            for backend in ("fla", "torch"):
+                xs = [x.detach().clone().requires_grad_() for x in inputs]
+                o, ht = chunk_delta_rule(
+                    *xs, kind=kind, output_final_state=True, cu_seqlens=cu_cpu.to(dev),
+                    cu_seqlens_cpu=cu_cpu, backend=backend,
+                )  # fmt: skip
+                assert ht is not None
+                do = torch.ones_like(o) / o.numel() ** 0.5
+                grads = torch.autograd.grad((o * do).sum() + ht.sum() * 1e-3, xs)
+                out[backend] = [o, ht, *grads]
+            names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta")
+            errs = {n: _rel_err(a, b) for n, a, b in zip(names, out["fla"], out["torch"])}
+            rows.append({"kernel": kind, "dtype": str(dtype).split(".")[-1], **errs})
+        x = torch.randn(1, T, 3 * H * K, generator=gen).to(dev, dtype)
+        w = torch.randn(3 * H * K, 4, generator=gen).to(dev, dtype)
+        out = {}
+        for backend in ("fla", "torch"):
+            xs = [x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()]
+            y = causal_conv1d(
+                *xs, None, cu_seqlens=cu_cpu.to(dev), cu_seqlens_cpu=cu_cpu, backend=backend
+            )
+            out[backend] = [y, *torch.autograd.grad(y.float().square().mean(), xs)]
+        names = ("o", "dx", "dweight")
+        errs = {n: _rel_err(a, b) for n, a, b in zip(names, out["fla"], out["torch"])}
+        rows.append({"kernel": "conv", "dtype": str(dtype).split(".")[-1], **errs})
+    return rows
+
+
+def compile_timing(args, gen) -> dict[str, dict[str, float]]:
+    """Host-path step time eager vs compiled (same batches), compile time, later recompiles."""
+    from torchtitan_cp.compile import compile_counters
+
+    cuda = args.device == "cuda"
+    batches = [
+        packed_batch(gen, args.batch, args.seq_len, 1, args.mean_doc)[1]
+        for _ in range(args.steps + args.warmup)
+    ]
+    out = {}
+    for mode in ("eager", "compiled"):
+        step = Step(args, "host", args.compile_backend if mode == "compiled" else None)
+        toks = [torch.randint(0, step.vocab, p.shape, generator=gen) for p in batches]
+        times, frames_after_warmup = [], 0
+        for i, (tok, pos) in enumerate(zip(toks, batches)):
+            if cuda:
+                tok, pos = tok.pin_memory(), pos.pin_memory()
+                torch.cuda.synchronize()
+            if i == args.warmup:
+                frames_after_warmup = compile_counters()["compile/frames"]
+            t0 = time.perf_counter()
+            step(tok, pos)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(times[args.warmup :])
+        out[mode] = {
+            "first_step_ms": times[0],
+            "median_ms": ms,
+            "tokens_per_s": args.batch * args.seq_len / ms * 1e3,
+            "frames_compiled_after_warmup": compile_counters()["compile/frames"]
+            - frames_after_warmup,
+        }
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -151,6 +268,18 @@ def main() -> None:
     p.add_argument("--mean-doc", type=int, default=2048)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of the compiled-vs-eager timing",
+    )
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled-vs-eager timing")
+    p.add_argument(
+        "--max-subsequences",
+        type=int,
+        default=256,
+        help="routing cap of the compiled run (linear_attention.max_subsequences)",
+    )
     p.add_argument("--json", default="")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -164,6 +293,12 @@ def main() -> None:
         print("| routing_source | result |\n| --- | --- |")
         for k, v in result["sync_check"].items():
             print(f"| {k} | {v} |")
+    if args.device == "cuda":
+        result["kernel_accuracy"] = kernel_accuracy(args, gen)
+        print("\n## fla vs the torch backend (max relative error, same inputs)\n")
+        for row in result["kernel_accuracy"]:
+            errs = ", ".join(f"{k} {v:.1e}" for k, v in row.items() if k not in ("kernel", "dtype"))
+            print(f"- {row['kernel']} {row['dtype']}: {errs}")
     result["timing"] = timing(args, gen)
     print(
         f"\n## Step time, CP=1, {args.flavor} {args.pattern} (attention "
@@ -177,6 +312,16 @@ def main() -> None:
             f"| {k} | {v['median_ms']:.2f} | {v['min_ms']:.2f} | {v['tokens_per_s']:,.0f} | "
             f"{v['readbacks_per_step']:.1f} |"
         )
+    if not args.no_compile:
+        result["compile"] = compile_timing(args, gen)
+        print(f"\n## Compiled ({args.compile_backend}, fullgraph blocks) vs eager, host path\n")
+        print("| mode | first step ms | median ms | tokens/s | frames compiled after warm-up |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for k, v in result["compile"].items():
+            print(
+                f"| {k} | {v['first_step_ms']:.0f} | {v['median_ms']:.2f} | "
+                f"{v['tokens_per_s']:,.0f} | {v['frames_compiled_after_warmup']} |"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -45,7 +45,9 @@ tests_failed=0
 if [[ "${GPU_TESTS:-1}" != 0 ]]; then
   (cd "$ROOT" && "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_fla.py \
     tests/test_cp_delta_rule.py::test_fla_backend_out_of_order_span \
-    tests/test_cp_flex_attention.py::test_flex_matches_sdpa_on_cuda_forward_and_backward) \
+    tests/test_cp_flex_attention.py::test_flex_matches_sdpa_on_cuda_forward_and_backward \
+    tests/test_compile.py::test_fla_ops_opcheck_cuda \
+    tests/test_qwen35_cuda.py) \
     || { tests_failed=$?; echo "gpu_check: CUDA tests failed (exit $tests_failed)" >&2; }
 fi
 "$PY" "$ROOT/scripts/gpu_check.py" "$@"

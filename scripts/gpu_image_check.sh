@@ -61,7 +61,7 @@ rm -rf "$WHEELS" "$SITE"
 step "3. scripts/gpu_check.sh --device cpu with only those wheels, offline"
 PYTHON="$PY" WHEEL_DIR="$WHEELS" SITE="$SITE" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
   "$ROOT/scripts/gpu_check.sh" --device cpu --flavor debug --pattern KGKA --seq-len 256 \
-  --mean-doc 40 --steps 2 --warmup 1
+  --mean-doc 40 --steps 2 --warmup 1 --compile-backend aot_eager
 
 step "4a. the import gate names a missing einops"
 NO_EINOPS="$CACHE/site-no-einops"

@@ -2,6 +2,7 @@
 # The whole test suite: lint, format check, type check, then pytest (multi-process gloo tests
 # included).
 # Extra arguments go to pytest, e.g. ./scripts/test.sh tests/test_routing_plan.py -x
+# The fast loop: ./scripts/test.sh -m "not slow" (only tests that start no process).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"

@@ -4,18 +4,53 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.dist_utils import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def repo_env(**extra: str) -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH, wandb offline and one thread."""
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_module(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` in the repository root; stdout/stderr captured as text."""
+    cmd = [sys.executable, "-m", module, *args]
+    return subprocess.run(
+        cmd, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def run_python(code: str, *, timeout: float = 120, check: bool = False):
+    """``python -c CODE`` in the repository root (a fresh interpreter: import-time checks);
+    ``check=True`` raises with its stderr when it fails."""
+    cmd = [sys.executable, "-c", code]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"python -c failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def torchrun_cmd(args: list[str], *, nproc: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``torchrun --nproc_per_node=nproc -m
+    torchtitan_cp.train ARGS`` on a free localhost port."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "-m", "torchtitan_cp.train", *args,
+    ]  # fmt: skip
+    return cmd, repo_env(PYTHONUNBUFFERED="1")
 
 
 def torchrun_train(
@@ -23,15 +58,7 @@ def torchrun_train(
 ) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=nproc -m torchtitan_cp.train ARGS --dump_folder DUMP``;
     ``check=False`` returns a failed run instead of raising."""
-    env = dict(os.environ)
-    env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "-m", "torchtitan_cp.train", *args, "--dump_folder", str(dump_folder),
-    ]  # fmt: skip
+    cmd, env = torchrun_cmd([*args, "--dump_folder", str(dump_folder)], nproc=nproc)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -42,10 +69,9 @@ def torchrun_train(
 
 def python_train_cmd(args: list[str], *, dump_folder: Path) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of ``python -m torchtitan_cp.train ARGS``."""
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    env = repo_env()
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torchtitan_cp.train", *args, "--dump_folder", str(dump_folder)]
     return cmd, env
 

@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["conv_reference", "delta_rule_reference", "seq_bounds"]
+__all__ = ["conv_reference", "delta_rule_reference", "rel_err", "seq_bounds"]
+
+
+def rel_err(actual: Tensor, ref: Tensor) -> float:
+    """max |actual - ref| / max(max |ref|, 1), in float64 on ``actual``'s device."""
+    ref = ref.to(actual.device)
+    return ((actual.double() - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
 
 
 def seq_bounds(cu_seqlens: Tensor | Sequence[int] | None, total: int) -> list[tuple[int, int]]:

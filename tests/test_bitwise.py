@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.test_routing_sources import positions_from_lengths
+from tests.helpers import positions_from_lengths
 
 STEPS = 3
 
@@ -86,6 +86,7 @@ def _compare(rank: int, world: int, pattern: str) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", ["KKA", "GGA"])
 def test_host_and_readback_train_bitwise_identically(pattern):
     for problems in run_distributed(_compare, 2, pattern, timeout=600):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import flip
+from tests.launch import run_module, run_python
 from torchtitan_cp.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -24,8 +24,6 @@ from torchtitan_cp.checkpoint import (
 from torchtitan_cp.run_lock import RunError, RunLock
 from torchtitan_cp.runs import read_rows, supersede_rows
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def make_step(folder: Path, step: int, *, sealed: bool = True, run_id: str = "run-a") -> Path:
     """A step folder shaped like a DCP save (``.metadata`` + one shard per rank)."""
@@ -37,13 +35,6 @@ def make_step(folder: Path, step: int, *, sealed: bool = True, run_id: str = "ru
     if sealed:
         write_manifest(str(d), step=step, run_id=run_id)
     return d
-
-
-def flip(path: Path, offset: int = 100, n: int = 64) -> None:
-    data = bytearray(path.read_bytes())
-    for i in range(offset, offset + n):
-        data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def test_manifest_lists_every_file_and_is_written_atomically(tmp_path):
@@ -163,6 +154,7 @@ def test_async_checkpointing_is_rejected():
         HybridCheckpointManager.Config(async_mode="async")
 
 
+@pytest.mark.slow
 def test_run_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path):
     first = RunLock(str(tmp_path))
     assert first.acquire("run-1", "2026-01-01T00:00:00Z") is None
@@ -179,8 +171,7 @@ def test_run_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path):
         "import sys; from torchtitan_cp.run_lock import RunLock; "
         f"RunLock({str(tmp_path)!r}).acquire('run-dead', 'then'); sys.exit(0)"
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    run_python(code, check=True)
     third = RunLock(str(tmp_path))
     line = third.acquire("run-3", "now")
     assert line is not None and "stale" in line and "run run-dead" in line
@@ -204,15 +195,14 @@ def test_supersede_rows_keeps_one_history(tmp_path):
     assert supersede_rows(str(path), 3) == 0
 
 
+@pytest.mark.slow
 def test_checkpoint_cli_verify_and_seal(tmp_path):
     d = make_step(tmp_path, 7, sealed=False)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    run = [sys.executable, "-m", "torchtitan_cp.checkpoint"]
-    p = subprocess.run([*run, "verify", str(d)], capture_output=True, text=True, env=env)
+    p = run_module("torchtitan_cp.checkpoint", "verify", str(d))
     assert p.returncode == 1 and "incomplete" in p.stderr
-    p = subprocess.run([*run, "seal", str(d)], capture_output=True, text=True, env=env)
+    p = run_module("torchtitan_cp.checkpoint", "seal", str(d))
     assert p.returncode == 0, p.stderr
-    p = subprocess.run([*run, "verify", str(d)], capture_output=True, text=True, env=env)
+    p = run_module("torchtitan_cp.checkpoint", "verify", str(d))
     assert p.returncode == 0 and "ok" in p.stdout
 
 

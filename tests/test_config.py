@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.launch import REPO
+from tests.launch import REPO, run_module
 from torchtitan_cp.config import ConfigError
 from torchtitan_cp.train import load_config
 
@@ -37,7 +36,7 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
 
 
 def test_shipped_configs_load():
-    for name in ("debug_cpu", "gpu_kda_1b", "gpu_gdn_1b"):
+    for name in ("debug_cpu", "debug_mamba2_cpu", "gpu_kda_1b", "gpu_gdn_1b"):
         cfg = load_config(["--config_file", str(REPO / "configs" / f"{name}.toml")])
         assert cfg.model.flavor
 
@@ -85,15 +84,10 @@ def test_flex_attention_off_cuda_is_a_config_error(tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "torchtitan_cp.train", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_module("torchtitan_cp.train", *args)
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line_and_exit_2(tmp_path):
     proc = run_cli("--config_file", str(tmp_path / "missing.toml"))
     assert proc.returncode == 2
@@ -104,6 +98,7 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and "unknown key 'training.stepz'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_help_lists_options():
     proc = run_cli("--help")
     assert proc.returncode == 0

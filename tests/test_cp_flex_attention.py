@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.test_model_cp import make_batch
+from tests.helpers import random_batch
 
 TOL = 2e-5  # float32
 BALANCERS = ("contiguous", "headtail", "ptrr")
@@ -56,7 +56,7 @@ def _cp_flex_forward(rank: int, world: int, bsz: int, seqlen: int):
     from torchtitan_cp.routing import host_layout
     from torchtitan_cp.sequence import SequencePreprocessor, shard_rows
 
-    tokens, positions, labels = make_batch(2, bsz, seqlen, 97)
+    tokens, positions, labels = random_batch(2, bsz, seqlen, 97)
     sdpa, flex = _model("sdpa"), _model("flex")
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     cp = dict(device=torch.device("cpu"), load_balancer="headtail", flex_attention=True)
@@ -89,6 +89,7 @@ def _cp_flex_forward(rank: int, world: int, bsz: int, seqlen: int):
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, bsz, seqlen", [(2, 2, 256), (3, 1, 384), (4, 1, 512)])
 def test_flex_cp_forward_equals_unsharded_sdpa(world: int, bsz: int, seqlen: int) -> None:
     for worst in run_distributed(_cp_flex_forward, world, bsz, seqlen, timeout=400.0):
@@ -99,7 +100,7 @@ def test_flex_cp_forward_equals_unsharded_sdpa(world: int, bsz: int, seqlen: int
 
 def test_direct_call_builds_its_flex_mask() -> None:
     """A model call without a SequenceContext derives the flex mask from the positions."""
-    tokens, positions, _ = make_batch(3, 2, 192, 97)
+    tokens, positions, _ = random_batch(3, 2, 192, 97)
     with torch.no_grad():
         ref = _model("sdpa", "AKA")(tokens, positions)
         out = _model("flex", "AKA")(tokens, positions)
@@ -109,7 +110,7 @@ def test_direct_call_builds_its_flex_mask() -> None:
 def test_flex_without_a_block_mask_is_a_clear_error() -> None:
     from torchtitan_cp.sequence import SequencePreprocessor
 
-    tokens, positions, labels = make_batch(3, 1, 128, 97)
+    tokens, positions, labels = random_batch(3, 1, 128, 97)
     seq = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="contiguous")
     with pytest.raises(ValueError, match="needs a SequenceContext with a document block_mask"):
         _logits(_model("flex"), seq, tokens, positions, labels, True)
@@ -143,7 +144,7 @@ def test_flex_matches_sdpa_on_cuda_forward_and_backward() -> None:
     from torchtitan_cp.sequence import SequencePreprocessor
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    tokens, positions, labels = (t.cuda() for t in make_batch(4, 2, 512, 97))
+    tokens, positions, labels = (t.cuda() for t in random_batch(4, 2, 512, 97))
     results = []
     for backend in ("sdpa", "flex"):
         model = _model(backend, "KAGA").cuda()

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from tests.launch import run_python
 from torchtitan_cp.ops.local import causal_conv1d, chunk_delta_rule
 
 T, H, K, V = 10, 2, 4, 3
@@ -76,6 +74,7 @@ def test_conv_errors():
         causal_conv1d(x, w, backend="fla")
 
 
+@pytest.mark.slow
 def test_auto_backend_on_cpu_is_torch_and_fla_not_imported():
     """Importing and running ops.local on CPU must not load fla's Triton kernels."""
     code = (
@@ -86,4 +85,4 @@ def test_auto_backend_on_cpu_is_torch_and_fla_not_imported():
         "causal_conv1d(torch.randn(1, 5, 3), torch.randn(3, 4))\n"
         "assert not any(m == 'fla' or m.startswith('fla.') for m in sys.modules), 'fla imported'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code, check=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import conv_reference
+from reference import conv_reference, rel_err
 
 from torchtitan_cp.ops.local import causal_conv1d
 
@@ -16,10 +16,6 @@ LAYOUTS = {
     "short_with_empty": [0, 1, 2, 2, 5, 17, 18, 40],  # lengths 1, 1, 0, 3 (< W-1), ...
 }
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
-
-
-def _rel_err(actual: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((actual.double() - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
@@ -48,19 +44,19 @@ def test_conv_matches_oracle(layout, activation, with_state, width, dtype):
     y_ref = call(conv_reference, ref_leaves, cu)
     y = call(causal_conv1d, leaves, torch.tensor(cu, dtype=torch.int32), backend="torch")
     assert y.dtype == dtype and y.shape == (1, T, D)
-    assert _rel_err(y, y_ref) < TOL[dtype]
+    assert rel_err(y, y_ref) < TOL[dtype]
     dy = rnd(1, T, D)
     g_ref = torch.autograd.grad((y_ref * dy).sum(), ref_leaves)
     g = torch.autograd.grad((y * dy.to(dtype)).sum(), leaves)
     for name, a, r in zip(("x", "weight", "bias", "initial_state"), g, g_ref):
-        assert _rel_err(a, r) < TOL[dtype], f"d{name}"
+        assert rel_err(a, r) < TOL[dtype], f"d{name}"
 
 
 def test_conv_defaults_no_bias_single_sequence():
     torch.manual_seed(0)
     x, w = torch.randn(1, 20, 3, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
     y = causal_conv1d(x, w)
-    assert _rel_err(y, conv_reference(x, w, None, cu_seqlens=None)) < 1e-12
+    assert rel_err(y, conv_reference(x, w, None, cu_seqlens=None)) < 1e-12
 
 
 def test_conv_history_equals_prefix():
@@ -85,4 +81,4 @@ def test_conv_bf16_accumulates_in_float32():
     y = causal_conv1d(*args[:3], cu_seqlens=cu, initial_state=args[3])
     y_ref = conv_reference(*args[:3], cu_seqlens=cu, initial_state=args[3])
     assert y.dtype == torch.bfloat16
-    assert _rel_err(y, y_ref) < 1e-2  # one bf16 rounding of the result (2^-8 relative)
+    assert rel_err(y, y_ref) < 1e-2  # one bf16 rounding of the result (2^-8 relative)

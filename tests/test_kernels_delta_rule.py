@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import delta_rule_reference
+from reference import delta_rule_reference, rel_err
 
 from torchtitan_cp.ops.local import chunk_delta_rule
 from torchtitan_cp.ops.torch_backend import chunk_delta_rule_torch
@@ -32,10 +32,6 @@ LAYOUTS = {
     "chunk_aligned": [0, 64, 65, 193, 300],  # ends exactly on chunk boundaries
 }
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
-
-
-def _rel_err(actual: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((actual.double() - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
 
 
 @functools.cache
@@ -75,13 +71,13 @@ def _check(kind, layout, gate, dtype, run, **case_kw):
     assert o.dtype == dtype and o.shape == o_ref.shape
     assert ht.shape == ht_ref.shape
     tol = TOL[dtype]
-    assert _rel_err(o, o_ref) < tol["value"], "output"
-    assert _rel_err(ht, ht_ref) < tol["value"], "final state"
+    assert rel_err(o, o_ref) < tol["value"], "output"
+    assert rel_err(ht, ht_ref) < tol["value"], "final state"
     loss = (o * do.to(dtype)).sum() + (ht * dht.to(ht.dtype)).sum()
     grads = torch.autograd.grad(loss, leaves)
     for name, g_, g_ref in zip(NAMES, grads, grads_ref):
         assert torch.isfinite(g_).all(), f"d{name} not finite"
-        assert _rel_err(g_, g_ref) < tol["grad"], f"d{name}"
+        assert rel_err(g_, g_ref) < tol["grad"], f"d{name}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
@@ -139,7 +135,7 @@ def test_extreme_gates_stay_finite():
     beta = torch.rand(1, T, H, requires_grad=True)
     o, ht = chunk_delta_rule(q, k, v, g, beta, kind="kda", output_final_state=True)
     o_ref, ht_ref = delta_rule_reference(q, k, v, g, beta, kind="kda")
-    assert _rel_err(o, o_ref) < 2e-5 and _rel_err(ht, ht_ref) < 2e-5
+    assert rel_err(o, o_ref) < 2e-5 and rel_err(ht, ht_ref) < 2e-5
     grads = torch.autograd.grad(o.sum() + ht.sum(), (q, k, v, g, beta))
     assert all(torch.isfinite(x).all() for x in grads)
 
@@ -154,7 +150,7 @@ def test_no_cu_seqlens_no_initial_state_and_scale():
     beta = torch.rand(1, T, H, dtype=torch.float64)
     o, ht = chunk_delta_rule(q, k, v, g, beta, kind="gdn", scale=0.3, output_final_state=True)
     o_ref, ht_ref = delta_rule_reference(q, k, v, g, beta, kind="gdn", scale=0.3)
-    assert _rel_err(o, o_ref) < 1e-12 and _rel_err(ht, ht_ref) < 1e-12
+    assert rel_err(o, o_ref) < 1e-12 and rel_err(ht, ht_ref) < 1e-12
     o2, none = chunk_delta_rule(q, k, v, g, beta, kind="gdn", scale=0.3)
     assert none is None and torch.equal(o, o2)
 
@@ -186,7 +182,7 @@ def test_bf16_inputs_keep_float32_state():
     o, ht = chunk_delta_rule(*(a.bfloat16() for a in args), kind="kda", output_final_state=True)
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
     o_ref, ht_ref = delta_rule_reference(*(a.bfloat16() for a in args), kind="kda")
-    assert _rel_err(o, o_ref) < 2e-2 and _rel_err(ht, ht_ref) < 1e-4
+    assert rel_err(o, o_ref) < 2e-2 and rel_err(ht, ht_ref) < 1e-4
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -217,9 +213,9 @@ def test_random_layouts_and_chunkings(seed):
         *new[:5], kind=kind, initial_state=new[5], output_final_state=True,
         cu_seqlens_cpu=torch.tensor(cu), chunk_size=chunk, sub_chunk_size=sub,
     )  # fmt: skip
-    assert _rel_err(o, o_ref) < 1e-12 and _rel_err(ht, ht_ref) < 1e-12
+    assert rel_err(o, o_ref) < 1e-12 and rel_err(ht, ht_ref) < 1e-12
     do, dht = rnd(*o.shape), rnd(*ht.shape)
     g_ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), ref)
     g_new = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), new)
     for name, a, r in zip(NAMES, g_new, g_ref):
-        assert _rel_err(a, r) < 1e-12, f"d{name}"
+        assert rel_err(a, r) < 1e-12, f"d{name}"

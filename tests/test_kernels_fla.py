@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import conv_reference, delta_rule_reference
+from reference import conv_reference, delta_rule_reference, rel_err
 
 from torchtitan_cp.ops.local import causal_conv1d, chunk_delta_rule
 from torchtitan_cp.routing import chunk_indices, chunk_offsets
@@ -26,11 +26,6 @@ def _tables(cu: torch.Tensor, with_tables: bool) -> dict:
     return dict(
         chunk_indices=chunk_indices(cu, 64).cuda(), chunk_offsets=chunk_offsets(cu, 64).cuda()
     )
-
-
-def _rel_err(actual: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.to(actual.device)
-    return ((actual.double() - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
 
 
 @pytest.mark.parametrize("tables", [False, True])
@@ -52,14 +47,14 @@ def test_fla_delta_rule_matches_oracle(kind, tables):
         *dev[:5], kind=kind, initial_state=dev[5], output_final_state=True,
         cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, backend="fla", **_tables(cu, tables),
     )  # fmt: skip
-    assert _rel_err(o, o_ref) < TOL and _rel_err(ht, ht_ref) < TOL
+    assert rel_err(o, o_ref) < TOL and rel_err(ht, ht_ref) < TOL
     do, dht = torch.randn_like(o_ref), torch.randn_like(ht_ref)
     g_ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), ref)
     g_dev = torch.autograd.grad(
         (o * do.float().cuda()).sum() + (ht * dht.float().cuda()).sum(), dev
     )
     for name, a, r in zip(("q", "k", "v", "g", "beta", "initial_state"), g_dev, g_ref):
-        assert _rel_err(a, r) < TOL, f"d{name}"
+        assert rel_err(a, r) < TOL, f"d{name}"
 
 
 @pytest.mark.parametrize("tables", [False, True])
@@ -77,12 +72,12 @@ def test_fla_conv_matches_oracle(tables):
         *dev[:3], cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, chunk_indices=ci,
         initial_state=dev[3], backend="fla",
     )  # fmt: skip
-    assert _rel_err(y, y_ref) < TOL
+    assert rel_err(y, y_ref) < TOL
     dy = torch.randn_like(y_ref)
     g_ref = torch.autograd.grad((y_ref * dy).sum(), ref)
     g_dev = torch.autograd.grad((y * dy.float().cuda()).sum(), dev)
     for name, a, r in zip(("x", "weight", "bias", "initial_state"), g_dev, g_ref):
-        assert _rel_err(a, r) < TOL, f"d{name}"
+        assert rel_err(a, r) < TOL, f"d{name}"
 
 
 def _delta_and_conv_step(with_tables: bool) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torchtitan.models.common.nn_modules import RMSNorm
 
+from tests.dist_utils import max_abs
 from torchtitan_cp.models import model_config, parse_layer_pattern
 from torchtitan_cp.models.attention import SoftmaxAttention
 from torchtitan_cp.models.delta_net import DeltaNetMixer, GatedRMSNorm
@@ -74,10 +75,6 @@ def _logits(model, tokens, positions) -> torch.Tensor:
         return model(tokens, positions)
 
 
-def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max()) if a.numel() else 0.0
-
-
 # 1. No information flows between documents.
 
 
@@ -89,11 +86,11 @@ def test_documents_do_not_see_each_other(pattern):
     docs = doc_ranges(DOCS)
     for i, (r, a, b) in enumerate(docs):
         new = _logits(model, _perturb(tokens, r, a, b, seed=10 + i), positions)
-        assert _maxdiff(new[r, a:b], base[r, a:b]) > CHANGED, (pattern, (r, a, b))
+        assert max_abs(new[r, a:b], base[r, a:b]) > CHANGED, (pattern, (r, a, b))
         for r2, a2, b2 in docs:
             if (r2, a2, b2) == (r, a, b):
                 continue
-            leak = _maxdiff(new[r2, a2:b2], base[r2, a2:b2])
+            leak = max_abs(new[r2, a2:b2], base[r2, a2:b2])
             assert leak <= TOL, f"{pattern}: changing doc {(r, a, b)} moved doc {(r2, a2, b2)}"
 
 
@@ -106,7 +103,7 @@ def test_document_start_does_not_depend_on_previous_document(pattern):
     packed = _logits(model, tokens, positions)
     for r, a, b in doc_ranges(DOCS):
         alone = _logits(model, tokens[r : r + 1, a:b], torch.arange(b - a)[None])
-        diff = _maxdiff(packed[r, a:b], alone[0])
+        diff = max_abs(packed[r, a:b], alone[0])
         assert diff <= TOL, f"{pattern}: doc {(r, a, b)} differs alone by {diff:.3g}"
 
 
@@ -120,7 +117,7 @@ def test_isolation_check_is_sensitive(pattern):
     base = _logits(model, tokens, one_doc)
     new = _logits(model, _perturb(tokens, 0, 0, DOCS[0][0], seed=3), one_doc)
     first_of_next = DOCS[0][0]
-    assert _maxdiff(new[0, first_of_next], base[0, first_of_next]) > CHANGED
+    assert max_abs(new[0, first_of_next], base[0, first_of_next]) > CHANGED
 
 
 # 2. Causality.
@@ -136,8 +133,8 @@ def test_causality(pattern, row, t):
     base = _logits(model, tokens, positions).reshape(B * L, -1)
     new = _logits(model, _perturb(tokens, row, t, t + 1, seed=7), positions).reshape(B * L, -1)
     s = row * L + t
-    assert _maxdiff(new[:s], base[:s]) <= TOL, f"{pattern}: token {(row, t)} moved earlier logits"
-    assert _maxdiff(new[s], base[s]) > CHANGED
+    assert max_abs(new[:s], base[:s]) <= TOL, f"{pattern}: token {(row, t)} moved earlier logits"
+    assert max_abs(new[s], base[s]) > CHANGED
 
 
 # 3. Layer pattern and flavor parsing.
@@ -299,4 +296,4 @@ def test_no_positions_means_one_document_per_row(pattern):
     # Bitwise: without positions every row's RoPE restarts at 0, exactly as arange per row.
     assert torch.equal(without, rows)
     # ... and not the multi-document reading of the same tokens.
-    assert _maxdiff(without, _logits(model, tokens, positions_for(DOCS))) > CHANGED
+    assert max_abs(without, _logits(model, tokens, positions_for(DOCS))) > CHANGED

@@ -11,23 +11,9 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.helpers import random_batch
 
 TOL = 1e-10  # float64
-
-
-def make_batch(seed: int, bsz: int, seqlen: int, vocab: int):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (bsz, seqlen), generator=g)
-    positions = torch.empty(bsz, seqlen, dtype=torch.int64)
-    for b in range(bsz):
-        t = 0
-        while t < seqlen:
-            n = int(torch.randint(1, seqlen // 2, (1,), generator=g))
-            n = min(n, seqlen - t)
-            positions[b, t : t + n] = torch.arange(n)
-            t += n
-    labels = torch.roll(tokens, -1, dims=1)
-    return tokens, positions, labels
 
 
 def loss_and_grads(model, sequence, tokens, positions, labels, host):
@@ -53,7 +39,7 @@ def _cp_model(rank: int, world: int, pattern: str, balancer: str, bsz: int, seql
         model = model_config("debug", layer_pattern=pattern, vocab_size=97).build()
     model.init_states()
     model = model.double()
-    tokens, positions, labels = make_batch(1, bsz, seqlen, 97)
+    tokens, positions, labels = random_batch(1, bsz, seqlen, 97)
     common = dict(device=torch.device("cpu"), load_balancer=balancer, ptrr_block_size=16)
     ref_seq = SequencePreprocessor(cp_group=None, **common)
     ref_loss, ref_grads = loss_and_grads(model, ref_seq, tokens, positions, labels, True)
@@ -67,6 +53,7 @@ def _cp_model(rank: int, world: int, pattern: str, balancer: str, bsz: int, seql
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world, pattern, balancer, bsz, seqlen",
     [

@@ -44,6 +44,7 @@ def _pg_timeouts(rank: int, world: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 @cpu_only
 def test_set_pg_timeouts_works_on_gloo():
     assert run_distributed(_pg_timeouts, 2) == [True, True]
@@ -62,6 +63,7 @@ def _fsdp_sum(rank: int, world: int) -> list[float]:
     return model.weight.grad.full_tensor().reshape(-1).tolist()
 
 
+@pytest.mark.slow
 def test_fsdp_gradients_are_summed_on_gloo():
     # d(sum(W x))/dW = x per output row: rank 0 contributes 1s, rank 1 contributes 2s.
     grads = run_distributed(_fsdp_sum, 2)
@@ -106,12 +108,10 @@ def test_train_entry_point_states_the_floor_before_importing_torchtitan(monkeypa
     assert f"needs torch >= 99.0, found torch {torch.__version__}" in err
 
 
+@pytest.mark.slow
 def test_model_and_sequence_do_not_load_torchtitan_fsdp():
     # torchtitan.distributed.fsdp needs torch >= 2.14; below the trainer the floor is 2.11.
-    import subprocess
-    import sys
-
-    from tests.launch import REPO
+    from tests.launch import run_python
 
     code = (
         "import sys\n"
@@ -120,8 +120,7 @@ def test_model_and_sequence_do_not_load_torchtitan_fsdp():
         "model_config('debug').build()\n"
         "print(sorted(m for m in sys.modules if m.startswith('torchtitan.distributed.fsdp')))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = run_python(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"
     from torchtitan_cp.models import model_spec

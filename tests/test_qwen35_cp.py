@@ -35,15 +35,9 @@ def _setup():
 
 
 def _model(dtype: torch.dtype):
-    from torchtitan_cp.models.qwen35 import qwen35_config
+    from tests.test_qwen35 import recipe_model
 
-    torch.manual_seed(0)
-    model = qwen35_config(
-        "debugmodel", n_layers=4, vocab_size=VOCAB, attention_backend="sdpa",
-        linear_attention_backend="torch",
-    ).build()  # fmt: skip
-    model.init_states()
-    return model.to(dtype)
+    return recipe_model(4, dtype)
 
 
 def _batch(seed: int, bsz: int, seqlen: int):

@@ -25,7 +25,7 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
     _PTRRLoadBalancer,
 )
 
-from tests.test_routing_sources import positions_from_lengths
+from tests.helpers import positions_from_lengths
 from torchtitan_cp.routing import (
     LoadBalancer,
     balancer_names,

@@ -2,11 +2,10 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.launch import run_module
 from torchtitan_cp.routing.__main__ import main
 
 ARGS = [
@@ -109,22 +108,17 @@ def test_bad_arguments_exit_2(argv, message, capsys):
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_subprocess_exit_code():
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchtitan_cp.routing",
-            "explain",
-            "--cu-seqlens",
-            "0,4",
-            "--fragments",
-            "0:2;3:4",
-            "--rank",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
+    bad = run_module(
+        "torchtitan_cp.routing",
+        "explain",
+        "--cu-seqlens",
+        "0,4",
+        "--fragments",
+        "0:2;3:4",
+        "--rank",
+        "0",
         timeout=60,
     )
     assert bad.returncode == 2
@@ -132,15 +126,11 @@ def test_subprocess_exit_code():
     assert "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 def test_subprocess_plot_to_directory_exit_2(tmp_path):
     """Through the module entry point: ``--plot DIR`` (before: wrote ``DIR.png`` next to it)."""
     pytest.importorskip("matplotlib")
-    bad = subprocess.run(
-        [sys.executable, "-m", "torchtitan_cp.routing", *ARGS, "--plot", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = run_module("torchtitan_cp.routing", *ARGS, "--plot", str(tmp_path), timeout=60)
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1 and "is a directory" in bad.stderr
     assert not tmp_path.with_suffix(".png").exists()

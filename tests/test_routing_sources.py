@@ -10,25 +10,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import positions_from_lengths
 from torchtitan_cp.host_metadata import HostMetadata
 from torchtitan_cp.routing import DeviceRouting
 from torchtitan_cp.sequence import SequencePreprocessor
 
 # Every tensor of DeviceRouting, so a new field is compared without editing this test.
 ROUTING_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceRouting) if f.type == "Tensor")
-
-
-def positions_from_lengths(bsz: int, seqlen: int, lengths: list[int]) -> torch.Tensor:
-    """Rows filled with documents of the given lengths (cycled), cut at row ends."""
-    pos = torch.empty(bsz, seqlen, dtype=torch.int64)
-    it = 0
-    for b in range(bsz):
-        t = 0
-        while t < seqlen:
-            n = min(lengths[it % len(lengths)], seqlen - t)
-            pos[b, t : t + n] = torch.arange(n)
-            t, it = t + n, it + 1
-    return pos
 
 
 def preprocessors(rank: int, world: int, balancer: str, device="cpu", block=4):

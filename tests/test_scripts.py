@@ -13,6 +13,7 @@ import pytest
 from tests.launch import REPO
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     # The shell wrapper too: its dependency probe, then its CUDA-only tests (skipped here).
@@ -20,13 +21,17 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     proc = subprocess.run(
         ["bash", "scripts/gpu_check.sh", "--device", "cpu", "--flavor", "debug",
          "--pattern", "KA", "--seq-len", "256", "--mean-doc", "40", "--steps", "2",
-         "--warmup", "1", "--json", str(out)],
+         "--warmup", "1", "--compile-backend", "aot_eager", "--json", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    timing = json.loads(out.read_text())["timing"]
+    result = json.loads(out.read_text())
+    timing = result["timing"]
     assert timing["host"]["readbacks_per_step"] == 0
     assert timing["device_readback"]["readbacks_per_step"] >= 1
+    # Compiled blocks take the second microbatch's new layout without compiling again.
+    assert result["compile"]["compiled"]["frames_compiled_after_warmup"] == 0
+    assert "| compiled |" in proc.stdout
     assert "| host |" in proc.stdout
     assert "skipped" in proc.stdout and "CUDA tests failed" not in proc.stderr
 
@@ -46,6 +51,7 @@ def _manifest(folder, python: str, *lines: str) -> None:
 PYVER = f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 
+@pytest.mark.slow
 def test_gpu_check_names_the_missing_wheel(tmp_path):
     wheels = tmp_path / "wheels"
     _manifest(wheels, PYVER, "einops==0.8.2 einops-0.8.2-py3-none-any.whl")
@@ -57,6 +63,7 @@ def test_gpu_check_names_the_missing_wheel(tmp_path):
     assert proc.stdout == ""
 
 
+@pytest.mark.slow
 def test_gpu_check_rejects_wheels_for_another_python(tmp_path):
     wheels = tmp_path / "wheels"
     _manifest(wheels, "3.99", "einops==0.8.2 einops-0.8.2-py3-none-any.whl")
@@ -67,6 +74,7 @@ def test_gpu_check_rejects_wheels_for_another_python(tmp_path):
     assert f"--python-version {PYVER}" in proc.stderr
 
 
+@pytest.mark.slow
 def test_gpu_check_wants_a_filled_wheel_folder(tmp_path):
     proc = _gpu_check({"WHEEL_DIR": str(tmp_path), "SITE": str(tmp_path / "site")})
     assert proc.returncode == 2
@@ -110,6 +118,7 @@ def _gpu_wheels(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, error",
     [

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.test_routing_sources import positions_from_lengths
+from tests.helpers import positions_from_lengths
 
 
 def _compare(rank: int, world: int, balancer: str, bsz: int, seqlen: int) -> bool:
@@ -41,6 +41,7 @@ def _compare(rank: int, world: int, balancer: str, bsz: int, seqlen: int) -> boo
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world, balancer, bsz, seqlen",
     [(2, "headtail", 2, 64), (4, "headtail", 1, 128), (2, "ptrr", 2, 256), (4, "ptrr", 1, 512)],

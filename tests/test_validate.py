@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 
 import pytest
 import torch
 
-from tests.launch import REPO, free_port
+from tests.launch import REPO, torchrun_cmd
 from torchtitan_cp import jsonl
 from torchtitan_cp.train import main
 
@@ -266,11 +265,7 @@ def test_train_sh_refuses_before_torchrun(tmp_path, args, nproc, needle):
 
 def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     """``torchrun -m torchtitan_cp.train``, bypassing train.sh's check: the trainer's own."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-           "-m", "torchtitan_cp.train", *args]  # fmt: skip
+    cmd, env = torchrun_cmd(list(args), nproc=nproc)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -293,7 +288,9 @@ def test_one_document_on_two_ranks_names_documents_and_ranks(tmp_path):
                     "--validator.no-enable", "--metrics.no-enable-wandb",
                     "--dump_folder", str(tmp_path / "run"))  # fmt: skip
     assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if "torchtitan_cp.train: error:" in line]
+    # Each rank's own line (torchrun's summary block repeats it, indented, as the root cause).
+    lines = proc.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("torchtitan_cp.train: error:")]
     want = f"{path}: 1 document(s) for 2 data-parallel ranks"
     assert len(errors) == 2 and all(want in e for e in errors), proc.stderr[-3000:]
     assert "IndexError" not in proc.stderr

@@ -93,6 +93,16 @@ def check_compile(config: Any, model_cfg: Any) -> RoutingCaps | None:
             f"compile.backend {cc.backend!r} is not a torch.compile backend; use one of "
             f"{', '.join(sorted(backends))}"
         )
+    from torchtitan_cp.models.layers import LAYERS
+
+    eager_only = [c for c in dict.fromkeys(getattr(model_cfg, "layer_pattern", "")) if c in LAYERS
+                  and not LAYERS[c].compiles]  # fmt: skip
+    if eager_only:
+        kinds = ", ".join(f"{c} ({LAYERS[c].description})" for c in eager_only)
+        raise ConfigError(
+            f"compile.enable: model.layer_pattern has layers without torch.compile custom ops: "
+            f"{kinds}; use compile.enable = false or other layer letters"
+        )
     device = platform.device_type()
     if model_cfg.uses_flex_attention(device) and cc.backend not in ("inductor", "aot_eager"):
         raise ConfigError(

@@ -23,44 +23,14 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key, file or value."""
 
 
-@dataclass(kw_only=True, slots=True)
-class ModelRecipe:
-    """``[model]``: which model to build. Unset sizes come from the flavor."""
+def __getattr__(name: str) -> Any:
+    # ``[model]`` is generated from the decoder's config (models/recipe.py); importing it here
+    # eagerly would import the models package while it imports this module.
+    if name == "ModelRecipe":
+        from torchtitan_cp.models.recipe import ModelRecipe
 
-    name: Literal["hybrid", "qwen3_5"] = "hybrid"
-    """hybrid: this recipe's KDA/GDN/attention decoder; qwen3_5: torchtitan's Qwen3.5 (its
-    flavors, Gated DeltaNet + gated attention, HF checkpoints; torchtitan_cp/models/qwen35.py)."""
-    flavor: str = "debug"
-    """Model size. hybrid: debug, 150M or 1B (torchtitan_cp/models/flavors.py); qwen3_5:
-    torchtitan's flavors (debugmodel, 0.8B, 2B, 4B, 9B, 27B, ...)."""
-    n_layers: int | None = None
-    """qwen3_5 only: keep the flavor's first n layers (every 4th is attention)."""
-    vision: bool = False
-    """qwen3_5 only: keep the vision encoder (not allowed with context parallelism)."""
-    layer_pattern: str | None = None
-    """Layer letters, e.g. "KKKA": K = KDA, G = GDN, A = softmax attention."""
-    vocab_size: int | None = None
-    dim: int | None = None
-    n_heads: int | None = None
-    head_dim: int | None = None
-    attn_n_heads: int | None = None
-    attn_n_kv_heads: int | None = None
-    attn_head_dim: int | None = None
-    ffn_hidden_dim: int | None = None
-    use_rope: bool | None = None
-    enable_weight_tying: bool | None = None
-    attention_backend: Literal["auto", "flex", "sdpa"] | None = None
-    """Softmax attention: flex = torchtitan's FlexAttention and CP path (CUDA; forward-only on
-    CPU), sdpa = SDPA with an explicit document mask and an all-gather-K/V CP op; auto (the
-    default) = flex on CUDA, sdpa elsewhere."""
-
-    def overrides(self) -> dict[str, Any]:
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in ("name", "flavor", "n_layers", "vision")
-            and getattr(self, f.name) is not None
-        }
+        return ModelRecipe
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(kw_only=True, slots=True)

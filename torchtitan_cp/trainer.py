@@ -46,13 +46,14 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 from torchtitan_cp.checkpoint import HybridCheckpointManager  # noqa: E402
 from torchtitan_cp.compile import CAP_KEYS, check_compile, compile_counters  # noqa: E402
-from torchtitan_cp.config import ConfigError, LinearAttentionConfig, ModelRecipe  # noqa: E402
+from torchtitan_cp.config import ConfigError, LinearAttentionConfig  # noqa: E402
 from torchtitan_cp.data import (  # noqa: E402
     PackedTextDataLoader,
     PackedValidationDataLoader,
     pop_host_metadata,
 )
 from torchtitan_cp.models import recipe_model_spec  # noqa: E402
+from torchtitan_cp.models.recipe import ModelRecipe  # noqa: E402
 from torchtitan_cp.ops import check_flex_shape  # noqa: E402
 from torchtitan_cp.runs import RunContext, run_header, start_run, supersede_rows  # noqa: E402
 from torchtitan_cp.sequence import SequencePreprocessor  # noqa: E402

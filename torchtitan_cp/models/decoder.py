@@ -1,9 +1,10 @@
-"""The hybrid decoder: a stack of KDA / GDN / softmax-attention blocks chosen by a layer pattern."""
+"""The hybrid decoder: a stack of blocks whose mixers the layer pattern picks from the registry
+(``models.layers``: KDA, GDN, softmax attention, Mamba2)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -14,30 +15,12 @@ from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.module import Module, ModuleDict
 
-from torchtitan_cp.models.attention import (
-    AttentionBackend,
-    SoftmaxAttention,
-    resolve_attention_backend,
-)
+from torchtitan_cp.models.attention import AttentionBackend, resolve_attention_backend
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
-from torchtitan_cp.models.delta_net import DeltaNetMixer
 from torchtitan_cp.models.init import linear, linear_config
+from torchtitan_cp.models.layers import LAYERS, LayerOptions, parse_layer_pattern
 
-LayerKind = Literal["kda", "gdn", "attention"]
-LAYER_KINDS: dict[str, LayerKind] = {"K": "kda", "G": "gdn", "A": "attention"}
-
-
-def parse_layer_pattern(pattern: str) -> list[LayerKind]:
-    """``"KKGA"`` -> ``["kda", "kda", "gdn", "attention"]``; an unknown letter is a ValueError."""
-    if not pattern:
-        raise ValueError("model.layer_pattern must not be empty (use letters K, G, A)")
-    bad = sorted({c for c in pattern if c not in LAYER_KINDS})
-    if bad:
-        raise ValueError(
-            f"model.layer_pattern {pattern!r} has unknown layer letter(s) {', '.join(bad)}; "
-            "use K (KDA), G (GDN) or A (softmax attention)"
-        )
-    return [LAYER_KINDS[c] for c in pattern]
+__all__ = ["HybridBlock", "HybridDecoder", "parse_layer_pattern"]
 
 
 def _norm(dim: int, eps: float) -> RMSNorm:
@@ -49,7 +32,7 @@ class HybridBlock(Module):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
-        mixer: DeltaNetMixer.Config | SoftmaxAttention.Config
+        mixer: Module.Config  # a registered kind's mixer (models.layers)
         dim: int
         ffn_hidden_dim: int
         norm_eps: float = 1e-5
@@ -57,7 +40,6 @@ class HybridBlock(Module):
 
     def __init__(self, config: Config):
         super().__init__()
-        self.is_attention = isinstance(config.mixer, SoftmaxAttention.Config)
         self.mixer = config.mixer.build()
         self.attention_norm = _norm(config.dim, config.norm_eps)
         self.ffn_norm = _norm(config.dim, config.norm_eps)
@@ -71,11 +53,7 @@ class HybridBlock(Module):
     def forward(
         self, x: torch.Tensor, ctx: SequenceContext, positions: torch.Tensor | None
     ) -> torch.Tensor:
-        h = self.attention_norm(x)
-        if self.is_attention:
-            x = x + self.mixer(h, ctx, positions)
-        else:
-            x = x + self.mixer(h, ctx)
+        x = x + self.mixer(self.attention_norm(x), ctx, positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -106,11 +84,13 @@ class HybridDecoder(BaseModel):
         enable_weight_tying: bool = False
         linear_attention_backend: Literal["auto", "torch", "fla"] = "auto"
         attention_backend: AttentionBackend = "auto"
+        layer_options: LayerOptions = field(default_factory=LayerOptions)
 
         def uses_flex_attention(self, device_type: str | torch.device) -> bool:
             """Whether the softmax attention layers run flex attention on ``device_type`` (and
             so every microbatch needs a document ``BlockMask``)."""
-            return "attention" in parse_layer_pattern(self.layer_pattern) and (
+            parse_layer_pattern(self.layer_pattern)
+            return any(LAYERS[c].flex_mask for c in self.layer_pattern) and (
                 resolve_attention_backend(self.attention_backend, device_type) == "flex"
             )
 
@@ -128,56 +108,22 @@ class HybridDecoder(BaseModel):
             nparams = sum(p.numel() for p in model.parameters())
             emb = sum(p.numel() for p in model.get_submodule("tok_embeddings").parameters())
             matmul_params = nparams if self.enable_weight_tying else nparams - emb
-            kinds = parse_layer_pattern(self.layer_pattern)
-            n_attn = kinds.count("attention")
-            v = self.value_head_dim or self.head_dim
-            # Softmax attention: QK^T and PV over the (causal, un-sparsified) context.
-            attn = 6 * n_attn * self.attn_n_heads * 2 * self.attn_head_dim * seq_len
-            # Delta rule per token and head: state update and readout, each ~2·K·V MACs, plus
-            # the chunked intra-chunk work (~chunk·(K+V)); chunk = 64.
-            linear_layers = len(kinds) - n_attn
-            delta = (
-                6
-                * linear_layers
-                * self.n_heads
-                * (4 * self.head_dim * v + 64 * (self.head_dim + v))
-            )
-            return nparams, 6 * matmul_params + attn + delta
+            parse_layer_pattern(self.layer_pattern)
+            mixers = sum(LAYERS[c].flops(self, seq_len) for c in self.layer_pattern)
+            return nparams, 6 * matmul_params + mixers
 
     def __init__(self, config: Config):
         super().__init__()
         self.config = config
-        kinds = parse_layer_pattern(config.layer_pattern)
+        parse_layer_pattern(config.layer_pattern)
         self.tok_embeddings = Embedding.Config(
             num_embeddings=config.vocab_size,
             embedding_dim=config.dim,
             param_init={"weight": nn.init.normal_},
         ).build()
         self.layers = ModuleDict()
-        for i, kind in enumerate(kinds):
-            if kind == "attention":
-                mixer = SoftmaxAttention.Config(
-                    dim=config.dim,
-                    n_heads=config.attn_n_heads,
-                    n_kv_heads=config.attn_n_kv_heads,
-                    head_dim=config.attn_head_dim,
-                    use_rope=config.use_rope,
-                    rope_theta=config.rope_theta,
-                    layer_id=i,
-                    backend=config.attention_backend,
-                )
-            else:
-                mixer = DeltaNetMixer.Config(
-                    kind=kind,
-                    dim=config.dim,
-                    n_heads=config.n_heads,
-                    head_dim=config.head_dim,
-                    value_head_dim=config.value_head_dim,
-                    conv_width=config.conv_width,
-                    norm_eps=config.norm_eps,
-                    layer_id=i,
-                    backend=config.linear_attention_backend,
-                )
+        for i, letter in enumerate(config.layer_pattern):
+            mixer = LAYERS[letter].mixer(config, i)
             self.layers[str(i)] = HybridBlock.Config(
                 mixer=mixer,
                 dim=config.dim,

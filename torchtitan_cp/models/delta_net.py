@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -105,11 +105,18 @@ class GatedRMSNorm(Module):
 
 
 class DeltaNetMixer(Module):
-    """A KDA or GDN token mixer. Input/output ``[B, L, D]``; B·L is the local span."""
+    """The shared KDA / GDN token mixer. Input/output ``[B, L, D]``; B·L is the local span.
+
+    A subclass fixes the recurrence ``kind`` and supplies the decay gate (``_init_gates``,
+    ``_gate``) and the output gate (``_output_gate``, activated by ``gate_activation``).
+    """
+
+    kind: ClassVar[Kind]
+    gate_activation: ClassVar[Literal["sigmoid", "silu"]]
+    dt_bias: nn.Parameter  # created by _init_gates: [H*K] (KDA) or [H] (GDN)
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
-        kind: Kind
         dim: int
         n_heads: int
         head_dim: int
@@ -121,7 +128,6 @@ class DeltaNetMixer(Module):
 
     def __init__(self, config: Config):
         super().__init__()
-        self.kind = config.kind
         self.n_heads = h = config.n_heads
         self.head_dim = k = config.head_dim
         self.value_head_dim = v = config.value_head_dim or config.head_dim
@@ -136,25 +142,25 @@ class DeltaNetMixer(Module):
             channels=2 * h * k + h * v, width=config.conv_width
         ).build()
         self.b_proj = linear(d, h)
-        if self.kind == "kda":
-            # Low-rank per-channel decay and output gate, as in Kimi Linear.
-            self.f_a_proj = linear(d, k)
-            self.f_b_proj = linear(k, h * k)
-            self.g_a_proj = linear(d, v)
-            self.g_b_proj = linear(v, h * v, bias=True)
-            self.dt_bias = nn.Parameter(torch.empty(h * k))
-            gate_act = "sigmoid"
-        elif self.kind == "gdn":
-            self.a_proj = linear(d, h)
-            self.g_proj = linear(d, h * v)
-            self.dt_bias = nn.Parameter(torch.empty(h))
-            gate_act = "silu"
-        else:
-            raise ValueError(f"DeltaNetMixer kind must be 'kda' or 'gdn', got {config.kind!r}")
+        self._init_gates(d, h, k, v)
         self.A_log = nn.Parameter(torch.empty(h))
-        self.o_norm = GatedRMSNorm.Config(dim=v, eps=config.norm_eps, activation=gate_act).build()
+        self.o_norm = GatedRMSNorm.Config(
+            dim=v, eps=config.norm_eps, activation=self.gate_activation
+        ).build()
         # Depth-scaled output projection, as torchtitan's decoders do.
         self.o_proj = linear(h * v, d, std=0.02 / math.sqrt(2 * (config.layer_id + 1)))
+
+    def _init_gates(self, d: int, h: int, k: int, v: int) -> None:
+        """Create the decay-gate and output-gate parameters (and ``dt_bias``)."""
+        raise NotImplementedError
+
+    def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(f, dt_bias, A)`` broadcastable to the gate's shape."""
+        raise NotImplementedError
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Output gate pre-activation ``[1, T, H*V]``."""
+        raise NotImplementedError
 
     def reset_parameters(self) -> None:
         # A in [1, 16] and dt in [1e-3, 1e-1] log-uniform (Mamba-2 / GDN initialisation), so the
@@ -167,20 +173,14 @@ class DeltaNetMixer(Module):
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
     def _gate(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.n_heads
-        if self.kind == "kda":
-            f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (h, self.head_dim))
-            bias = self.dt_bias.view(h, self.head_dim)
-            a = self.A_log.exp().view(h, 1)
-        else:
-            f = self.a_proj(x)
-            bias = self.dt_bias
-            a = self.A_log.exp()
+        f, bias, a = self._gate_logits(x)
         acc = upcast(x.dtype)
         # Gates stay in at least float32: they are summed over long ranges inside the kernel.
         return -a.to(acc) * F.softplus(f.to(acc) + bias.to(acc))
 
-    def forward(self, x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, ctx: SequenceContext, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         h, k, v = self.n_heads, self.head_dim, self.value_head_dim
         # The local span is the B rows' local pieces back to back: one packed stream.
@@ -204,9 +204,54 @@ class DeltaNetMixer(Module):
                 chunk_indices=ctx.routing.chunk_indices, chunk_offsets=ctx.routing.chunk_offsets,
                 backend=self.backend,
             )  # fmt: skip
-        if self.kind == "kda":
-            gate = self.g_b_proj(self.g_a_proj(xs))
-        else:
-            gate = self.g_proj(xs)
+        gate = self._output_gate(xs)
         o = self.o_norm(o.to(xs.dtype), gate.unflatten(-1, (h, v)))
         return self.o_proj(o.flatten(-2)).reshape(bsz, seqlen, -1)
+
+
+class KDAMixer(DeltaNetMixer):
+    """KDA: low-rank per-channel decay ``[.., H, K]`` and sigmoid output gate (Kimi Linear)."""
+
+    kind = "kda"
+    gate_activation = "sigmoid"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(DeltaNetMixer.Config):
+        pass
+
+    def _init_gates(self, d: int, h: int, k: int, v: int) -> None:
+        self.f_a_proj = linear(d, k)
+        self.f_b_proj = linear(k, h * k)
+        self.g_a_proj = linear(d, v)
+        self.g_b_proj = linear(v, h * v, bias=True)
+        self.dt_bias = nn.Parameter(torch.empty(h * k))
+
+    def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, k = self.n_heads, self.head_dim
+        f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (h, k))
+        return f, self.dt_bias.view(h, k), self.A_log.exp().view(h, 1)
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_b_proj(self.g_a_proj(x))
+
+
+class GDNMixer(DeltaNetMixer):
+    """GDN: one decay scalar per head and SiLU output gate (Gated DeltaNet / Qwen3-Next)."""
+
+    kind = "gdn"
+    gate_activation = "silu"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(DeltaNetMixer.Config):
+        pass
+
+    def _init_gates(self, d: int, h: int, k: int, v: int) -> None:
+        self.a_proj = linear(d, h)
+        self.g_proj = linear(d, h * v)
+        self.dt_bias = nn.Parameter(torch.empty(h))
+
+    def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.a_proj(x), self.dt_bias, self.A_log.exp()
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(x)

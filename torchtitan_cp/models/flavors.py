@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from torchtitan.protocols.model_spec import ModelSpec
 
-from torchtitan_cp.config import ModelRecipe
 from torchtitan_cp.models.attention import resolve_attention_backend
 from torchtitan_cp.models.decoder import HybridDecoder, parse_layer_pattern
+from torchtitan_cp.models.layers import LAYERS
 
 # Sizes only; the layer pattern comes from config. Parameter counts are for the default
 # pattern of each flavor and the bundled tokenizer's vocabulary where it applies.
@@ -44,6 +45,8 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
         raise ValueError(f"unknown model key(s) {', '.join(unknown)}")
     cfg = HybridDecoder.Config(**{**FLAVORS[flavor], **overrides})
     parse_layer_pattern(cfg.layer_pattern)
+    for letter in dict.fromkeys(cfg.layer_pattern):  # each kind checks its own sizes
+        LAYERS[letter].mixer(cfg, 0)
     if cfg.linear_attention_backend not in ("auto", "torch", "fla"):
         raise ValueError(
             "linear_attention backend must be 'auto', 'torch' or 'fla', "
@@ -53,7 +56,7 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
     return cfg
 
 
-def recipe_model_spec(recipe: ModelRecipe) -> ModelSpec:
+def recipe_model_spec(recipe: Any) -> ModelSpec:
     """The ``ModelSpec`` that ``[model]`` names: the hybrid decoder or torchtitan's Qwen3.5.
     A key that does not apply to the chosen model is a ValueError naming it."""
     overrides = recipe.overrides()

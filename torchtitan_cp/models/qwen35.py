@@ -31,20 +31,27 @@ from typing import Any, Literal, cast
 
 import torch
 from torch import nn
-from torchtitan.distributed.utils import get_spmd_backend
-from torchtitan.models.common.decoder import Decoder
-from torchtitan.models.qwen3_5 import qwen3_5_configs
-from torchtitan.models.qwen3_5.model import GatedDeltaNet, Qwen35Model
-from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder
-from torchtitan.protocols.module import Module
 
-from torchtitan_cp.models.attention import (
+from torchtitan_cp import platform
+
+# torchtitan 0.3.0's qwen3_5 package imports its FSDP code, which needs torch >= 2.14: say so
+# in one line instead of an ImportError inside torchtitan (the hybrid models need only 2.11).
+platform.require_torch(platform.TRAINER_TORCH_FLOOR, "Qwen3.5 (torchtitan 0.3.0's qwen3_5)")
+
+from torchtitan.distributed.utils import get_spmd_backend  # noqa: E402
+from torchtitan.models.common.decoder import Decoder  # noqa: E402
+from torchtitan.models.qwen3_5 import qwen3_5_configs  # noqa: E402
+from torchtitan.models.qwen3_5.model import GatedDeltaNet, Qwen35Model  # noqa: E402
+from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder  # noqa: E402
+from torchtitan.protocols.module import Module  # noqa: E402
+
+from torchtitan_cp.models.attention import (  # noqa: E402
     AttentionBackend,
     DocumentFlexAttention,
     resolve_attention_backend,
 )
-from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
-from torchtitan_cp.ops import (
+from torchtitan_cp.models.context import SequenceContext, context_from_device_positions  # noqa: E402
+from torchtitan_cp.ops import (  # noqa: E402
     causal_conv1d,
     chunk_delta_rule,
     context_parallel_attention,

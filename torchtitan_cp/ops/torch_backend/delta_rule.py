@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .utils import host_cu_seqlens, seq_ids_and_positions
 
-__all__ = ["chunk_delta_rule_torch"]
+__all__ = ["chunk_delta_rule_torch", "delta_rule_final_states_torch"]
 
 
 def _causal_mask(n: int, strict: bool, device: torch.device) -> Tensor:
@@ -168,6 +168,58 @@ def chunk_delta_rule_torch(
         ``[N, HV, K, V]`` in the compute dtype (float64 for float64 inputs, else float32).
         Zero-length sequences return their initial state.
     """
+    o, final = _delta_rule_torch(
+        q, k, v, g, beta, kind=kind, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, sub_chunk_size=sub_chunk_size,
+        states_only=False,
+    )  # fmt: skip
+    assert o is not None
+    return o, final
+
+
+def delta_rule_final_states_torch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    kind: str,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    cu_seqlens_cpu: Tensor | None = None,
+    chunk_size: int = 64,
+    sub_chunk_size: int = 8,
+) -> Tensor:
+    """Final states ``[N, HV, K, V]`` of ``chunk_delta_rule_torch`` without computing outputs
+    (no query products, no per-chunk entry states kept): the CP summary pass."""
+    _, final = _delta_rule_torch(
+        q, k, v, g, beta, kind=kind, scale=None, initial_state=initial_state,
+        output_final_state=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_size=chunk_size, sub_chunk_size=sub_chunk_size, states_only=True,
+    )  # fmt: skip
+    assert final is not None
+    return final
+
+
+def _delta_rule_torch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    kind: str,
+    scale: float | None,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    chunk_size: int,
+    sub_chunk_size: int,
+    states_only: bool,
+) -> tuple[Tensor | None, Tensor | None]:
     if kind not in ("kda", "gdn"):
         raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
     T, H, K = q.shape[1:]
@@ -185,7 +237,7 @@ def chunk_delta_rule_torch(
     else:
         state0 = initial_state.to(cd)
     if T == 0:
-        o = v.new_zeros(1, 0, HV, V)
+        o = None if states_only else v.new_zeros(1, 0, HV, V)
         return o, (state0.clone() if output_final_state else None)
 
     lay = _chunk_layout(cu, C)
@@ -204,17 +256,19 @@ def chunk_delta_rule_torch(
     vc = pack(v)  # [NC, HV, C, V]
     bc = pack(beta)  # [NC, HV, C]
     G = pack(g).cumsum(2)  # cumulative log gate inside the chunk, <= 0
+    # States only: the query never enters (no q products, no Aqk scores).
+    ops = kc.unsqueeze(0) if states_only else torch.stack([qc, kc])
     if kind == "kda":
         Gl = G[:, :, -1, :]  # [NC, HV, K] log gate over the whole chunk
         decay_end = torch.exp(Gl.unsqueeze(-2) - G)  # exp(G_C - G_t) <= 1
-        kg, qg = kc * torch.exp(G), qc * torch.exp(G)
-        Aqk, A = _kda_scores(torch.stack([qc, kc]), kc, G, sub=sub)
+        eG = torch.exp(G)
+        *Aqk, A = _kda_scores(ops, kc, G, sub=sub)
     else:
         Gl = G[:, :, -1]  # [NC, HV]
         decay_end = torch.exp(Gl.unsqueeze(-1) - G).unsqueeze(-1)
         eG = torch.exp(G).unsqueeze(-1)
-        kg, qg = kc * eG, qc * eG
-        Aqk, A = _gdn_scores(torch.stack([qc, kc]), kc, G)
+        *Aqk, A = _gdn_scores(ops, kc, G)
+    kg = kc * eG
 
     # WY form: (I + beta*A) d = beta*v - beta*(k*exp(G)) S0  =>  d = U - W S0.
     b = bc.unsqueeze(-1)
@@ -240,18 +294,19 @@ def chunk_delta_rule_torch(
     start = 0
     for a in lay.steps:
         S_a = S[:a]
-        entry.append(S_a)
+        if not states_only:
+            entry.append(S_a)
         S_new = Ms[start : start + a] @ S_a + Es[start : start + a]
         S = torch.cat([S_new, S[a:]], 0) if a < N else S_new
         start += a
-    S0 = torch.cat(entry, 0)[
-        lay.inv_perm.to(dev)
-    ]  # [NC, HV, K, V] entry state of every packed chunk
+    final = S[lay.inv_order.to(dev)] if output_final_state else None
+    if states_only:
+        return None, final
+    # [NC, HV, K, V] entry state of every packed chunk
+    S0 = torch.cat(entry, 0)[lay.inv_perm.to(dev)]
 
     d = U - W @ S0
-    oc = qg @ S0 + Aqk @ d  # [NC, HV, C, V]
+    oc = (qc * eG) @ S0 + Aqk[0] @ d  # [NC, HV, C, V]
     o = oc.movedim(1, 2).flatten(0, 1)[lay.dst.to(dev)]  # [T, HV, V]
     o = o.unsqueeze(0).to(v.dtype)
-
-    final = S[lay.inv_order.to(dev)] if output_final_state else None
     return o, final

@@ -1,0 +1,69 @@
+"""``[model]``: the recipe's model section, generated from ``HybridDecoder.Config``.
+
+Its keys are the four that choose a model (``name``, ``flavor``, ``n_layers``, ``vision``) plus
+every field of ``HybridDecoder.Config`` (unset = the flavor's value), so a field added to the
+decoder or to a layer kind's options (``models.layers.LayerOptions``) is settable from TOML and
+the command line with no second declaration here. ``linear_attention_backend`` is the one
+exception: ``[linear_attention] backend`` sets it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+from torchtitan_cp.models.decoder import HybridDecoder
+
+__all__ = ["ModelRecipe"]
+
+# Keys of [model] that pick the model rather than size it.
+_CHOOSERS = ("name", "flavor", "n_layers", "vision")
+# Decoder fields set elsewhere (torchtitan's own, or another config section).
+_NOT_IN_RECIPE = ("param_init", "sharding_config", "linear_attention_backend")
+
+
+def _overrides(self: Any) -> dict[str, Any]:
+    """The decoder fields this section sets: every key left unset is the flavor's."""
+    out = {}
+    for f in dataclasses.fields(self):
+        value = getattr(self, f.name)
+        if f.name in _CHOOSERS or value is None:
+            continue
+        if dataclasses.is_dataclass(value) and value == type(value)():
+            continue  # nested options left at their defaults
+        out[f.name] = value
+    return out
+
+
+def _build() -> type:
+    hints = typing.get_type_hints(HybridDecoder.Config)
+    fields: list[tuple[str, Any, Any]] = [
+        ("name", Literal["hybrid", "qwen3_5"], dataclasses.field(default="hybrid")),
+        ("flavor", str, dataclasses.field(default="debug")),
+        ("n_layers", int | None, dataclasses.field(default=None)),
+        ("vision", bool, dataclasses.field(default=False)),
+    ]
+    for f in dataclasses.fields(HybridDecoder.Config):
+        if f.name in _NOT_IN_RECIPE:
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            fields.append((f.name, tp, dataclasses.field(default_factory=tp)))
+        else:
+            fields.append((f.name, typing.Optional[tp], dataclasses.field(default=None)))  # noqa: UP045
+    cls = dataclasses.make_dataclass(
+        "ModelRecipe",
+        fields,
+        namespace={"overrides": _overrides, "__module__": __name__},
+        kw_only=True,
+        slots=True,
+    )
+    cls.__doc__ = (
+        "``[model]``: which model to build (name, flavor; n_layers and vision for qwen3_5 "
+        "only) and any ``HybridDecoder.Config`` field (unset: the flavor's value)."
+    )
+    return cls
+
+
+ModelRecipe = _build()
