@@ -130,7 +130,11 @@ def test_backend_resolution_and_shape_errors() -> None:
         model_config("debug", attention_backend="ring")
     check_flex_shape(512, 4)
     check_flex_shape(300, 1)  # unsharded flex pads its last block
-    with pytest.raises(ValueError, match=r"training.seq_len \(384\) divisible by "):
+    with pytest.raises(
+        ValueError,
+        match=r"training.seq_len \(384\) must be divisible by "
+        r"context_parallel_degree x 128 \(2 x 128\).*'sdpa'.*: use 256 or 512",
+    ):
         check_flex_shape(384, 2)
 
 

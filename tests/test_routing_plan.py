@@ -211,3 +211,56 @@ def test_host_buffers_pinned_when_cuda_available(monkeypatch):
     assert copies == [(True, True), (True, True)]  # both device copies read pinned memory
     assert r.halo_index.tolist() == [[0, 1, 2], [6, 7, 8]]
     assert r.cu_seqlens.tolist() == [0, 96, 136, 192]
+
+
+def test_plan_is_frozen():
+    """The plan cache hands one plan to every microbatch of a layout: nothing can rebind it."""
+    import dataclasses
+
+    from torchtitan_cp.routing import PlanCache
+
+    cache = PlanCache(4)
+    plan = cache.get(CU, TABLE, 1)
+    assert cache.get(CU, TABLE, 1) is plan  # shared between microbatches
+    for name, value in (("rank", 0), ("cu_seqlens", torch.zeros(4)), ("_pos", None)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(plan, name, value)
+    assert plan.fragments == ((96, 192), (192, 288))
+    with pytest.raises(TypeError):
+        plan.fragments[0] = (0, 1)  # type: ignore[index]
+    assert plan.predecessors == [[(0, 0)], [(0, 0), (1, 0)]]  # lazy host lists still build
+
+
+# The dtype docs/CONTRACTS.md gives every DeviceRouting tensor (int64 unless listed).
+_INT32 = {"cu_seqlens", "cu_seqlens_cpu", "summary_cu_seqlens", "summary_cu_seqlens_cpu",
+          "chunk_indices", "summary_chunk_indices"}  # fmt: skip
+
+
+@pytest.mark.parametrize("caps", [None, RoutingCaps(slots=4, subsequences=6, predecessors=3,
+                                                    terminal=2)])  # fmt: skip
+def test_device_routing_fields_by_name(caps):
+    """Each field is unpacked by name into its own shape and dtype, and has its contract."""
+    import dataclasses
+    from pathlib import Path
+
+    from torchtitan_cp.routing import DeviceRouting
+
+    contracts = (Path(__file__).resolve().parents[1] / "docs" / "CONTRACTS.md").read_text()
+    table = contracts[contracts.index("`DeviceRouting` (frozen") :]
+    r = RoutingPlan.build(CU, TABLE, 1).to_device("cpu", caps=caps, conv_history=3)
+    tensors = [f.name for f in dataclasses.fields(DeviceRouting) if f.type == "Tensor"]
+    assert len(tensors) == 17  # the string annotations matched
+    for f in dataclasses.fields(DeviceRouting):
+        assert f"`{f.name}`" in table, f"DeviceRouting.{f.name} has no row in docs/CONTRACTS.md"
+    for name in tensors:
+        t = getattr(r, name)
+        want = torch.bool if name == "publish" else torch.int32 if name in _INT32 else torch.int64
+        assert t.dtype == want, name
+    # The kernels' host metadata equals the device copy, field by field.
+    assert torch.equal(r.cu_seqlens_cpu, r.cu_seqlens)
+    assert torch.equal(r.summary_cu_seqlens_cpu, r.summary_cu_seqlens)
+    s = r.num_slots
+    assert r.tail_index.shape == r.halo_index.shape == (s, 3)
+    assert r.summary_row.shape == r.frag_first.shape == r.publish.shape == (s,)
+    assert r.chunk_offsets[-1] <= r.chunk_indices.shape[0]
+    assert r.chunk_indices.shape[1] == r.summary_chunk_indices.shape[1] == 2

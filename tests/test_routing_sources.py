@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -11,13 +12,11 @@ from hypothesis import strategies as st
 
 from tests.helpers import positions_from_lengths
 from torchtitan_cp.host_metadata import HostMetadata
+from torchtitan_cp.routing import DeviceRouting
 from torchtitan_cp.sequence import SequencePreprocessor
 
-ROUTING_FIELDS = (
-    "cu_seqlens", "cu_seqlens_cpu", "frag_first", "frag_last", "publish", "pred_slots",
-    "terminal", "tail_index", "halo_index", "summary_row", "summary_token_index",
-    "summary_cu_seqlens", "summary_cu_seqlens_cpu",
-)  # fmt: skip
+# Every tensor of DeviceRouting, so a new field is compared without editing this test.
+ROUTING_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceRouting) if f.type == "Tensor")
 
 
 def preprocessors(rank: int, world: int, balancer: str, device="cpu", block=4):
@@ -41,7 +40,8 @@ def assert_same_context(a, b):
     for name in ROUTING_FIELDS:
         x, y = getattr(a.routing, name), getattr(b.routing, name)
         assert x.dtype == y.dtype and torch.equal(x, y), name
-    for name in ("rank", "world_size", "num_slots", "conv_history", "num_tokens"):
+    assert len(ROUTING_FIELDS) == 17
+    for name in ("rank", "world_size", "num_slots", "conv_history", "num_tokens", "chunk_size"):
         assert getattr(a.routing, name) == getattr(b.routing, name), name
     assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.doc_ids, b.doc_ids)
 

@@ -12,8 +12,9 @@ Caps, per CP rank and microbatch of ``B`` rows of ``L`` tokens over ``W`` ranks:
 
 * ``slots`` (fragments of a rank) and ``predecessors`` (earlier pieces of a fragment's
   document) are exact bounds of the load balancer's geometry: ``runs`` contiguous token runs
-  per row and rank (contiguous 1, head-tail 2, ptrr ``ceil(L / (W * ptrr_block_size)) + 1``),
-  slots = ``B * runs``, predecessors = ``W * runs - 1``. No layout can exceed them.
+  per row and rank (``LoadBalancer.runs_per_row``: contiguous 1, head-tail 2, ptrr
+  ``ceil(L / (W * ptrr_block_size)) + 1``; 1 without CP), slots = ``B * runs``, predecessors
+  = ``W * runs - 1``. No layout can exceed them.
 * ``subsequences`` (document pieces on a rank, N) has no useful bound (every token could be a
   document), and it sizes per-layer state buffers ``[N, HV, K, V]`` under CP (KDA 1B: 0.9 MB
   per subsequence and layer in float32), so it is the config key
@@ -23,14 +24,13 @@ Caps, per CP rank and microbatch of ``B`` rows of ``L`` tokens over ``W`` ranks:
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from typing import Any
 
 from torchtitan_cp import platform
 from torchtitan_cp.config import ConfigError
-from torchtitan_cp.routing import RoutingCaps
+from torchtitan_cp.routing import LoadBalancer, RoutingCaps, get_balancer
 
 __all__ = ["CAP_KEYS", "check_compile", "compile_counters", "routing_caps"]
 
@@ -43,19 +43,16 @@ CAP_KEYS = {
 }
 
 
-def _runs_per_row(load_balancer: str | None, seq_len: int, world: int, block: int) -> int:
+def _runs_per_row(balancer: LoadBalancer, seq_len: int, world: int) -> int:
     """Most contiguous token runs one rank owns in one row."""
-    lb = load_balancer or "contiguous"
-    if lb == "contiguous" or world == 1:  # without CP no balancer reorders the row
+    if world == 1:  # without CP no balancer reorders the row
         return 1
-    if lb == "headtail":
-        return 2
-    return math.ceil(seq_len / (world * block)) + 1  # ptrr: whole blocks, one may straddle
+    return balancer.runs_per_row(seq_len, world)
 
 
 def routing_caps(
     *,
-    load_balancer: str | None,
+    load_balancer: str | LoadBalancer | None,
     batch_size: int,
     seq_len: int,
     cp_degree: int,
@@ -63,7 +60,8 @@ def routing_caps(
     max_subsequences: int,
 ) -> RoutingCaps:
     """The ``RoutingCaps`` that fix every routing shape of this run (see module docstring)."""
-    runs = _runs_per_row(load_balancer, seq_len, cp_degree, ptrr_block_size)
+    balancer = get_balancer(load_balancer, ptrr_block_size=ptrr_block_size)
+    runs = _runs_per_row(balancer, seq_len, cp_degree)
     tokens = batch_size * seq_len // cp_degree
     runs = min(runs, max(1, seq_len // cp_degree))
     subs = min(max_subsequences, tokens)

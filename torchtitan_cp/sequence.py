@@ -38,14 +38,15 @@ from torchtitan_cp.host_metadata import HostMetadata
 from torchtitan_cp.models.context import SequenceContext, build_sequence_context
 from torchtitan_cp.ops import flex_document_mask
 from torchtitan_cp.routing import (
-    LOAD_BALANCERS,
     Layout,
+    LoadBalancer,
     PlanCache,
     RoutingCaps,
     RoutingCapsExceeded,
-    document_ids,
+    get_balancer,
     host_layout,
     readback_layout,
+    row_document_index,
 )
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class SequencePreprocessor:
         *,
         device: torch.device | str,
         cp_group: dist.ProcessGroup | None,
-        load_balancer: str | None,
+        load_balancer: str | LoadBalancer | None,
         cp_rank: int | None = None,
         cp_world_size: int | None = None,
         routing_source: str = "host",
@@ -111,22 +112,15 @@ class SequencePreprocessor:
             raise ValueError(
                 f"linear_attention.routing_source must be one of {SOURCES}, got {routing_source!r}"
             )
-        lb = load_balancer or "contiguous"
-        if lb not in LOAD_BALANCERS:
-            raise ValueError(
-                f"parallelism.context_parallel_load_balancer must be one of {LOAD_BALANCERS}, "
-                f"got {load_balancer!r}"
-            )
+        self.balancer = get_balancer(load_balancer, ptrr_block_size=ptrr_block_size)
         self.device = torch.device(device)
         self.group = cp_group
         # Explicit rank/world let tools and tests lay out any rank without a process group.
         self.world = cp_world_size or (dist.get_world_size(cp_group) if cp_group is not None else 1)
         self.rank = cp_rank if cp_rank is not None else (dist.get_rank(cp_group) if cp_group else 0)
-        self.load_balancer = lb
         self.routing_source = routing_source
         self.cache = PlanCache(plan_cache_size)
         self.conv_history = conv_history
-        self.ptrr_block_size = ptrr_block_size
         self.stats = RoutingStats()
         self._warned_fallback = False
         # Fixed routing shapes (torch.compile: no recompile per layout); ``cap_keys`` names the
@@ -169,10 +163,7 @@ class SequencePreprocessor:
         microbatch's ``SequenceContext``. Returns local ``[B, L / W]`` tensors."""
         bsz, seqlen = inputs.shape
         source = self._source_for(host)
-        if seqlen % self.world:
-            raise ValueError(
-                f"sequence length {seqlen} is not divisible by context_parallel_degree {self.world}"
-            )
+        self.balancer.check(seqlen, self.world)
         t0 = time.perf_counter()
         if host is not None and tuple(host.positions.shape) != (bsz, seqlen):
             raise ValueError(
@@ -183,14 +174,12 @@ class SequencePreprocessor:
             assert host is not None  # _source_for falls back to readback without it
             layout = host_layout(
                 host.positions, cu_seqlens=host.cu_seqlens(),
-                load_balancer=self.load_balancer, world_size=self.world,
-                device=self.device, block_size=self.ptrr_block_size,
+                load_balancer=self.balancer, world_size=self.world, device=self.device,
             )  # fmt: skip
         else:
             layout = readback_layout(
-                positions, (bsz, seqlen), load_balancer=self.load_balancer,
-                world_size=self.world, block_size=self.ptrr_block_size,
-                on_readback=self._count_readback,
+                positions, (bsz, seqlen), load_balancer=self.balancer,
+                world_size=self.world, on_readback=self._count_readback,
             )  # fmt: skip
         plan = self.cache.get(layout.cu_seqlens, layout.fragments, self.rank)
         try:
@@ -228,16 +217,16 @@ class SequencePreprocessor:
         shape: tuple[int, int],
     ) -> BlockMask:
         """This rank's document ``BlockMask``, sharded by ``layout.index`` like the batch.
-        Document ids come from the same source as the routing: host positions copied H2D, or
+        Per-row document indices come from the same source as the routing: host positions copied H2D, or
         the device positions (computed there, so still no readback)."""
         if source == "host":
             assert host is not None
-            doc = document_ids(host.positions)
+            row_doc = row_document_index(host.positions)
             if self.device.type == "cuda":
-                doc = doc.pin_memory()
-            doc = doc.to(self.device, non_blocking=True)
+                row_doc = row_doc.pin_memory()
+            row_doc = row_doc.to(self.device, non_blocking=True)
         elif positions is not None:
-            doc = document_ids(positions)
+            row_doc = row_document_index(positions)
         else:  # every row is one document
-            doc = torch.zeros(shape, dtype=torch.int32, device=self.device)
-        return flex_document_mask(doc, index=layout.index, mesh=self._mesh)
+            row_doc = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        return flex_document_mask(row_doc, index=layout.index, mesh=self._mesh)

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import tempfile
 from typing import Any
 
 from torchtitan_cp import jsonl
 from torchtitan_cp.config import ConfigError
+from torchtitan_cp.routing import get_balancer
 
 __all__ = ["parse_nproc", "validate"]
-
-LOAD_BALANCERS = (None, "contiguous", "headtail", "ptrr")
 
 
 def parse_nproc(text: str, *, device_type: str) -> int:
@@ -148,31 +146,25 @@ def _check_seq_len(config: Any, model_cfg: Any) -> None:
     """``training.seq_len`` against CP, the load balancer, the loss chunking and the model."""
     seq = config.training.seq_len
     cp = config.parallelism.context_parallel_degree
-    lb = config.parallelism.context_parallel_load_balancer
-    _need(
-        lb in LOAD_BALANCERS,
-        "parallelism.context_parallel_load_balancer must be one of "
-        f"contiguous, headtail, ptrr, got {lb!r}",
-    )
+    try:
+        balancer = get_balancer(
+            config.parallelism.context_parallel_load_balancer,
+            ptrr_block_size=config.linear_attention.ptrr_block_size,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     max_len = getattr(model_cfg, "max_seq_len", None)
     if max_len is not None:
         _need(
             seq <= max_len, f"training.seq_len ({seq}) exceeds the model's max_seq_len ({max_len})"
         )
     if cp > 1:
-        # torchtitan's trainer asks for 2 x CP for any balancer; head-tail needs exactly that.
-        need, why = 2 * cp, f"2 x context_parallel_degree ({cp})"
-        if lb == "ptrr":
-            block = config.linear_attention.ptrr_block_size
-            need = math.lcm(need, block * cp)
-            why = f"ptrr_block_size x context_parallel_degree ({block} x {cp}) and by {why}"
-        if seq % need:
-            lower, upper = seq - seq % need, seq - seq % need + need
-            hint = f"{lower} or {upper}" if lower else f"{upper}"
-            raise ConfigError(
-                f"training.seq_len ({seq}) must be divisible by {why} for "
-                f"context_parallel_load_balancer = {lb or 'contiguous'}: use {hint}"
-            )
+        # torchtitan's trainer asks for 2 x CP whatever the balancer; the balancer adds its own.
+        torchtitan_rule = (2 * cp, f"2 x context_parallel_degree ({cp})")
+        try:
+            balancer.check(seq, cp, also=[torchtitan_rule])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     chunks = getattr(config.loss, "num_chunks", None)
     if chunks is not None:
         local = seq // max(cp, 1)

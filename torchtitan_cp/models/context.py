@@ -16,7 +16,7 @@ from torchtitan_cp.routing import (
     RoutingCaps,
     RoutingPlan,
     cu_seqlens_from_positions,
-    document_ids,
+    row_document_index,
 )
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,8 @@ class SequenceContext:
         routing: this rank's device routing (a single-rank routing when CP is off).
         group: the context-parallel process group, or None without CP.
         token_ids: ``[T_local]`` int64, global stream index of every local token (span order).
-        doc_ids: ``[T_local]`` int64, document index of every local token.
+        doc_ids: ``[T_local]`` int64, *global* document index (into the microbatch's
+            ``cu_seqlens``) of every local token; not ``routing.row_document_index``.
         source: "host" or "device_readback": how the routing was built (for logging).
         block_mask: the document ``BlockMask`` for flex attention layers (this rank's queries
             against the gathered keys under CP); None when the model runs its attention on SDPA.
@@ -118,7 +119,7 @@ def context_from_device_positions(
     mask = None
     if flex_mask:
         rows = positions if positions is not None else torch.ones_like(tokens)
-        mask = flex_document_mask(document_ids(rows))
+        mask = flex_document_mask(row_document_index(rows))
     return build_sequence_context(
         plan, tokens.device, None, source="device_readback", block_mask=mask
     )

@@ -3,9 +3,18 @@
 See docs/routing.md for the vocabulary and docs/CONTRACTS.md for the exact device fields.
 """
 
+from .balancers import (
+    BALANCER_KEY,
+    LoadBalancer,
+    balancer_names,
+    check_divisible,
+    get_balancer,
+    register,
+)
 from .cache import PlanCache
 from .chunks import chunk_bound, chunk_indices, chunk_offsets, chunk_tables
 from .device import DeviceRouting, RoutingCaps, RoutingCapsExceeded
+from .documents import document_block_mask, document_mask_mod, row_document_index
 from .layouts import (
     FragmentTable,
     contiguous_fragments,
@@ -18,22 +27,19 @@ from .layouts import (
     ptrr_fragments_from_indices,
 )
 from .plan import RoutingPlan
-from .sources import (
-    LOAD_BALANCERS,
-    Layout,
-    document_block_mask,
-    document_ids,
-    document_mask_mod,
-    host_layout,
-    readback_layout,
-)
+from .sources import Layout, host_layout, readback_layout
 
 __all__ = [
-    "LOAD_BALANCERS",
+    "BALANCER_KEY",
     "Layout",
+    "LoadBalancer",
+    "balancer_names",
+    "check_divisible",
+    "get_balancer",
+    "register",
     "document_block_mask",
-    "document_ids",
     "document_mask_mod",
+    "row_document_index",
     "host_layout",
     "readback_layout",
     "DeviceRouting",

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .balancers import get_balancer
+
 FragmentTable = list[list[tuple[int, int]]]
 
 __all__ = [
@@ -124,27 +126,21 @@ def fragments_from_indices(
 
 def contiguous_fragments(seq_len: int, batch_size: int, world_size: int) -> FragmentTable:
     """Plain ``Shard(seq_dim)`` (no load balancer): rank ``r`` owns chunk ``r`` of every row."""
-    if seq_len % world_size != 0:
-        raise ValueError(
-            f"seq_len {seq_len} is not divisible by world_size {world_size} (contiguous sharding)"
-        )
-    identity = torch.arange(seq_len).unsqueeze(0)
-    return fragments_from_indices(identity, world_size, batch_size, seq_len)
+    return _balancer_fragments("contiguous", seq_len, batch_size, world_size)
 
 
 def headtail_fragments(seq_len: int, batch_size: int, world_size: int) -> FragmentTable:
     """Layout of torch's head-tail load balancer, taken from torch's own index generator."""
-    if world_size < 1 or seq_len % (2 * world_size) != 0:
-        raise ValueError(
-            f"seq_len {seq_len} is not divisible by 2 * world_size = {2 * world_size} "
-            "(head-tail sharding)"
-        )
-    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
-        _HeadTailLoadBalancer,
-    )
+    return _balancer_fragments("headtail", seq_len, batch_size, world_size)
 
-    indices = _HeadTailLoadBalancer(seq_len, world_size, "cpu")._generate_indices()
-    return fragments_from_indices(indices, world_size, batch_size, seq_len)
+
+def _balancer_fragments(name: str, seq_len: int, batch_size: int, world_size: int) -> FragmentTable:
+    stand_in = torch.zeros(1, seq_len, dtype=torch.int64)  # the order ignores the documents
+    index = get_balancer(name).indices(stand_in, world_size, "cpu")
+    identity = torch.arange(seq_len).unsqueeze(0)
+    return fragments_from_indices(
+        identity if index is None else index, world_size, batch_size, seq_len
+    )
 
 
 def ptrr_fragments_from_indices(

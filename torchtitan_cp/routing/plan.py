@@ -8,7 +8,9 @@ fragments and has no Python loop over documents.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -64,49 +66,51 @@ def _diagnose_tiling(
     return "fragments do not tile the stream"  # unreachable in practice
 
 
+@dataclass(frozen=True, eq=False)
 class RoutingPlan:
-    """Routing of one rank for one microbatch layout.
+    """Routing of one rank for one microbatch layout. Frozen: ``PlanCache`` hands the same plan
+    to every microbatch with that layout, so no field can be rebound (``FrozenInstanceError``),
+    and its tensors are read-only by contract (``to_device`` copies, never aliases, them).
 
     Host fields (int64 CPU tensors unless noted):
       ``rank``, ``world_size``, ``num_slots`` (most fragments any rank owns), ``num_tokens``
       (this rank's span length), ``total_tokens`` (T);
-      ``fragments``: this rank's ``(start, stop)`` in span order;
+      ``fragments``: this rank's ``(start, stop)`` in span order (a tuple of pairs);
       ``subsequences``: ``[N, 3]`` (document, global start, global stop) in span order;
       ``cu_seqlens``: ``[N + 1]`` local span offsets of the subsequences;
       ``terminal``: ``[Nt]`` local indices of the subsequences that end their document;
       ``frag_first`` / ``frag_last``: ``[F_local]`` local subsequence index of each fragment's
       first / last subsequence;
       ``predecessors`` / ``successors`` (lists, built on access) and :meth:`conv_sources`.
+    Build one with :meth:`build`.
     """
 
-    def __init__(self) -> None:  # use RoutingPlan.build
-        self.rank = 0
-        self.world_size = 0
-        self.num_slots = 0
-        self.num_tokens = 0
-        self.total_tokens = 0
-        self.fragments: list[tuple[int, int]] = []
-        self.subsequences = torch.zeros(0, 3, dtype=_I64)
-        self.cu_seqlens = torch.zeros(1, dtype=_I64)
-        self.terminal = torch.zeros(0, dtype=_I64)
-        self.frag_first = torch.zeros(0, dtype=_I64)
-        self.frag_last = torch.zeros(0, dtype=_I64)
-        # Global fragments sorted by start: start, stop, owner rank, index within the owner.
-        self._sorted_start = torch.zeros(0, dtype=_I64)
-        self._sorted_stop = torch.zeros(0, dtype=_I64)
-        self._sorted_rank = torch.zeros(0, dtype=_I64)
-        self._sorted_local = torch.zeros(0, dtype=_I64)
-        # Per local fragment: sorted position, first predecessor's sorted position (== own
-        # position when none), one past the last successor's (== own + 1 when none), start of the
-        # document of its first subsequence, and its span offset.
-        self._pos = torch.zeros(0, dtype=_I64)
-        self._pred_begin = torch.zeros(0, dtype=_I64)
-        self._succ_end = torch.zeros(0, dtype=_I64)
-        self._doc_start = torch.zeros(0, dtype=_I64)
-        self._span_offset = torch.zeros(0, dtype=_I64)
-        self._frag_start = torch.zeros(0, dtype=_I64)
-        self._frag_len = torch.zeros(0, dtype=_I64)
-        self._lists: tuple[list[int], list[int], list[int], list[int]] | None = None
+    rank: int
+    world_size: int
+    num_slots: int
+    num_tokens: int
+    total_tokens: int
+    fragments: tuple[tuple[int, int], ...]
+    subsequences: Tensor
+    cu_seqlens: Tensor
+    terminal: Tensor
+    frag_first: Tensor
+    frag_last: Tensor
+    # Global fragments sorted by start: start, stop, owner rank, index within the owner.
+    _sorted_start: Tensor = field(repr=False)
+    _sorted_stop: Tensor = field(repr=False)
+    _sorted_rank: Tensor = field(repr=False)
+    _sorted_local: Tensor = field(repr=False)
+    # Per local fragment: sorted position, first predecessor's sorted position (== own
+    # position when none), one past the last successor's (== own + 1 when none), start of the
+    # document of its first subsequence, its span offset, global start and length.
+    _pos: Tensor = field(repr=False)
+    _pred_begin: Tensor = field(repr=False)
+    _succ_end: Tensor = field(repr=False)
+    _doc_start: Tensor = field(repr=False)
+    _span_offset: Tensor = field(repr=False)
+    _frag_start: Tensor = field(repr=False)
+    _frag_len: Tensor = field(repr=False)
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -162,39 +166,25 @@ class RoutingPlan:
                 + _diagnose_tiling(starts_l, stops_l, owner_l, local_l, total)
             )
 
-        plan = cls()
-        plan.rank, plan.world_size, plan.total_tokens = rank, world, total
-        plan.num_slots = max(len(f) for f in fragments)
-        plan.fragments = [(int(a), int(b)) for a, b in fragments[rank]]
-        plan._sorted_start, plan._sorted_stop = s_start, s_stop
-        plan._sorted_rank, plan._sorted_local = ordered[2], ordered[3]
-
-        n_local = len(plan.fragments)
+        own = tuple((int(a), int(b)) for a, b in fragments[rank])
+        n_local = len(own)
         lo = sum(len(f) for f in fragments[:rank])
         a, b = starts[lo : lo + n_local], stops[lo : lo + n_local]
         lengths = b - a
-        plan._frag_start, plan._frag_len = a, lengths
-        plan._span_offset = torch.cumsum(lengths, 0) - lengths
 
         # Document of each fragment's first token and of its last token.
         docs_ab = torch.searchsorted(cu, torch.cat([a, b - 1]), right=True) - 1
         d_first, d_last = docs_ab[:n_local], docs_ab[n_local:]
         nsub = d_last - d_first + 1
         ends = torch.cumsum(nsub, 0)
-        plan.frag_first = ends - nsub
-        plan.frag_last = ends - 1
+        frag_first = ends - nsub
         # Subsequences: fragment j covers documents d_first[j] .. d_last[j].
         sub_frag = torch.repeat_interleave(torch.arange(n_local), nsub)
-        docs = d_first[sub_frag] + torch.arange(sub_frag.numel()) - plan.frag_first[sub_frag]
+        docs = d_first[sub_frag] + torch.arange(sub_frag.numel()) - frag_first[sub_frag]
         doc_bounds = cu[torch.stack([docs, docs + 1])]
         sub_start = torch.maximum(doc_bounds[0], a[sub_frag])
         sub_stop = torch.minimum(doc_bounds[1], b[sub_frag])
-        plan.subsequences = torch.stack([docs, sub_start, sub_stop], dim=1)
-        plan.cu_seqlens = torch.cat(
-            [torch.zeros(1, dtype=_I64), torch.cumsum(sub_stop - sub_start, 0)]
-        )
-        plan.terminal = (sub_stop == doc_bounds[1]).nonzero().reshape(-1)
-        plan.num_tokens = int(plan.cu_seqlens[-1])
+        cu_local = torch.cat([torch.zeros(1, dtype=_I64), torch.cumsum(sub_stop - sub_start, 0)])
 
         # Predecessors are the sorted fragments from the one holding the first-subsequence
         # document's start up to (excluding) this one; successors from the next one up to the one
@@ -205,25 +195,47 @@ class RoutingPlan:
         where = torch.searchsorted(
             s_start, torch.cat([doc_start, doc_edges[n_local:] - 1, a]), right=True
         )
-        plan._pred_begin = where[:n_local] - 1
-        plan._succ_end = where[n_local : 2 * n_local]
-        plan._pos = where[2 * n_local :] - 1
-        plan._doc_start = doc_start
-        return plan
+        return cls(
+            rank=rank,
+            world_size=world,
+            num_slots=max(len(f) for f in fragments),
+            num_tokens=int(cu_local[-1]),
+            total_tokens=total,
+            fragments=own,
+            subsequences=torch.stack([docs, sub_start, sub_stop], dim=1),
+            cu_seqlens=cu_local,
+            terminal=(sub_stop == doc_bounds[1]).nonzero().reshape(-1),
+            frag_first=frag_first,
+            frag_last=ends - 1,
+            _sorted_start=s_start,
+            _sorted_stop=s_stop,
+            _sorted_rank=ordered[2],
+            _sorted_local=ordered[3],
+            _pos=where[2 * n_local :] - 1,
+            _pred_begin=where[:n_local] - 1,
+            _succ_end=where[n_local : 2 * n_local],
+            _doc_start=doc_start,
+            _span_offset=torch.cumsum(lengths, 0) - lengths,
+            _frag_start=a,
+            _frag_len=lengths,
+        )
 
     # ------------------------------------------------------------------ host views
     @property
     def num_subsequences(self) -> int:
         return self.subsequences.shape[0]
 
+    @functools.cached_property
+    def _lists(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        # cached_property writes the instance __dict__ directly, which a frozen dataclass allows.
+        return (
+            self._sorted_rank.tolist(),
+            self._sorted_local.tolist(),
+            self._sorted_start.tolist(),
+            self._sorted_stop.tolist(),
+        )
+
     def _host_lists(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        if self._lists is None:
-            self._lists = (
-                self._sorted_rank.tolist(),
-                self._sorted_local.tolist(),
-                self._sorted_start.tolist(),
-                self._sorted_stop.tolist(),
-            )
         return self._lists
 
     @property
@@ -369,47 +381,43 @@ class RoutingPlan:
             summary_chunks = _pad_rows(
                 summary_chunks, chunk_bound(int(summary_cu[-1]), n_sum, chunk_size)
             )
-        cu_fields = (cu_cpu, summary_cu.to(torch.int32), main_chunks, summary_chunks)
-        fields = (frag_first, frag_last, publish, pred_slots, terminal, tail_index, halo_index,
-                  summary_row, summary_tokens, main_offsets, summary_offsets)  # fmt: skip
-        packed = torch.cat([f.reshape(-1) for f in fields])
-        cu_packed = torch.cat([f.reshape(-1) for f in cu_fields])
-        pin = torch.cuda.is_available()
-        if pin:
-            packed, cu_packed = packed.pin_memory(), cu_packed.pin_memory()
+        # Every device tensor, by its DeviceRouting field name, in one of two packed buffers
+        # (one H2D copy each); a new field is one line here plus its contract.
+        wide = {  # int64
+            "frag_first": frag_first,
+            "frag_last": frag_last,
+            "publish": publish,  # unpacked as bool
+            "pred_slots": pred_slots,
+            "terminal": terminal,
+            "tail_index": tail_index,
+            "halo_index": halo_index,
+            "summary_row": summary_row,
+            "summary_token_index": summary_tokens,
+            "chunk_offsets": main_offsets,
+            "summary_chunk_offsets": summary_offsets,
+        }
+        narrow = {  # int32, the kernels' varlen metadata; the host copy stays readable
+            "cu_seqlens": cu_cpu,
+            "summary_cu_seqlens": summary_cu.to(torch.int32),
+            "chunk_indices": main_chunks,
+            "summary_chunk_indices": summary_chunks,
+        }
         dev = torch.device(device)
-        packed_dev = packed.to(dev, non_blocking=True)
-        # On a CPU target `.to` would alias the host copy; keep host and device independent.
-        cu_dev = cu_packed.to(dev, non_blocking=True, copy=True)
-        parts = torch.split(packed_dev, [f.numel() for f in fields])
-        views = [p.view(f.shape) for p, f in zip(parts, fields)]
-        cu_sizes = [f.numel() for f in cu_fields]
-        cu_host_views = torch.split(cu_packed, cu_sizes)
-        cu_dev_views = [p.view(f.shape) for p, f in zip(torch.split(cu_dev, cu_sizes), cu_fields)]
+        pin = torch.cuda.is_available()
+        _, wide_dev = _pack(wide, dev, pin)
+        narrow_host, narrow_dev = _pack(narrow, dev, pin, host=("cu_seqlens", "summary_cu_seqlens"))
+        wide_dev["publish"] = wide_dev["publish"].to(torch.bool)
         return DeviceRouting(
             rank=self.rank,
             world_size=self.world_size,
             num_slots=slots,
             conv_history=C,
             num_tokens=self.num_tokens,
-            cu_seqlens=cu_dev_views[0],
-            cu_seqlens_cpu=cu_host_views[0],
-            frag_first=views[0],
-            frag_last=views[1],
-            publish=views[2].to(torch.bool),
-            pred_slots=views[3],
-            terminal=views[4],
-            tail_index=views[5],
-            halo_index=views[6],
-            summary_row=views[7],
-            summary_token_index=views[8],
-            summary_cu_seqlens=cu_dev_views[1],
-            summary_cu_seqlens_cpu=cu_host_views[1],
             chunk_size=chunk_size,
-            chunk_indices=cu_dev_views[2],
-            chunk_offsets=views[9],
-            summary_chunk_indices=cu_dev_views[3],
-            summary_chunk_offsets=views[10],
+            cu_seqlens_cpu=narrow_host["cu_seqlens"],
+            summary_cu_seqlens_cpu=narrow_host["summary_cu_seqlens"],
+            **wide_dev,
+            **narrow_dev,
         )
 
     def __repr__(self) -> str:
@@ -418,6 +426,26 @@ class RoutingPlan:
             f"num_slots={self.num_slots}, fragments={self.fragments}, "
             f"subsequences={self.num_subsequences}, num_tokens={self.num_tokens})"
         )
+
+
+def _pack(
+    fields: dict[str, Tensor], device: torch.device, pin: bool, host: tuple[str, ...] = ()
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Copy same-dtype host tensors to ``device`` as one buffer; returns ``(host views of the
+    1-D fields named in host, device views of every field)`` by name, each of its field's
+    shape. With ``host`` a CPU target gets a copy too, so host and device never alias."""
+    tensors = list(fields.values())
+    packed = torch.cat([f.reshape(-1) for f in tensors])
+    if pin:
+        packed = packed.pin_memory()
+    packed_dev = packed.to(device, non_blocking=True, copy=bool(host))
+    sizes = [f.numel() for f in tensors]
+    parts = torch.split(packed_dev, sizes)
+    dev = {k: p.view(f.shape) for (k, f), p in zip(fields.items(), parts)}
+    if not host:
+        return {}, dev
+    host_parts = dict(zip(fields, torch.split(packed, sizes)))
+    return {k: host_parts[k] for k in host}, dev
 
 
 def _pad_rows(table: Tensor, rows: int) -> Tensor:

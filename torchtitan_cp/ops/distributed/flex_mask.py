@@ -24,7 +24,7 @@ from torch.nn.attention.flex_attention import (
     create_block_mask,
 )
 
-from torchtitan_cp.routing import document_mask_mod
+from torchtitan_cp.routing import check_divisible, document_mask_mod
 
 __all__ = ["FLEX_BLOCK_SIZE", "LayoutOrder", "check_flex_shape", "flex_document_mask"]
 
@@ -52,35 +52,37 @@ class LayoutOrder(_LoadBalancer):
 
 def check_flex_shape(seq_len: int, world_size: int) -> None:
     """torch's CP flex mask needs whole blocks per rank: ``L % (W * 128) == 0``."""
-    if world_size > 1 and seq_len % (world_size * FLEX_BLOCK_SIZE):
-        raise ValueError(
-            f"flex attention under context parallelism needs training.seq_len ({seq_len}) "
-            f"divisible by context_parallel_degree x {FLEX_BLOCK_SIZE} "
-            f"({world_size} x {FLEX_BLOCK_SIZE}); use model.attention_backend = 'sdpa' for "
-            "other lengths"
-        )
+    if world_size == 1:
+        return
+    block = FLEX_BLOCK_SIZE
+    why = f"context_parallel_degree x {block} ({world_size} x {block})"
+    context = (
+        "for flex attention under context parallelism "
+        "(model.attention_backend = 'sdpa' takes other lengths)"
+    )
+    check_divisible(seq_len, [(world_size * block, why)], context)
 
 
 def flex_document_mask(
-    doc_ids: Tensor, *, index: Tensor | None = None, mesh: DeviceMesh | None = None
+    row_doc: Tensor, *, index: Tensor | None = None, mesh: DeviceMesh | None = None
 ) -> BlockMask:
-    """The causal document ``BlockMask`` of ``doc_ids [B, L]`` (per-row document index, on the
-    device the mask is for).
+    """The causal document ``BlockMask`` of ``row_doc [B, L]`` (``routing.row_document_index``:
+    per-row document index, on the device the mask is for).
 
     Without ``mesh`` (or with a one-rank mesh) it covers all ``L`` queries. With a CP mesh of
     W ranks it covers this rank's ``L / W`` queries against the ``L`` all-gathered keys, both in
     the order ``index`` (the layout's rearrange index, None = contiguous) puts the tokens.
     """
     global _compiled_create_block_mask
-    bsz, seqlen = doc_ids.shape
-    mask_mod = document_mask_mod(doc_ids)
+    bsz, seqlen = row_doc.shape
+    mask_mod = document_mask_mod(row_doc)
     world = 1 if mesh is None else mesh.size()
     if world == 1:
         # Compiled: eager create_block_mask materialises the dense L x L mask.
         if _compiled_create_block_mask is None:
             _compiled_create_block_mask = torch.compile(create_block_mask)
         return _compiled_create_block_mask(
-            mask_mod, bsz, None, seqlen, seqlen, device=doc_ids.device
+            mask_mod, bsz, None, seqlen, seqlen, device=row_doc.device
         )
     check_flex_shape(seqlen, world)
     assert mesh is not None
