@@ -20,6 +20,8 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
     "fla.modules.causal_conv1d:causal_conv1d",
     "fla.ops.utils.index:prepare_chunk_indices",
+    "fla.ops.kda.chunk_fwd:chunk_kda_fwd",  # fla_compat and the compiled path call the pieces
+    "fla.ops.simple_gla:chunk_simple_gla",  # Mamba2 (SSD) layers
     # torchtitan modules the model is built from (no torchtitan.distributed.fsdp: trainer only)
     "torchtitan.protocols.module:Module",
     "torchtitan.protocols.model_spec:ModelSpec",
@@ -29,6 +31,12 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "torchtitan_cp.ops:chunk_delta_rule",
     "torchtitan_cp.ops.fla_backend:chunk_delta_rule_fla",
     "torchtitan_cp.ops.fla_backend:causal_conv1d_fla",
+    "torchtitan_cp.ops.fla_compat:chunk_kda_indexed",
+    "torchtitan_cp.ops.opaque:delta_rule_fla_op",  # torch.compile's custom ops
+    "torchtitan_cp.ops.recurrence:recurrence",
+    "torchtitan_cp.ops.ssd:chunk_ssd",
+    "torchtitan_cp.models.mamba2",
+    "torchtitan_cp.compile:routing_caps",
     "torchtitan_cp.models:model_config",
     "torchtitan_cp.host_metadata:HostMetadata",
     "torchtitan_cp.sequence:SequencePreprocessor",
