@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -16,15 +18,18 @@ from torchtitan_cp import platform
 from torchtitan_cp.models.attention import SoftmaxAttention, resolve_attention_backend
 
 
-def apply_flex_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
-    """torchtitan's CP path for flex attention: wrap every flex softmax-attention layer so it
-    all-gathers K/V over ``cp_mesh`` (its queries and mask stay this rank's). Returns the
-    number of layers wrapped; layers on the sdpa backend gather K/V themselves."""
+def apply_flex_context_parallel(
+    model: nn.Module, cp_mesh: DeviceMesh, layer_type: type[nn.Module] = SoftmaxAttention
+) -> int:
+    """torchtitan's CP path for flex attention: wrap every flex attention layer of
+    ``layer_type`` (a module with ``backend``, ``flex`` and ``flex_cp``; the hybrid decoder's
+    ``SoftmaxAttention``, Qwen3.5's ``RoutedInnerAttention``) so it all-gathers K/V over
+    ``cp_mesh`` (its queries and mask stay this rank's). Returns the number of layers wrapped;
+    layers on the sdpa backend gather K/V themselves."""
+    # Any: the layer types share these attributes, not a base class.
+    candidates: list[Any] = [m for m in model.modules() if isinstance(m, layer_type)]
     layers = [
-        m
-        for m in model.modules()
-        if isinstance(m, SoftmaxAttention)
-        and resolve_attention_backend(m.backend, cp_mesh.device_type) == "flex"
+        m for m in candidates if resolve_attention_backend(m.backend, cp_mesh.device_type) == "flex"
     ]
     if layers:
         apply_cp_to_forward([m.flex for m in layers], cp_mesh)

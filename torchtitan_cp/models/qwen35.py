@@ -431,24 +431,6 @@ def check_qwen35_parallelism(cfg: Any, parallelism: Any) -> None:
             raise ValueError(f"parallelism.{key} > 1 is not supported for qwen3_5 by this recipe")
 
 
-def apply_qwen35_flex_context_parallel(model: nn.Module, cp_mesh: Any) -> int:
-    """torchtitan's CP path for the flex attention layers (K/V all-gather over ``cp_mesh``), as
-    ``apply_flex_context_parallel`` does for the hybrid model. Returns the number wrapped."""
-    from torchtitan.distributed.context_parallel import apply_cp_to_forward
-
-    layers = [
-        m
-        for m in model.modules()
-        if isinstance(m, RoutedInnerAttention)
-        and resolve_attention_backend(m.backend, cp_mesh.device_type) == "flex"
-    ]
-    if layers:
-        apply_cp_to_forward([m.flex for m in layers], cp_mesh)
-        for m in layers:
-            m.flex_cp = True
-    return len(layers)
-
-
 def parallelize_qwen35(
     model: nn.Module,
     *,
@@ -470,6 +452,7 @@ def parallelize_qwen35(
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder, apply_fsdp_to_vision_encoder
 
     from torchtitan_cp import platform
+    from torchtitan_cp.models.parallelize import apply_flex_context_parallel
 
     for key, on in (("tensor_parallel_degree", parallel_dims.tp_enabled),
                     ("expert_parallel_degree", parallel_dims.ep_enabled),
@@ -480,7 +463,7 @@ def parallelize_qwen35(
     if parallel_dims.cp_enabled:
         if vision is not None:
             raise NotImplementedError("Qwen3.5's vision encoder cannot run under CP")
-        apply_qwen35_flex_context_parallel(model, parallel_dims.get_mesh("cp"))
+        apply_flex_context_parallel(model, parallel_dims.get_mesh("cp"), RoutedInnerAttention)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
