@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.launch import run_python
-from torchtitan_cp.ops.local import causal_conv1d, chunk_delta_rule
+from torchtitan_cp.ops.delta_rule.local import causal_conv1d, chunk_delta_rule
 
 T, H, K, V = 10, 2, 4, 3
 
@@ -79,7 +79,7 @@ def test_auto_backend_on_cpu_is_torch_and_fla_not_imported():
     """Importing and running ops.local on CPU must not load fla's Triton kernels."""
     code = (
         "import sys, torch\n"
-        "from torchtitan_cp.ops.local import chunk_delta_rule, causal_conv1d\n"
+        "from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule, causal_conv1d\n"
         "q = torch.randn(1, 5, 1, 4); v = torch.randn(1, 5, 1, 2)\n"
         "chunk_delta_rule(q, q, v, -torch.rand(1, 5, 1), torch.rand(1, 5, 1), kind='gdn')\n"
         "causal_conv1d(torch.randn(1, 5, 3), torch.randn(3, 4))\n"

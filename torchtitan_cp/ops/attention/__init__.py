@@ -1,0 +1,2 @@
+"""Softmax attention under context parallelism: the sdpa all-gather op and the flex document
+mask."""
