@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.launch import run_python
-from torchtitan_cp.ops.delta_rule.local import causal_conv1d, chunk_delta_rule
+from torchtitan_cp.ops.conv.local import causal_conv1d
+from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule
 
 T, H, K, V = 10, 2, 4, 3
 

@@ -13,7 +13,7 @@ from reference import delta_rule_reference
 from reference_ssd import ssd_reference
 
 from torchtitan_cp.ops.cp.recurrence import RECURRENCES, SequenceTables, recurrence
-from torchtitan_cp.ops.ssd.recurrence import chunk_ssd
+from torchtitan_cp.ops.ssd.local import chunk_ssd
 
 H, HV, K, V = 1, 2, 8, 6
 

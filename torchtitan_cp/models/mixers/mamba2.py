@@ -23,7 +23,8 @@ from torchtitan_cp.models.blocks.init import linear
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.models.mixers.delta_net import ShortConvolution, upcast
 from torchtitan_cp.ops import Backend
-from torchtitan_cp.ops.ssd.recurrence import chunk_ssd, context_parallel_ssd
+from torchtitan_cp.ops.ssd.local import chunk_ssd
+from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
 
 __all__ = ["Mamba2Mixer", "Mamba2Options"]
 
