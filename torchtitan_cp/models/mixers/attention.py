@@ -14,77 +14,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from torchtitan.models.common.attention import FlexAttention
 from torchtitan.protocols.module import Module
 
+from torchtitan_cp.models.blocks.flex import (
+    AttentionBackend,
+    DocumentFlexAttention,
+    resolve_attention_backend,
+)
 from torchtitan_cp.models.blocks.init import linear
+from torchtitan_cp.models.blocks.rope import apply_rope
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.ops import context_parallel_attention
-
-AttentionBackend = Literal["auto", "flex", "sdpa"]
-ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
-
-
-def resolve_attention_backend(
-    backend: str, device_type: str | torch.device
-) -> Literal["flex", "sdpa"]:
-    """``auto`` is flex on CUDA and sdpa elsewhere; an unknown name is a ValueError."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(
-            f"model.attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}"
-        )
-    if backend == "auto":
-        return "flex" if torch.device(device_type).type == "cuda" else "sdpa"
-    return "flex" if backend == "flex" else "sdpa"
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of ``x [1, T, H, D]`` at document-relative ``positions [T]``."""
-    half = x.shape[-1] // 2
-    acc = torch.promote_types(x.dtype, torch.float32)
-    inv_freq = theta ** (-torch.arange(0, half, device=x.device, dtype=acc) / half)
-    angles = positions.to(acc)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
-    x1, x2 = x.to(acc)[..., :half], x.to(acc)[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-class DocumentFlexAttention(FlexAttention):
-    """torchtitan's ``FlexAttention`` (``[B, L, H, D]`` in and out); torchtitan's CP wrapper
-    accepts it as one. On CUDA it is torchtitan's compiled kernel; elsewhere flex runs eagerly,
-    because inductor's CPU flex template fails to compile CP-sharded masks (torch 2.14.1) and
-    CPU flex is forward-only anyway (evaluation, tests)."""
-
-    def forward(  # pyrefly: ignore[bad-override]
-        self,
-        q_BLNH: torch.Tensor,
-        k_BLNH: torch.Tensor,
-        v_BLNH: torch.Tensor,
-        *,
-        attention_masks: BlockMask,
-        enable_gqa: bool = False,
-        **kwargs,
-    ) -> torch.Tensor:
-        if q_BLNH.is_cuda:
-            return super().forward(
-                q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks,
-                enable_gqa=enable_gqa, **kwargs,
-            )  # fmt: skip
-        if kwargs:
-            raise NotImplementedError(f"eager flex attention takes no {sorted(kwargs)}")
-        out = flex_attention(
-            q_BLNH.transpose(1, 2),
-            k_BLNH.transpose(1, 2),
-            v_BLNH.transpose(1, 2),
-            block_mask=attention_masks,
-            enable_gqa=enable_gqa,
-        )
-        assert isinstance(out, torch.Tensor)
-        return out.transpose(1, 2)
 
 
 class SoftmaxAttention(Module):
