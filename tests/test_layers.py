@@ -45,7 +45,7 @@ def test_decoder_builds_registered_mixers_and_counts_their_flops() -> None:
 
 
 def test_recipe_has_every_decoder_field() -> None:
-    from torchtitan_cp.trainer.config import ModelRecipe
+    from torchtitan_cp.models.recipe import ModelRecipe
 
     recipe = {f.name for f in dataclasses.fields(ModelRecipe)}
     decoder = {f.name for f in dataclasses.fields(HybridDecoder.Config)}
