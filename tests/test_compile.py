@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import random_cu_seqlens, run_distributed
 
+from tests.dist_utils import random_cu_seqlens, run_distributed
 from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule
 from torchtitan_cp.ops.conv import custom_ops as conv_ops
 from torchtitan_cp.ops.conv.torch_kernel import causal_conv1d_torch

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import (
+
+from tests.dist_utils import (
     device_routing,
     local_subsequences,
     max_abs,
@@ -24,7 +25,6 @@ from dist_utils import (
     run_distributed,
     span_index,
 )
-
 from torchtitan_cp.routing import (
     contiguous_fragments,
     headtail_fragments,
@@ -81,8 +81,7 @@ def _inputs(total: int, dtype: torch.dtype, seed: int):
 
 
 def _check_case(rank, group, case, dtype, seed) -> float:
-    from reference_ssd import ssd_reference
-
+    from tests.reference_ssd import ssd_reference
     from torchtitan_cp.ops.ssd.local import chunk_ssd
     from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
 
@@ -163,8 +162,7 @@ def test_single_rank_out_of_order_span() -> None:
 def test_fla_backend_matches_oracle() -> None:
     # fla-core's chunk_simple_gla as the SSD backend, local and through the CP driver (world 1,
     # out-of-order span). Tolerance as tests/test_kernels_fla.py (TF32): 5e-3 relative.
-    from reference_ssd import ssd_reference
-
+    from tests.reference_ssd import ssd_reference
     from torchtitan_cp.ops.ssd.local import chunk_ssd
     from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
     from torchtitan_cp.routing import RoutingPlan

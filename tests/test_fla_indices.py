@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from dist_utils import loose_caps, random_cu_seqlens, random_layout
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tests.dist_utils import loose_caps, random_cu_seqlens, random_layout
 from torchtitan_cp.ops import context_parallel_delta_rule
 from torchtitan_cp.ops.common import checks
 from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE

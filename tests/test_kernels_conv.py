@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import conv_reference, rel_err
 
+from tests.reference import conv_reference, rel_err
 from torchtitan_cp.ops.conv.local import causal_conv1d
 
 LAYOUTS = {
