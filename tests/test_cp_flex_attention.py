@@ -65,9 +65,8 @@ def _cp_flex_forward(rank: int, world: int, bsz: int, seqlen: int):
         seq = SequencePreprocessor(cp_group=dist.group.WORLD, **cp)
         _logits(flex, seq, tokens, positions, labels, True)  # K/V not gathered yet
     assert apply_flex_context_parallel(flex, mesh, SoftmaxAttention) == 1
-    assert (
-        apply_flex_context_parallel(sdpa, mesh, SoftmaxAttention) == 0
-    )  # sdpa layers gather K/V themselves
+    # sdpa layers gather K/V themselves
+    assert apply_flex_context_parallel(sdpa, mesh, SoftmaxAttention) == 0
     worst = {}
     for balancer in BALANCERS:
         common = dict(device=torch.device("cpu"), load_balancer=balancer, ptrr_block_size=128)

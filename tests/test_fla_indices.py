@@ -400,7 +400,7 @@ def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
 
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_compiled_path_ops_get_the_routing_table(fla_recorder, kind):
-    # The custom ops torch.compile calls (ops/custom_ops.py) take the routing's table, padded to a
+    # The custom ops torch.compile calls (ops/<family>/custom_ops.py) take the routing's table, padded to a
     # fixed row count by the caps, and hand fla its first NT rows: no helper, fla-equal tables.
     from torchtitan_cp.ops.delta_rule import custom_ops
 

@@ -141,7 +141,7 @@ def test_mamba2_mixer_matches_reference(n_groups: int) -> None:
 
 
 def test_compile_with_mamba2_is_a_config_error() -> None:
-    # SSD has no torch.compile custom op yet (ops/delta_rule/custom_ops.py): refuse before launch, naming it.
+    # SSD has no torch.compile custom op yet (ops/<family>/custom_ops.py): refuse before launch, naming it.
     from torchtitan_cp.train import load_config
     from torchtitan_cp.trainer.config import ConfigError
 
