@@ -5,6 +5,7 @@ no import cycles, and ``routing/`` and ``ops/`` work without torchtitan."""
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def _type_checking_nodes(tree: ast.Module) -> set[int]:
     return ids
 
 
+@functools.cache
 def imports(name: str) -> list[tuple[str, bool]]:
     """``(imported module, only under TYPE_CHECKING)`` for every import anywhere in ``name``'s
     source (module level and inside functions), relative imports resolved; ``from m import x``
