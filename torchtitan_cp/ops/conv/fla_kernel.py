@@ -1,8 +1,4 @@
-"""Thin adapter from our short-conv signature to fla-core's Triton kernel (CUDA only).
-
-fla is imported inside the function, so importing this module on a CPU-only machine never loads
-Triton kernels. The chunk table comes from the routing (``ops/common/fla.py``).
-"""
+"""The short conv on fla-core's Triton ``causal_conv1d`` (CUDA only; fla loads on first call)."""
 
 from __future__ import annotations
 
