@@ -33,6 +33,8 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "torchtitan_cp.ops.conv.fla_kernel:causal_conv1d_fla",
     "torchtitan_cp.ops.fla_compat:chunk_kda_indexed",
     "torchtitan_cp.ops.delta_rule.custom_ops:delta_rule_fla_op",  # torch.compile's custom ops
+    "torchtitan_cp.ops.conv.custom_ops:causal_conv1d_fla_op",
+    "torchtitan_cp.ops.ssd.fla_kernel:chunk_ssd_fla",
     "torchtitan_cp.ops.cp.recurrence:recurrence",
     "torchtitan_cp.ops.ssd.local:chunk_ssd",
     "torchtitan_cp.models.mixers.mamba2",
