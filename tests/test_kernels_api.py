@@ -77,10 +77,11 @@ def test_conv_errors():
 
 @pytest.mark.slow
 def test_auto_backend_on_cpu_is_torch_and_fla_not_imported():
-    """Importing and running ops.local on CPU must not load fla's Triton kernels."""
+    """Importing and running the local kernels on CPU must not load fla's Triton kernels."""
     code = (
         "import sys, torch\n"
-        "from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule, causal_conv1d\n"
+        "from torchtitan_cp.ops.conv.local import causal_conv1d\n"
+        "from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule\n"
         "q = torch.randn(1, 5, 1, 4); v = torch.randn(1, 5, 1, 2)\n"
         "chunk_delta_rule(q, q, v, -torch.rand(1, 5, 1), torch.rand(1, 5, 1), kind='gdn')\n"
         "causal_conv1d(torch.randn(1, 5, 3), torch.randn(3, 4))\n"
