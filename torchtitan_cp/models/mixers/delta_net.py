@@ -21,7 +21,6 @@ from torch import nn
 from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.blocks.conv import ShortConvolution
-from torchtitan_cp.models.blocks.dtypes import upcast
 from torchtitan_cp.models.blocks.init import linear
 from torchtitan_cp.models.blocks.norm import GatedRMSNorm
 from torchtitan_cp.models.context import SequenceContext
@@ -31,6 +30,7 @@ from torchtitan_cp.ops import (
     chunk_delta_rule,
     context_parallel_delta_rule,
 )
+from torchtitan_cp.ops.common.dtypes import compute_dtype
 
 
 class DeltaNetMixer(Module):
@@ -103,7 +103,7 @@ class DeltaNetMixer(Module):
 
     def _gate(self, x: torch.Tensor) -> torch.Tensor:
         f, bias, a = self._gate_logits(x)
-        acc = upcast(x.dtype)
+        acc = compute_dtype(x.dtype)
         # Gates stay in at least float32: they are summed over long ranges inside the kernel.
         return -a.to(acc) * F.softplus(f.to(acc) + bias.to(acc))
 
@@ -119,7 +119,7 @@ class DeltaNetMixer(Module):
         q, kk, vv = q.unflatten(-1, (h, k)), kk.unflatten(-1, (h, k)), vv.unflatten(-1, (h, v))
         q = F.normalize(q, p=2, dim=-1)
         kk = F.normalize(kk, p=2, dim=-1)
-        beta = torch.sigmoid(self.b_proj(xs).to(upcast(xs.dtype))).to(xs.dtype)
+        beta = torch.sigmoid(self.b_proj(xs).to(compute_dtype(xs.dtype))).to(xs.dtype)
         g = self._gate(xs)
         if ctx.cp_enabled:
             o, _ = context_parallel_delta_rule(

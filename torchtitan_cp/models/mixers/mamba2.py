@@ -20,11 +20,11 @@ from torch import nn
 from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.blocks.conv import ShortConvolution
-from torchtitan_cp.models.blocks.dtypes import upcast
 from torchtitan_cp.models.blocks.init import linear
 from torchtitan_cp.models.blocks.norm import GatedGroupRMSNorm
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.ops import Backend
+from torchtitan_cp.ops.common.dtypes import compute_dtype
 from torchtitan_cp.ops.ssd.local import chunk_ssd
 from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
 
@@ -127,7 +127,7 @@ class Mamba2Mixer(Module):
         xbc = self.conv(xbc, ctx, self.backend)
         xx, B, C = xbc.split([self.d_inner, ng * n, ng * n], -1)
         xx = xx.unflatten(-1, (h, p))
-        acc = upcast(xs.dtype)
+        acc = compute_dtype(xs.dtype)
         # Decay and step stay in at least float32: they are summed over long ranges.
         dt = F.softplus(dt.to(acc) + self.dt_bias.to(acc))  # [1, T, h]
         g = -torch.exp(self.A_log.to(acc)) * dt  # natural-log decay dt * A <= 0

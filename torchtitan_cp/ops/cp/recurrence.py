@@ -44,7 +44,7 @@ class Recurrence(Protocol):
 
     ``inputs`` is a tuple of token-major tensors ``[1, T, ...]`` (the driver selects tokens
     with ``index_select(1, ·)``); their meaning belongs to the recurrence. ``tables`` is a
-    ``SequenceTables``. States and summaries are in ``common.dtypes.fold_dtype`` of the inputs' dtype.
+    ``SequenceTables``. States and summaries are in ``common.dtypes.compute_dtype`` of the inputs' dtype.
     """
 
     def state_shape(self, inputs: tuple[Tensor, ...]) -> tuple[int, int, int]:

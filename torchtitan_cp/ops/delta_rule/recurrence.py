@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..common import checks
-from ..common.dtypes import fold_dtype
+from ..common.dtypes import compute_dtype
 from ..cp.driver import context_parallel_recurrence
 from ..cp.recurrence import SequenceTables
 from .local import chunk_delta_rule
@@ -74,7 +74,7 @@ class DeltaRule:
         q, k, v, g, beta = inputs
         HV, K, V = self.state_shape(inputs)
         n = tables.cu_seqlens.numel() - 1
-        dt = fold_dtype(v.dtype)
+        dt = compute_dtype(v.dtype)
         vs = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)  # [v | 0]
         h0 = self.identity((HV, K, V), dt, v.device).expand(n, -1, -1, -1).contiguous()
         if checks.resolve_backend(self.backend, q) == "torch" and not torch.compiler.is_compiling():

@@ -29,6 +29,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..common.dtypes import compute_dtype
 from ..common.scores import causal_mask, gdn_scores
 from ..common.varlen import chunk_layout, host_cu_seqlens
 
@@ -168,7 +169,7 @@ def _delta_rule_torch(
     T, H, K = q.shape[1:]
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale
-    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cd = compute_dtype(q.dtype)
     dev = q.device
     C = chunk_size
     sub = sub_chunk_size if (sub_chunk_size and C % sub_chunk_size == 0) else C

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..common import checks
 from ..common.checks import Backend
-from ..common.dtypes import fold_dtype
+from ..common.dtypes import compute_dtype
 from ..cp.driver import context_parallel_recurrence
 from ..cp.recurrence import SequenceTables
 from .fla_kernel import chunk_ssd_fla
@@ -66,7 +66,7 @@ class SSD:
 
     def summarize(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Tensor:
         q, k, v, g = inputs
-        dt = fold_dtype(v.dtype)
+        dt = compute_dtype(v.dtype)
         if checks.resolve_backend(self.backend, q) == "torch":
             _, E = chunk_ssd_torch(
                 q, k, v, g, cu_seqlens=tables.cu_seqlens,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..common.dtypes import compute_dtype
 from ..common.scores import gdn_scores
 from ..common.varlen import chunk_layout, host_cu_seqlens
 
@@ -49,7 +50,7 @@ def chunk_ssd_torch(
     T, H, K = q.shape[1:]
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale
-    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cd = compute_dtype(q.dtype)
     dev = q.device
     C = chunk_size
     cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
