@@ -147,3 +147,33 @@ def test_compile_with_mamba2_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match=r"without torch.compile custom ops: M \(Mamba2"):
         load_config(["--config_file", "configs/debug_mamba2_cpu.toml", "--compile.enable"])
+
+
+def test_a_kind_has_only_its_backends(monkeypatch) -> None:
+    # A kind declares its kernels' backends. Register one with the torch kernel only (Mamba2's
+    # mixer): backend = "fla" is refused in one line naming the key, the letter and what it has,
+    # before launch; "auto" builds it on torch, while a kind with both keeps "auto" (fla on CUDA).
+    from torchtitan_cp.models.hybrid.layers import Kernels
+    from torchtitan_cp.train import load_config
+    from torchtitan_cp.trainer.config import ConfigError
+
+    only_torch = dataclasses.replace(
+        LAYERS["M"], name="torch-only", description="SSD, torch only",
+        kernels=Kernels(("torch",), compiles=False),
+    )  # fmt: skip
+    monkeypatch.setitem(LAYERS, "T", only_torch)
+    want = (
+        r"^linear_attention.backend = 'fla': layer T \(SSD, torch only\) has no fla kernel, "
+        r"only torch; use 'auto' or one of those$"
+    )
+    with pytest.raises(ValueError, match=want):
+        model_config("debug", layer_pattern="TA", linear_attention_backend="fla")
+    with pytest.raises(ConfigError, match=want):
+        load_config(["--config_file", "configs/debug_mamba2_cpu.toml", "--model.layer_pattern",
+                     "MTA", "--linear_attention.backend", "fla"])  # fmt: skip
+    opts = LayerOptions(mamba2=Mamba2Options(head_dim=16, state_dim=8))
+    model = model_config("debug", layer_pattern="TMA", layer_options=opts).build()
+    assert model.layers["0"].mixer.backend == "torch"
+    assert model.layers["1"].mixer.backend == "auto"
+    assert LAYERS["T"].backend("auto") == "torch" and LAYERS["M"].backend("auto") == "auto"
+    assert LAYERS["A"].backend("fla") == "fla"  # attention does not read the key

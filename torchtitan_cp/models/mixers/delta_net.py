@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -21,16 +21,13 @@ from torch import nn
 from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.blocks.conv import ShortConvolution
+from torchtitan_cp.models.blocks.heads import HeadsConfig, recurrence_flops
 from torchtitan_cp.models.blocks.init import linear
 from torchtitan_cp.models.blocks.norm import GatedRMSNorm
 from torchtitan_cp.models.context import SequenceContext
-from torchtitan_cp.ops import (
-    Backend,
-    Kind,
-    chunk_delta_rule,
-    context_parallel_delta_rule,
-)
+from torchtitan_cp.ops import Backend, Kind
 from torchtitan_cp.ops.common.dtypes import compute_dtype
+from torchtitan_cp.ops.cp.recurrence import recurrence
 
 
 class DeltaNetMixer(Module):
@@ -45,22 +42,26 @@ class DeltaNetMixer(Module):
     dt_bias: nn.Parameter  # created by _init_gates: [H*K] (KDA) or [H] (GDN)
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
-        dim: int
-        n_heads: int
-        head_dim: int
-        value_head_dim: int | None = None
+    class Config(HeadsConfig):
         conv_width: int = 4
-        norm_eps: float = 1e-5
-        layer_id: int = 0
-        backend: Backend = "auto"
+
+    @classmethod
+    def from_model(cls, cfg: Any, layer_id: int, backend: Backend) -> DeltaNetMixer.Config:
+        """The mixer of layer ``layer_id`` of a ``HybridDecoder.Config`` (the registry's hook)."""
+        return cls.Config.from_model(cfg, layer_id, backend, conv_width=cfg.conv_width)
+
+    @staticmethod
+    def flops(cfg: Any, seq_len: int) -> int:
+        """Training FLOPs per token beyond the parameter matmuls (``recurrence_flops``)."""
+        return recurrence_flops(cfg.n_heads, cfg.head_dim, cfg.value_head_dim or cfg.head_dim)
 
     def __init__(self, config: Config):
         super().__init__()
         self.n_heads = h = config.n_heads
         self.head_dim = k = config.head_dim
-        self.value_head_dim = v = config.value_head_dim or config.head_dim
+        self.value_head_dim = v = config.v_dim
         self.backend = config.backend
+        self.recurrence = recurrence(self.kind, backend=config.backend)
         d = config.dim
         self.q_proj = linear(d, h * k)
         self.k_proj = linear(d, h * k)
@@ -120,19 +121,7 @@ class DeltaNetMixer(Module):
         q = F.normalize(q, p=2, dim=-1)
         kk = F.normalize(kk, p=2, dim=-1)
         beta = torch.sigmoid(self.b_proj(xs).to(compute_dtype(xs.dtype))).to(xs.dtype)
-        g = self._gate(xs)
-        if ctx.cp_enabled:
-            o, _ = context_parallel_delta_rule(
-                q, kk, vv, g, beta, kind=self.kind, routing=ctx.routing, group=ctx.group,
-                backend=self.backend,
-            )  # fmt: skip
-        else:
-            o, _ = chunk_delta_rule(
-                q, kk, vv, g, beta, kind=self.kind,
-                cu_seqlens=ctx.routing.cu_seqlens, cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu,
-                chunk_indices=ctx.routing.chunk_indices, chunk_offsets=ctx.routing.chunk_offsets,
-                backend=self.backend,
-            )  # fmt: skip
+        o = ctx.run_recurrence(self.recurrence, (q, kk, vv, self._gate(xs), beta))
         gate = self._output_gate(xs)
         o = self.o_norm(o.to(xs.dtype), gate.unflatten(-1, (h, v)))
         return self.o_proj(o.flatten(-2)).reshape(bsz, seqlen, -1)

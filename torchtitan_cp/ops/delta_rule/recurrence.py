@@ -98,12 +98,6 @@ class DeltaRule:
         V = state.shape[-1]
         return torch.matmul(summary[..., V:], state) + summary[..., :V]
 
-    def compose(self, first: Tensor, then: Tensor, state_shape: tuple[int, int, int]) -> Tensor:
-        V = state_shape[2]
-        return torch.matmul(then[..., V:], first) + torch.cat(
-            [then[..., :V], torch.zeros_like(then[..., V:])], -1
-        )
-
 
 def context_parallel_delta_rule(
     q: Tensor,

@@ -88,11 +88,6 @@ class SSD:
         E = summary[..., :-1].unflatten(-1, state.shape[-2:])
         return torch.exp(summary[..., -1])[..., None, None] * state + E
 
-    def compose(self, first: Tensor, then: Tensor, state_shape: tuple[int, int, int]) -> Tensor:
-        E1 = first[..., :-1].unflatten(-1, state_shape[1:])
-        E = self.apply(then, E1).flatten(-2)
-        return torch.cat([E, (first[..., -1:] + then[..., -1:])], -1)
-
 
 def context_parallel_ssd(
     q: Tensor,
