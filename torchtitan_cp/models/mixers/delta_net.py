@@ -13,24 +13,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.blocks.conv import ShortConvolution
-from torchtitan_cp.models.blocks.heads import HeadsConfig, recurrence_flops
+from torchtitan_cp.models.blocks.heads import HeadsMixer
 from torchtitan_cp.models.blocks.init import linear
 from torchtitan_cp.models.blocks.norm import GatedRMSNorm
 from torchtitan_cp.models.context import SequenceContext
-from torchtitan_cp.ops import Backend, Kind
+from torchtitan_cp.ops import Kind
 from torchtitan_cp.ops.common.dtypes import compute_dtype
 from torchtitan_cp.ops.cp.recurrence import recurrence
 
 
-class DeltaNetMixer(Module):
+class DeltaNetMixer(HeadsMixer):
     """The shared KDA / GDN token mixer. Input/output ``[B, L, D]``; B·L is the local span.
 
     A subclass fixes the recurrence ``kind`` and supplies the decay gate (``_init_gates``,
@@ -42,18 +41,8 @@ class DeltaNetMixer(Module):
     dt_bias: nn.Parameter  # created by _init_gates: [H*K] (KDA) or [H] (GDN)
 
     @dataclass(kw_only=True, slots=True)
-    class Config(HeadsConfig):
+    class Config(HeadsMixer.Config):
         conv_width: int = 4
-
-    @classmethod
-    def from_model(cls, cfg: Any, layer_id: int, backend: Backend) -> DeltaNetMixer.Config:
-        """The mixer of layer ``layer_id`` of a ``HybridDecoder.Config`` (the registry's hook)."""
-        return cls.Config.from_model(cfg, layer_id, backend, conv_width=cfg.conv_width)
-
-    @staticmethod
-    def flops(cfg: Any, seq_len: int) -> int:
-        """Training FLOPs per token beyond the parameter matmuls (``recurrence_flops``)."""
-        return recurrence_flops(cfg.n_heads, cfg.head_dim, cfg.value_head_dim or cfg.head_dim)
 
     def __init__(self, config: Config):
         super().__init__()
