@@ -67,8 +67,30 @@ def _delta_rule(kind: str) -> RecurrenceCase:
     return RecurrenceCase(kind, kind, inputs, oracle)
 
 
+def head_decay(heads: int, like: Tensor) -> Tensor:
+    """A fixed natural-log decay per head, ``-0.1 (h + 1)``: ``[heads]`` like ``like``."""
+    return -0.1 * torch.arange(1, heads + 1, device=like.device, dtype=like.dtype)
+
+
+def _fixed_decay_inputs(T: int, seed: int, dtype: torch.dtype = torch.float64) -> list[Tensor]:
+    return ssd_inputs(T, seed, dtype)[:3]  # (q, k, v): the gate is the fixed decay
+
+
+def _fixed_decay_oracle(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
+    g = head_decay(v.shape[2], v.double()).expand(1, v.shape[1], -1)
+    return ssd_reference(q, k, v, g, **kw)
+
+
 CASES: list[RecurrenceCase] = [
     _delta_rule("kda"),
     _delta_rule("gdn"),
     RecurrenceCase("ssd", "ssd", ssd_inputs, ssd_reference),
+    # SSD with a fixed decay per head instead of the gate input (what retention runs).
+    RecurrenceCase(
+        "ssd-fixed-decay",
+        "ssd",
+        _fixed_decay_inputs,
+        _fixed_decay_oracle,
+        {"fixed_decay": head_decay},
+    ),
 ]

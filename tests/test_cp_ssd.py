@@ -1,7 +1,9 @@
 """Context-parallel SSD (Mamba2's recurrence, through the generic recurrence driver) equals the
-unsharded local kernel: outputs, final states and the gradients of q, k, v, g, on 2, 3 and 4
+unsharded local kernel: outputs, final states and the gradients of every input, on 2, 3 and 4
 gloo ranks over contiguous, head-tail, PTRR and random fragment tables (plus one document over
-every rank), B = 2 rows per stream, float64 and float32.
+every rank), B = 2 rows per stream, float64 and float32, for every SSD case of
+tests/recurrences.py: the data-dependent gate (Mamba2) and a fixed decay per head (what
+retention runs).
 
 Tolerances (max abs difference against the unsharded run): float64 <= 1e-10, float32 <= 2e-5,
 as for the delta rule (tests/test_cp_delta_rule.py). One float64 case per world is also checked

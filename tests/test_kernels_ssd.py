@@ -10,30 +10,33 @@ import torch
 
 from tests.dist_utils import max_abs
 from tests.recurrences import CASES, HV, K, RecurrenceCase, V, ssd_inputs
-from tests.reference_ssd import ssd_reference
 from torchtitan_cp.ops.cp.recurrence import RECURRENCES, SequenceTables, recurrence
 from torchtitan_cp.ops.ssd.local import chunk_ssd
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.name == "ssd"], ids=lambda c: c.id)
 @pytest.mark.parametrize("cu", [[0, 20], [0, 3, 3, 70, 150, 151], [0, 64, 128, 129]])
-def test_ssd_matches_oracle(cu: list[int]) -> None:
+def test_ssd_matches_oracle(case: RecurrenceCase, cu: list[int]) -> None:
+    # Every SSD case: the data-dependent gate (Mamba2) and a fixed decay per head.
     T, N = cu[-1], len(cu) - 1
-    xs = ssd_inputs(T, len(cu))
+    xs = case.inputs(T, len(cu), torch.float64)
     gen = torch.Generator().manual_seed(7)
     h0 = torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64)
     d_o = torch.randn(1, T, HV, V, generator=gen, dtype=torch.float64)
     d_f = torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64)
     cu_t = torch.tensor(cu, dtype=torch.int32)
+    rec = recurrence(case.name, backend="torch", **case.options)
 
-    def run(fn, **kw):
+    def run(fn):
         leaves = [x.clone().requires_grad_(True) for x in (*xs, h0)]
-        o, f = fn(*leaves[:4], initial_state=leaves[4], cu_seqlens=cu_t, **kw)
+        o, f = fn(leaves[:-1], leaves[-1])
         ((o * d_o).sum() + (f * d_f).sum()).backward()
         return [o, f, *(x.grad for x in leaves)]
 
-    got = run(chunk_ssd, output_final_state=True, backend="torch")
-    want = run(ssd_reference)
-    for name, a, b in zip("o final dq dk dv dg dh0".split(), got, want):
+    got = run(lambda xs, h0: rec.local(tuple(xs), SequenceTables(cu_t, cu_t, None, None), h0, True))
+    want = run(lambda xs, h0: case.oracle(*xs, initial_state=h0, cu_seqlens=cu_t))
+    names = ["o", "final", *(f"d{i}" for i in range(len(xs))), "dh0"]
+    for name, a, b in zip(names, got, want, strict=True):
         assert max_abs(a, b) <= 1e-10, name
 
 
