@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from torchtitan_cp.routing.balancers import balancer_names
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +41,7 @@ KINDS = {
          (2, ("ptrr",), 2, 64)],
         ("--config_file", "configs/debug_mamba2_cpu.toml"),
     ),
+    "R": KindCases("RRA", [(2, balancer_names(), 2, 64)], ("--model.layer_pattern", "RRA")),
 }  # fmt: skip
 
 

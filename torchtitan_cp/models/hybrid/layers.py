@@ -17,6 +17,7 @@ from torchtitan.protocols.module import Module
 from torchtitan_cp.models.mixers.attention import SoftmaxAttention
 from torchtitan_cp.models.mixers.delta_net import GDNMixer, KDAMixer
 from torchtitan_cp.models.mixers.mamba2 import Mamba2Mixer, Mamba2Options
+from torchtitan_cp.models.mixers.retention import RetentionMixer
 
 __all__ = [
     "LAYERS",
@@ -102,6 +103,7 @@ LAYERS: dict[str, LayerKind] = {
     "G": LayerKind("gdn", "GDN (Gated DeltaNet)", GDNMixer, DELTA_RULE),
     "A": LayerKind("attention", "softmax attention", SoftmaxAttention, ATTENTION, flex_mask=True),
     "M": LayerKind("mamba2", "Mamba2 (SSD)", Mamba2Mixer, SSD),
+    "R": LayerKind("retention", "RetNet retention", RetentionMixer, SSD),
 }
 
 
