@@ -36,6 +36,12 @@ class HeadsMixer(Module):
             """Value channels per head."""
             return self.value_head_dim or self.head_dim
 
+    def __init__(self, config: Config):
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.value_head_dim = config.v_dim
+        self.backend = config.backend
+
     @classmethod
     def from_model(cls, cfg: Any, layer_id: int, backend: Backend) -> HeadsMixer.Config:
         """The mixer of layer ``layer_id`` of a ``HybridDecoder.Config`` ``cfg``, on the

@@ -21,7 +21,7 @@ from torch import nn
 
 from torchtitan_cp.models.blocks.conv import ShortConvolution
 from torchtitan_cp.models.blocks.heads import HeadsMixer
-from torchtitan_cp.models.blocks.init import linear
+from torchtitan_cp.models.blocks.init import init_decay, linear
 from torchtitan_cp.models.blocks.norm import GatedRMSNorm
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.ops import Kind
@@ -45,11 +45,8 @@ class DeltaNetMixer(HeadsMixer):
         conv_width: int = 4
 
     def __init__(self, config: Config):
-        super().__init__()
-        self.n_heads = h = config.n_heads
-        self.head_dim = k = config.head_dim
-        self.value_head_dim = v = config.v_dim
-        self.backend = config.backend
+        super().__init__(config)
+        h, k, v = self.n_heads, self.head_dim, self.value_head_dim
         self.recurrence = recurrence(self.kind, backend=config.backend)
         d = config.dim
         self.q_proj = linear(d, h * k)
@@ -82,14 +79,7 @@ class DeltaNetMixer(HeadsMixer):
         raise NotImplementedError
 
     def reset_parameters(self) -> None:
-        # A in [1, 16] and dt in [1e-3, 1e-1] log-uniform (Mamba-2 / GDN initialisation), so the
-        # initial per-token decays span short to long memories.
-        with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-            dt = torch.exp(
-                torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1))
-            ).clamp_min(1e-4)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        init_decay(self.A_log, self.dt_bias)
 
     def _gate(self, x: torch.Tensor) -> torch.Tensor:
         f, bias, a = self._gate_logits(x)

@@ -21,7 +21,7 @@ from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.blocks.conv import ShortConvolution
 from torchtitan_cp.models.blocks.heads import recurrence_flops
-from torchtitan_cp.models.blocks.init import linear
+from torchtitan_cp.models.blocks.init import init_decay, linear
 from torchtitan_cp.models.blocks.norm import GatedGroupRMSNorm
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.ops import Backend
@@ -109,13 +109,8 @@ class Mamba2Mixer(Module):
         self.out_proj = linear(d_inner, config.dim, std=0.02 / math.sqrt(2 * (config.layer_id + 1)))
 
     def reset_parameters(self) -> None:
-        # As the reference: A in [1, 16], dt in [1e-3, 1e-1] log-uniform, D = 1.
+        init_decay(self.A_log, self.dt_bias)  # as the reference, and D = 1
         with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-            dt = torch.exp(
-                torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1))
-            ).clamp_min(1e-4)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
             self.D.fill_(1.0)
 
     def forward(

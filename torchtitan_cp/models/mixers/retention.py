@@ -44,12 +44,9 @@ class RetentionMixer(HeadsMixer):
         rope_theta: float = 10000.0
 
     def __init__(self, config: Config):
-        super().__init__()
-        self.n_heads = h = config.n_heads
-        self.head_dim = k = config.head_dim
-        self.value_head_dim = v = config.v_dim
+        super().__init__(config)
+        h, k, v = self.n_heads, self.head_dim, self.value_head_dim
         self.rope_theta = config.rope_theta
-        self.backend = config.backend
         self.recurrence = recurrence("ssd", backend=config.backend, fixed_decay=retention_decay)
         d = config.dim
         self.q_proj, self.k_proj = linear(d, h * k), linear(d, h * k)
