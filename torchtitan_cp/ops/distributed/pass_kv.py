@@ -89,10 +89,14 @@ def math_pair_attention(
 ) -> tuple[Tensor, Tensor]:
     """Plain-PyTorch pair kernel (the CPU path): float32 (float64 for float64 inputs) scores,
     queries in blocks so the mask stays bounded. Returns ``o`` and ``lse`` in that dtype."""
-    B, Hq, Tq, _ = q.shape
+    B, Hq, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     acc = _acc_dtype(q.dtype)
-    qg = q.reshape(B, Hkv, Hq // Hkv, Tq, -1).to(acc)  # q head h reads kv head h // (Hq/Hkv)
+    if Tq == 0 or Tk == 0:  # nothing to attend: zero output, -inf lse (still differentiable)
+        dep = 0 * (q.sum() + k.sum() + v.sum()).to(acc)
+        o = q.new_zeros(B, Hq, Tq, Dv, dtype=acc) + dep
+        return o, torch.full((B, Hq, Tq), float("-inf"), dtype=acc, device=q.device) + dep
+    qg = q.reshape(B, Hkv, Hq // Hkv, Tq, D).to(acc)  # q head h reads kv head h // (Hq/Hkv)
     kt = k.to(acc).unsqueeze(2).transpose(-1, -2)
     va = v.to(acc).unsqueeze(2)
     block = max(1, min(Tq, _MASK_ELEMENTS // max(Tk, 1)))
@@ -213,10 +217,13 @@ class _Posted:
         self.recv, self._recv_work, self._send_work = recv, recv_work, send_work
 
     def received(self) -> Tensor | None:
+        """Wait for the receive and hand its buffer over (the caller's is the last reference,
+        so dropping it frees the buffer)."""
         for w in self._recv_work:
             w.wait()
         self._recv_work = []
-        return self.recv
+        buf, self.recv = self.recv, None
+        return buf
 
     def sent(self) -> None:
         for w in self._send_work:
@@ -339,6 +346,8 @@ def _block_grads(
     ``w * dO`` for ``o_b`` and ``w * (<dO, o_b> - <dO, O>)`` for ``lse_b`` (``w = exp(lse_b -
     lse)``); autograd through the kernel turns them into the block's dq, dk, dv (the same as
     the flash-attention backward with the global lse)."""
+    if q.shape[2] == 0 or rows.shape[0] == 0:  # a rank without tokens
+        return torch.zeros_like(q, dtype=lse.dtype), torch.zeros_like(rows)
     with torch.enable_grad():
         q_ = q.detach().requires_grad_(True)
         kv_ = rows.detach().requires_grad_(True)
