@@ -240,6 +240,34 @@ def test_flex_pair_kernel_matches_the_math_kernel(dtype):
     assert (lse_m[..., ~none] - lse_f[..., ~none]).abs().max().item() <= tol
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention has no CPU backward")
+def test_flex_pair_kernel_block_gradients_match_the_math_kernel_on_cuda():
+    """The backward's per-block step (cotangents of the merged output through the kernel's
+    (o, lse)) with flex on CUDA, against the math kernel: dq and the packed dk|dv."""
+    from torchtitan_cp.ops.distributed.pass_kv import PairKernelCall, _block_grads
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    tq, tk, dk, dv = 200, 300, 16, 8
+    q_tok = torch.arange(tq, device="cuda") + 150
+    k_tok = torch.arange(tk, device="cuda")
+    q_doc, k_doc = (q_tok >= 220).long(), (k_tok >= 220).long()
+    mask = PairMask(q_tok, q_doc, k_tok, k_doc)
+    q = torch.randn(1, 4, tq, dk, device="cuda", generator=gen)
+    rows = torch.randn(tk, 1, 2, dk + dv, device="cuda", generator=gen)
+    do = torch.randn(1, 4, tq, dv, device="cuda", generator=gen)
+    k, v = rows[..., :dk].permute(1, 2, 0, 3), rows[..., dk:].permute(1, 2, 0, 3)
+    o_b, lse_b = math_pair_attention(q, k, v, mask, 0.25)
+    lse = torch.logaddexp(lse_b, torch.randn(lse_b.shape, device="cuda", generator=gen))
+    out = torch.exp(lse_b - lse).unsqueeze(-1) * o_b  # the merged output, other block's o = 0
+    delta = (do * out).sum(-1)
+    grads = {
+        name: _block_grads(PairKernelCall(kernel, 0.25, dk), q, rows, mask, do, lse, delta)
+        for name, kernel in (("math", math_pair_attention), ("flex", flex_pair_attention))
+    }
+    for a, b in zip(grads["math"], grads["flex"], strict=True):
+        assert (a - b).abs().max().item() <= 2e-4
+
+
 def test_attention_cp_config_errors_name_the_key(tmp_path):
     from torchtitan_cp.train import load_config
 

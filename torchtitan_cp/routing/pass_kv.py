@@ -320,13 +320,17 @@ class PassKVSchedule:
             parts = []
             if rd.recv_from >= 0:
                 parts.append(
-                    f"recv rows {list(rd.recv_rows)} of rank {rd.recv_from} for queries "
-                    f"{list(rd.query_rows)}"
+                    f"recv rows {_rows(rd.recv_rows)} of rank {rd.recv_from} for queries "
+                    f"{_rows(rd.query_rows)}"
                 )
             if rd.send_to >= 0:
-                parts.append(f"send rows {list(rd.send_rows)} to rank {rd.send_to}")
+                parts.append(f"send rows {_rows(rd.send_rows)} to rank {rd.send_to}")
             lines.append(f"  round {rd.shift}: " + ("; ".join(parts) or "idle"))
         return "\n".join(lines)
+
+
+def _rows(rows: tuple[int, int]) -> str:
+    return f"[{rows[0]}, {rows[1]})"
 
 
 @dataclass(frozen=True, eq=False)

@@ -193,6 +193,16 @@ class PassKVTrace:
 
 
 @dataclass
+class PairKernelCall:
+    """What a block's gradient needs besides the tensors: the kernel, its scale and the key
+    width ``dk`` of the packed ``[k | v]`` rows (``_Call`` carries the same)."""
+
+    kernel: PairKernel
+    scale: float
+    dk: int
+
+
+@dataclass
 class _Call:
     """Everything one call needs besides the tensors (held by the autograd node)."""
 
@@ -332,7 +342,7 @@ def _forward(call: _Call, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _block_grads(
-    call: _Call,
+    call: _Call | PairKernelCall,
     q: Tensor,
     rows: Tensor,
     mask: PairMask,
