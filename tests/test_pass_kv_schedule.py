@@ -109,6 +109,8 @@ def test_pairs_and_visiting_ids_match_the_token_oracle(name, cu, table):
             heard = any((r, (r - s) % world) in want for r in range(world))
             assert (s in pairs.shifts) == heard, (name, s)
         assert [rd.shift for rd in sched.rounds] == list(pairs.shifts)
+        visit_tok, visit_doc = sched.visit_ids()
+        assert visit_tok.numel() == sched.num_visiting == sum(rd.num_recv for rd in sched.rounds)
         for rd in sched.rounds:
             src, dst = (rank - rd.shift) % world, (rank + rd.shift) % world
             assert rd.recv_from == (src if (rank, src) in want else -1)
@@ -116,8 +118,8 @@ def test_pairs_and_visiting_ids_match_the_token_oracle(name, cu, table):
             if rd.recv_from >= 0:  # the ids of the rows that arrive, from the sender's span
                 a, b = rd.recv_rows
                 sl = slice(rd.visit_offset, rd.visit_offset + b - a)
-                assert sched.visit_token_ids[sl].tolist() == spans[src][a:b]
-                assert sched.visit_doc_ids[sl].tolist() == [
+                assert visit_tok[sl].tolist() == spans[src][a:b]
+                assert visit_doc[sl].tolist() == [
                     bisect.bisect_right(cu, t) - 1 for t in spans[src][a:b]
                 ]
 

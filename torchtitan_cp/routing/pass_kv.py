@@ -32,7 +32,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DevicePassKV", "PassKVPairs", "PassKVRound", "PassKVSchedule", "pass_kv_pairs"]
+__all__ = [
+    "DevicePassKV",
+    "PassKVPairs",
+    "PassKVRound",
+    "PassKVSchedule",
+    "expand_segments",
+    "pass_kv_pairs",
+]
 
 _I64 = torch.int64
 
@@ -43,7 +50,7 @@ class PassKVRound:
 
     ``recv_from``: the rank whose keys arrive (``-1``: none), ``recv_rows`` their rows in *its*
     span, ``query_rows`` the rows of this rank's span that attend to them, ``visit_offset``
-    where their ids start in ``PassKVSchedule.visit_token_ids``. ``send_to``: the rank this
+    where its rows start among the schedule's received rows. ``send_to``: the rank this
     rank's ``send_rows`` go to (``-1``: none).
     """
 
@@ -104,16 +111,24 @@ class PassKVPairs:
             out.append(PassKVRound(**rd))
         return tuple(out)
 
-    def ids(self, owner_rows: list[tuple[int, int, int]]) -> tuple[Tensor, Tensor]:
-        """Global token ids and document ids ``[sum of lengths]`` of the span rows
-        ``(owner, start, stop)``, concatenated in the given order."""
-        lengths = torch.tensor([b - a for _, a, b in owner_rows], dtype=_I64)
-        firsts = torch.tensor([o * self._stride + a for o, a, _ in owner_rows], dtype=_I64)
-        total = int(lengths.sum()) if owner_rows else 0
-        excl = torch.cumsum(lengths, 0) - lengths
-        pos = torch.repeat_interleave(firsts - excl, lengths) + torch.arange(total, dtype=_I64)
-        piece = torch.searchsorted(self._piece_key, pos, right=True) - 1
-        return self._piece_start[piece] + pos - self._piece_key[piece], self._piece_doc[piece]
+    def segments(self, owner_rows: list[tuple[int, int, int]]) -> Tensor:
+        """The span rows ``(owner, start, stop)``, concatenated in the given order, as runs of
+        consecutive global tokens of one document: ``[3, S]`` int64 (first token id, length,
+        document). Work is per request and piece (subsequence), never per row."""
+        parts = []
+        for owner, a, b in owner_rows:
+            if b <= a:
+                continue
+            base = owner * self._stride
+            lo, hi = torch.searchsorted(
+                self._piece_key, torch.tensor([base + a, base + b - 1]), right=True
+            ).tolist()
+            first = self._piece_key[lo - 1 : hi] - base  # span rows of the pieces it touches
+            seg_a = first.clamp(min=a)
+            seg_b = torch.cat([first[1:], torch.tensor([b])]).clamp(max=b)
+            start = self._piece_start[lo - 1 : hi] + seg_a - first
+            parts.append(torch.stack([start, seg_b - seg_a, self._piece_doc[lo - 1 : hi]]))
+        return torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=_I64)
 
     def traffic(self, rank: int) -> dict[str, int]:
         """Rows of K/V (one row = one token's keys and values) that ``rank`` moves and holds,
@@ -267,17 +282,29 @@ def pass_kv_pairs(
     )
 
 
+def expand_segments(segments: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """Token ids and document ids ``[total]`` of ``segments [3, S]`` (first token id, length,
+    document), on the segments' device; ``total`` (their summed length, a host int) keeps
+    ``repeat_interleave`` from reading the lengths back."""
+    start, n, doc = segments
+    excl = torch.cumsum(n, 0) - n
+    tok = torch.repeat_interleave(start - excl, n, output_size=total)
+    tok += torch.arange(total, dtype=_I64, device=segments.device)
+    return tok, torch.repeat_interleave(doc, n, output_size=total)
+
+
 @dataclass(frozen=True, eq=False)
 class PassKVSchedule:
     """One rank's pass-KV schedule: the layout's ``pairs``, this rank's ``rounds`` (one per
-    ``pairs.shifts``) and the global token / document ids ``[Nv]`` of every received row, in
-    round order (the per-pair masks are built from them and the local ids)."""
+    ``pairs.shifts``) and the received rows as ``visit_segments [3, S]`` (runs of consecutive
+    tokens of one document, in round order: first token id, length, document) over
+    ``num_visiting`` rows; the per-pair masks are built from their ids and the local ones."""
 
     rank: int
     pairs: PassKVPairs
     rounds: tuple[PassKVRound, ...]
-    visit_token_ids: Tensor
-    visit_doc_ids: Tensor
+    visit_segments: Tensor
+    num_visiting: int
 
     @property
     def world_size(self) -> int:
@@ -296,20 +323,24 @@ class PassKVSchedule:
             if rd.recv_from >= 0:
                 wanted.append((rd.recv_from, *rd.recv_rows))
                 offset += rd.num_recv
-        tok, doc = pairs.ids(wanted)
-        return cls(rank, pairs, tuple(placed), tok, doc)
+        return cls(rank, pairs, tuple(placed), pairs.segments(wanted), offset)
+
+    def visit_ids(self) -> tuple[Tensor, Tensor]:
+        """Global token ids and document ids ``[num_visiting]`` of the received rows (host)."""
+        return expand_segments(self.visit_segments, self.num_visiting)
 
     def to_device(
         self, device: torch.device | str, token_ids: Tensor, doc_ids: Tensor
     ) -> DevicePassKV:
         """The device half for one microbatch: ``token_ids`` / ``doc_ids`` ``[T_local]`` are this
-        rank's own (``SequenceContext``'s, on ``device``); the visiting ids are copied once
-        (pinned, non-blocking on CUDA)."""
-        ids = torch.stack([self.visit_token_ids, self.visit_doc_ids])
+        rank's own (``SequenceContext``'s, on ``device``); the visiting rows' ids are expanded
+        on the device from the segments (one small non-blocking copy, no host sync)."""
+        segments = self.visit_segments
         if torch.device(device).type == "cuda":
-            ids = ids.pin_memory()
-        ids = ids.to(device, non_blocking=True)
-        return DevicePassKV(self, token_ids, doc_ids, ids[0], ids[1])
+            segments = segments.pin_memory()
+        segments = segments.to(device, non_blocking=True, copy=True)
+        tok, doc = expand_segments(segments, self.num_visiting)
+        return DevicePassKV(self, token_ids, doc_ids, tok, doc)
 
     def describe(self) -> str:
         """Human-readable rounds of this rank (``routing explain`` and the docs)."""
