@@ -213,7 +213,12 @@ def test_plan_cache_hits_reuse_the_schedule():
     again = pre(tokens, tokens, positions, HostMetadata(positions.clone()))[3].pass_kv
     assert first is not None and again is not None
     assert again.schedule is first.schedule and again is not first  # fresh device ids per batch
-    # Without CP, or on the all-gather path, no schedule travels with the context.
+    # Flex layers under pass-KV build per-pair masks: no CP-sharded BlockMask (and no mesh).
+    flex = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="headtail", cp_rank=0,
+                                cp_world_size=2, attention_cp="pass_kv", flex_attention=True)  # fmt: skip
+    ctx = flex(tokens, tokens, positions, HostMetadata(positions.clone()))[3]
+    assert ctx.block_mask is None and ctx.pass_kv is not None
+    # Without CP no schedule travels with the context.
     solo = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="headtail",
                                 attention_cp="pass_kv")  # fmt: skip
     assert solo(tokens, tokens, positions, HostMetadata(positions.clone()))[3].pass_kv is None

@@ -18,7 +18,8 @@ Callers that bring no host metadata fall back to ``device_readback`` with one wa
 
 With ``flex_attention=True`` (the model's attention runs flex, i.e. on CUDA) the context also
 carries this rank's document ``BlockMask``, sharded by the layout's own rearrange index and built
-from the same source's positions.
+from the same source's positions. With ``attention_cp="pass_kv"`` under CP it carries the plan's
+pass-KV schedule instead (``SequenceContext.pass_kv``; the layers build per-pair masks).
 """
 
 from __future__ import annotations
