@@ -218,6 +218,15 @@ def explicit_layout_4() -> Layout:
     return cu, table
 
 
+def doc_ids_of(cu: list[int], tokens: list[int]) -> Any:
+    """int64 tensor of the document (index into ``cu``) of every global token id in ``tokens``."""
+    import bisect
+
+    import torch
+
+    return torch.tensor([bisect.bisect_right(cu, t) - 1 for t in tokens], dtype=torch.int64)
+
+
 def span_index(fragments: list[tuple[int, int]]) -> list[int]:
     """Global token ids of a rank's span, in span order."""
     return [t for a, b in fragments for t in range(a, b)]

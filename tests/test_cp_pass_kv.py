@@ -11,11 +11,10 @@ tests/test_cp_attention.py checks against SDPA with an explicit block-causal mas
 
 from __future__ import annotations
 
-import bisect
-
 import pytest
 import torch
 from dist_utils import (
+    doc_ids_of,
     empty_rank_layout,
     explicit_layout_4,
     max_abs,
@@ -58,10 +57,6 @@ def _layouts(world: int):
     return cases
 
 
-def _doc_ids(cu: list[int], tokens: list[int]) -> torch.Tensor:
-    return torch.tensor([bisect.bisect_right(cu, t) - 1 for t in tokens], dtype=torch.int64)
-
-
 def _tensors(batch: int, total: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator().manual_seed(seed)
     shapes = [(batch, total, HQ, DK), (batch, total, HKV, DK), (batch, total, HKV, DV),
@@ -74,7 +69,7 @@ def _schedule(cu, table, rank):
 
     span = torch.tensor(span_index(table[rank]), dtype=torch.int64)
     sched = RoutingPlan.build(cu, table, rank).pass_kv
-    return span, sched.to_device("cpu", span, _doc_ids(cu, span.tolist()))
+    return span, sched.to_device("cpu", span, doc_ids_of(cu, span.tolist()))
 
 
 def _check(rank, group, name, cu, table, dtype, batch, seed) -> float:
@@ -84,7 +79,7 @@ def _check(rank, group, name, cu, table, dtype, batch, seed) -> float:
     q, k, v, d_o = _tensors(batch, total, dtype, seed)
     ref = [x.clone().requires_grad_(True) for x in (q, k, v)]
     o_ref = context_parallel_attention(
-        *ref, token_ids=torch.arange(total), doc_ids=_doc_ids(cu, list(range(total))), group=None
+        *ref, token_ids=torch.arange(total), doc_ids=doc_ids_of(cu, list(range(total))), group=None
     )
     (o_ref * d_o).sum().backward()
 
