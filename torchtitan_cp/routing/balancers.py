@@ -179,14 +179,7 @@ class Contiguous(LoadBalancer):
     name: ClassVar[str] = "contiguous"
     depends_on_documents: ClassVar[bool] = False
 
-    def _indices(
-        self,
-        positions: Tensor,
-        world: int,
-        device: torch.device | str,
-        *,
-        cu_seqlens: Tensor | None = None,
-    ) -> None:
+    def _indices(self, positions, world, device, *, cu_seqlens=None) -> None:  # see the base
         return None
 
     def runs_per_row(self, seq_len: int, world: int) -> int:
@@ -204,14 +197,7 @@ class HeadTail(LoadBalancer):
     def multiple(self, world: int) -> tuple[int, str]:
         return 2 * world, f"2 x {WORLD_KEY} ({world})"
 
-    def _indices(
-        self,
-        positions: Tensor,
-        world: int,
-        device: torch.device | str,
-        *,
-        cu_seqlens: Tensor | None = None,
-    ) -> Tensor:
+    def _indices(self, positions, world, device, *, cu_seqlens=None) -> Tensor:  # see the base
         return _HeadTailLoadBalancer(positions.shape[1], world, device)._generate_indices()
 
     def runs_per_row(self, seq_len: int, world: int) -> int:
@@ -250,14 +236,7 @@ class PTRR(LoadBalancer):
             f"ptrr_block_size x {WORLD_KEY} ({self.block_size} x {world})",
         )
 
-    def _indices(
-        self,
-        positions: Tensor,
-        world: int,
-        device: torch.device | str,
-        *,
-        cu_seqlens: Tensor | None = None,
-    ) -> Tensor:
+    def _indices(self, positions, world, device, *, cu_seqlens=None) -> Tensor:  # see the base
         bsz, seqlen = positions.shape
         if cu_seqlens is not None:  # host: one search per block in the document boundaries
             starts = block_document_starts(cu_seqlens, bsz, seqlen, self.block_size)
