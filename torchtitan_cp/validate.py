@@ -22,6 +22,17 @@ from torchtitan_cp.routing import get_balancer
 __all__ = ["parse_nnodes", "parse_nproc", "validate"]
 
 
+def _whole_number(text: str, what: str, meaning: str) -> int:
+    """``text`` as a whole number >= 1, else a ConfigError naming ``what`` and its ``meaning``."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != text.strip():
+        raise ConfigError(f"{what} must be a whole number >= 1 ({meaning}), got {text!r}")
+    return n
+
+
 def parse_nproc(text: str, *, device_type: str) -> int:
     """``NPROC`` as train.sh passes it: a whole number >= 1, or ``auto`` (one process per GPU,
     else 2 on CPU)."""
@@ -31,24 +42,12 @@ def parse_nproc(text: str, *, device_type: str) -> int:
 
             return torch.cuda.device_count()
         return 2
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1 or str(n) != text.strip():
-        raise ConfigError(f"NPROC must be a whole number >= 1 (processes to start), got {text!r}")
-    return n
+    return _whole_number(text, "NPROC", "processes to start")
 
 
 def parse_nnodes(text: str) -> int:
     """``NNODES`` as train.sh passes it: a whole number >= 1 (machines in the run)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1 or str(n) != text.strip():
-        raise ConfigError(f"NNODES must be a whole number >= 1 (machines in the run), got {text!r}")
-    return n
+    return _whole_number(text, "NNODES", "machines in the run")
 
 
 def _need(ok: bool, message: str) -> None:
