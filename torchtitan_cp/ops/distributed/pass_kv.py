@@ -265,7 +265,11 @@ def _post(
             call.trace.messages.append(("recv", kind, peer, buf.numel() * buf.element_size()))
             call.trace.buffer(buf, "kv" if kind == "kv" else "grad_in")
     works = dist.batch_isend_irecv(ops) if ops else []
-    return _Posted(buf, works[n_send:], works[:n_send])
+    if len(works) != len(ops):
+        # A coalescing backend (NCCL) returns one work for the whole batch: the receive is
+        # complete only when that work is (waiting on it orders NCCL's stream, not the host).
+        return _Posted(buf, works, works)
+    return _Posted(buf, works[n_send:], works[:n_send])  # gloo: one work per op
 
 
 def _post_kv(call: _Call, kv: Tensor, j: int) -> _Posted | None:
@@ -316,9 +320,14 @@ def _forward(call: _Call, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
     acc = _acc_dtype(q.dtype)
     pending = _post_kv(call, kv, 0)  # the first exchange runs during the own block
     k, v = _heads(kv, call.dk)
-    _compute(call, "forward", -1)
-    o, lse = call.kernel(q, k, v, call.own_mask, call.scale)
-    out, lse = o.to(acc), lse.to(acc)
+    if q.shape[2] == 0:  # a rank without tokens: nothing to compute (its rounds are idle)
+        B, Hq, _, _ = q.shape
+        out = q.new_zeros(B, Hq, 0, v.shape[-1], dtype=acc)
+        lse = q.new_zeros(B, Hq, 0, dtype=acc)
+    else:
+        _compute(call, "forward", -1)
+        o, lse = call.kernel(q, k, v, call.own_mask, call.scale)
+        out, lse = o.to(acc), lse.to(acc)
     for j, rd in enumerate(call.rounds):
         nxt = _post_kv(call, kv, j + 1)  # in flight while this round computes
         assert pending is not None
@@ -377,7 +386,8 @@ def _backward(
     do = d_out.to(acc)
     delta = (do * out.to(acc)).sum(-1)  # <dO, O> per query
     pending = _post_kv(call, kv, 0)
-    _compute(call, "backward", -1)
+    if q.shape[2]:
+        _compute(call, "backward", -1)
     dq, dkv_own = _block_grads(call, q, kv, call.own_mask, do, lse, delta)
     dq, dkv = dq.to(acc), dkv_own.to(acc)
     del dkv_own
