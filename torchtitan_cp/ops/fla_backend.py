@@ -11,15 +11,36 @@ metadata"); without them fla builds its own (a blocking host-to-device copy per 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["FLA_CHUNK_SIZE", "causal_conv1d_fla", "chunk_delta_rule_fla"]
+__all__ = [
+    "FLA_CHUNK_SIZE",
+    "causal_conv1d_fla",
+    "chunk_delta_rule_fla",
+    "triton_interpreter_on",
+]
 
 # Tokens per chunk of fla-core 0.6.0's chunk_kda, chunk_gated_delta_rule and causal_conv1d
 # (each one's default; the adapters never pass another). Routing tables must use it.
 FLA_CHUNK_SIZE = 64
+
+
+@torch.compiler.assume_constant_result  # read while dynamo traces: a constant, not a graph
+def triton_interpreter_on() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET=1``): fla's kernels then run on CPU
+    tensors, in numpy, far too slowly to train. Only the ``fla_interpreter`` test tier turns it
+    on (tests/fla_interpreter.py); a normal CPU run refuses ``backend='fla'``."""
+    if os.environ.get("TRITON_INTERPRET") is None:
+        return False  # the common case, without importing triton
+    try:
+        from triton import knobs
+    except Exception:  # no triton, or one that does not import: no interpreter either
+        return False
+    return bool(knobs.runtime.interpret)
 
 
 def _device_cu_seqlens(
