@@ -21,12 +21,21 @@ __all__ = [
     "FLA_CHUNK_SIZE",
     "causal_conv1d_fla",
     "chunk_delta_rule_fla",
+    "contiguous",
     "triton_interpreter_on",
 ]
 
 # Tokens per chunk of fla-core 0.6.0's chunk_kda, chunk_gated_delta_rule and causal_conv1d
 # (each one's default; the adapters never pass another). Routing tables must use it.
 FLA_CHUNK_SIZE = 64
+
+
+def contiguous(*xs: Tensor | None) -> list:
+    """Each tensor made contiguous (None stays None), for every call below fla's public
+    functions: its internal ones (``chunk_kda_bwd``, ``chunk_gated_delta_rule_bwd``, ...) index
+    rows with fixed strides, and only the public ones make inputs contiguous. Our inputs can be
+    views (v is a split of the conv output) and cotangents expanded (stride 0)."""
+    return [x.contiguous() if x is not None else None for x in xs]
 
 
 @torch.compiler.assume_constant_result  # read while dynamo traces: a constant, not a graph
