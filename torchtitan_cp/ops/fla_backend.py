@@ -1,4 +1,5 @@
-"""Thin adapters from our local-kernel signatures to fla-core's Triton kernels (CUDA only).
+"""Thin adapters from our local-kernel signatures to fla-core's Triton kernels (CUDA; CPU tensors
+only under Triton's interpreter, in the fla_interpreter test tier).
 
 fla is imported inside the functions, so importing this module (or ``ops.local``) on a CPU-only
 machine never loads Triton kernels.
