@@ -16,6 +16,7 @@ import collections
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import importlib.util
 import os
 import sys
 import warnings
@@ -66,7 +67,7 @@ def _unavailable() -> str | None:
     try:
         version = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
-        return "triton is not installed (the fla interpreter tier needs triton==3.8.0)"
+        return f"triton is not installed (the fla interpreter tier needs triton=={TRITON_VERSION})"
     if version != TRITON_VERSION:
         return f"triton {version} is installed; the fla interpreter tier is written for {TRITON_VERSION}"
     if importlib.util.find_spec("fla") is None:
