@@ -405,12 +405,16 @@ class HybridTrainer(Trainer):
 
     def _routing_metrics(self, prefix: str) -> dict[str, Any]:
         """Routing counters since the last call; readbacks and build time are the worst rank's
-        (a collective: every rank calls this at the same log step)."""
+        (a collective: every rank calls this at the same log step). On the training device: on
+        CUDA the default group is NCCL only, which has no CPU backend."""
         stats = self.sequence.stats.take()
         cache = self.sequence.cache.stats()
-        local = torch.tensor([stats["readbacks"], stats["build_ms"]], dtype=torch.float64)
+        local = torch.tensor(
+            [stats["readbacks"], stats["build_ms"]], dtype=torch.float64, device=self.device
+        )
         if dist.is_initialized():
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        local = local.cpu()  # one copy for both values (a log step synchronises anyway)
         return {
             f"{prefix}/source": stats["source"],
             f"{prefix}/microbatches": stats["microbatches"],
