@@ -1,7 +1,7 @@
 """Attention under CP: K/V memory and traffic per rank, all-gather vs pass-KV, and CPU step time.
 
 Memory and traffic come from shapes alone: the pass-KV numbers are the schedule's own count
-(``PassKVPairs.traffic``, the order of work of ``ops/distributed/pass_kv.py``), which
+(``PassKVPairs.traffic``, the order of work of ``ops/attention/pass_kv.py``), which
 tests/test_cp_pass_kv.py checks byte for byte against a real run (messages posted, visiting
 buffers alive); the all-gather numbers are the sizes of its collectives. One row of ``T`` tokens,
 head-tail (the default balancer) or contiguous, documents with exponentially distributed lengths
@@ -147,9 +147,9 @@ def _step_worker(rank: int, world: int, port: int, args: argparse.Namespace, que
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from torchtitan_cp.host_metadata import HostMetadata
+    from torchtitan_cp.data.host_metadata import HostMetadata
     from torchtitan_cp.models import model_config
-    from torchtitan_cp.sequence import SequencePreprocessor
+    from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)  # fmt: skip

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from torchtitan_cp.ops.local import causal_conv1d, chunk_delta_rule
+from torchtitan_cp.ops.delta_rule.local import causal_conv1d, chunk_delta_rule
 
 # name -> (H, K = V, document lengths); T = sum of the lengths.
 SIZES = {

@@ -24,13 +24,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed.checkpoint as dcp
 
-    from torchtitan_cp import platform
+    from torchtitan_cp import compat
 
-    platform.apply()
-    from torchtitan_cp.config import ConfigError
-    from torchtitan_cp.hf import check_hf_folder, write_hf_folder
+    compat.apply()
     from torchtitan_cp.models import recipe_model_spec
+    from torchtitan_cp.models.qwen35.hf import check_hf_folder, write_hf_folder
     from torchtitan_cp.train import load_config
+    from torchtitan_cp.trainer.config import ConfigError
 
     try:
         config = load_config(rest)

@@ -25,9 +25,9 @@ import traceback
 
 import torch
 
-from torchtitan_cp.host_metadata import HostMetadata
+from torchtitan_cp.data.host_metadata import HostMetadata
 from torchtitan_cp.models import model_config
-from torchtitan_cp.sequence import SequencePreprocessor
+from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
 
 def packed_batch(gen: torch.Generator, bsz: int, seqlen: int, vocab: int, mean_doc: int):
@@ -65,7 +65,7 @@ class Step:
         if compile_backend is not None:
             # What parallelize does for --compile.enable: fixed routing shapes, every block
             # compiled on its own with fullgraph=True.
-            from torchtitan_cp.compile import routing_caps
+            from torchtitan_cp.trainer.compile import routing_caps
 
             caps = routing_caps(
                 load_balancer="headtail", batch_size=args.batch, seq_len=args.seq_len,
@@ -105,7 +105,9 @@ def sync_site(exc: BaseException) -> str:
     if f is None:
         return "?"
     parts = f.filename.replace("\\", "/").split("/")
-    return f"{'/'.join(parts[-3:])}:{f.lineno} {f.name}"
+    # From the package root on (our modules nest up to ops/<family>/), else the last three parts.
+    root = next((i for i in range(len(parts) - 1, -1, -1) if parts[i] == "torchtitan_cp"), None)
+    return f"{'/'.join(parts[-3:] if root is None else parts[root:])}:{f.lineno} {f.name}"
 
 
 def sync_check(args, gen) -> dict[str, str]:
@@ -223,7 +225,7 @@ def kernel_accuracy(args, gen) -> list[dict]:
 
 def compile_timing(args, gen) -> dict[str, dict[str, float]]:
     """Host-path step time eager vs compiled (same batches), compile time, later recompiles."""
-    from torchtitan_cp.compile import compile_counters
+    from torchtitan_cp.trainer.compile import compile_counters
 
     cuda = args.device == "cuda"
     batches = [

@@ -15,7 +15,7 @@ import importlib
 import sys
 
 CUDA_PATH_IMPORTS: tuple[str, ...] = (
-    # fla-core 0.6.0 entry points (torchtitan_cp/ops/fla_backend.py) and the helpers they load
+    # fla-core 0.6.0 entry points (torchtitan_cp/ops/delta_rule/fla_kernel.py) and the helpers they load
     "fla.ops.kda:chunk_kda",
     "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
     "fla.modules.causal_conv1d:causal_conv1d",
@@ -29,17 +29,17 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     # the project below the trainer
     "torchtitan_cp.routing:host_layout",
     "torchtitan_cp.ops:chunk_delta_rule",
-    "torchtitan_cp.ops.fla_backend:chunk_delta_rule_fla",
-    "torchtitan_cp.ops.fla_backend:causal_conv1d_fla",
+    "torchtitan_cp.ops.delta_rule.fla_kernel:chunk_delta_rule_fla",
+    "torchtitan_cp.ops.delta_rule.fla_kernel:causal_conv1d_fla",
     "torchtitan_cp.ops.fla_compat:chunk_kda_indexed",
-    "torchtitan_cp.ops.opaque:delta_rule_fla_op",  # torch.compile's custom ops
-    "torchtitan_cp.ops.recurrence:recurrence",
-    "torchtitan_cp.ops.ssd:chunk_ssd",
-    "torchtitan_cp.models.mamba2",
-    "torchtitan_cp.compile:routing_caps",
+    "torchtitan_cp.ops.delta_rule.custom_ops:delta_rule_fla_op",  # torch.compile's custom ops
+    "torchtitan_cp.ops.cp.recurrence:recurrence",
+    "torchtitan_cp.ops.ssd.recurrence:chunk_ssd",
+    "torchtitan_cp.models.mixers.mamba2",
+    "torchtitan_cp.trainer.compile:routing_caps",
     "torchtitan_cp.models:model_config",
-    "torchtitan_cp.host_metadata:HostMetadata",
-    "torchtitan_cp.sequence:SequencePreprocessor",
+    "torchtitan_cp.data.host_metadata:HostMetadata",
+    "torchtitan_cp.trainer.sequence:SequencePreprocessor",
     # the runner of gpu_check.sh's CUDA-only tests (which need nothing else)
     "pytest",
 )
@@ -51,11 +51,11 @@ def check(
     """The first problem as one line, or None when all of ``imports`` load: torch (the
     installed one, or ``torch_version``) below the floor of the code under the trainer, then
     the first failing import."""
-    from torchtitan_cp import platform
+    from torchtitan_cp import compat
 
     try:
-        platform.require_torch(platform.LIBRARY_TORCH_FLOOR, "the CUDA path", torch_version)
-    except platform.TorchVersionError as e:
+        compat.require_torch(compat.LIBRARY_TORCH_FLOOR, "the CUDA path", torch_version)
+    except compat.TorchVersionError as e:
         return str(e)
     for entry in imports:
         module_name, _, attr = entry.partition(":")

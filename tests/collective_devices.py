@@ -130,7 +130,7 @@ def _group_name(args: tuple) -> str | None:
 
 
 def _control_group_name() -> str | None:
-    from torchtitan_cp import checkpoint
+    from torchtitan_cp.run import checkpoint
 
     pg = checkpoint._CONTROL_GROUP
     return pg.group_name if pg is not None else None

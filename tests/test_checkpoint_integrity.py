@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import flip
 from tests.launch import run_module, run_python
-from torchtitan_cp.checkpoint import (
+from torchtitan_cp.run.checkpoint import (
     MANIFEST,
     CheckpointError,
     HybridCheckpointManager,
@@ -21,8 +21,8 @@ from torchtitan_cp.checkpoint import (
     plan_resume,
     write_manifest,
 )
-from torchtitan_cp.run_lock import RunError, RunLock
-from torchtitan_cp.runs import read_rows, supersede_rows
+from torchtitan_cp.run.lock import RunError, RunLock
+from torchtitan_cp.run.start import read_rows, supersede_rows
 
 
 def make_step(folder: Path, step: int, *, sealed: bool = True, run_id: str = "run-a") -> Path:
@@ -168,7 +168,7 @@ def test_run_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path):
     second.release()
     # A holder that died (here: a child that exits holding the lock) leaves its record behind.
     code = (
-        "import sys; from torchtitan_cp.run_lock import RunLock; "
+        "import sys; from torchtitan_cp.run.lock import RunLock; "
         f"RunLock({str(tmp_path)!r}).acquire('run-dead', 'then'); sys.exit(0)"
     )
     run_python(code, check=True)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from collective_devices import Tracker
 
 from tests.dist_utils import free_port
-from torchtitan_cp.ops.distributed.collectives import _funcol_all_gather
+from torchtitan_cp.ops.cp.collectives import _funcol_all_gather
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def world_of_one():
 
 
 def test_tracker_flags_host_tensors_outside_the_control_group(world_of_one, monkeypatch):
-    from torchtitan_cp import checkpoint
+    from torchtitan_cp.run import checkpoint
 
     monkeypatch.setattr(checkpoint, "_CONTROL_GROUP", None)
     control = checkpoint.control_group()
@@ -73,6 +73,6 @@ def test_trainer_collectives_use_the_training_device(tmp_path):
         callers = " ".join(report["calls"])
         # Checked: the routing metrics' reduction, the CP layers' gathers, FSDP's gradient
         # reduce-scatter (in torchtitan's forward-backward), the loss metrics' reduction.
-        for caller in ("_routing_metrics", "ops/distributed/collectives.py",
+        for caller in ("_routing_metrics", "ops/cp/collectives.py",
                        "_reduce_scatter_base_ @ torchtitan/trainer.py", "_dist_reduce_tensor"):  # fmt: skip
             assert caller in callers, (caller, sorted(report["calls"]))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.launch import REPO, run_module
-from torchtitan_cp.config import ConfigError
 from torchtitan_cp.train import load_config
+from torchtitan_cp.trainer.config import ConfigError
 
 
 def write(tmp_path, text: str):

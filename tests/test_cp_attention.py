@@ -130,7 +130,7 @@ def test_cp_attention_matches_unsharded() -> None:
 
 def test_query_blocks_give_the_unblocked_result(monkeypatch: pytest.MonkeyPatch) -> None:
     """Long spans run in query blocks (bounded mask memory); blocks must not change anything."""
-    import torchtitan_cp.ops.distributed.attention as attention
+    import torchtitan_cp.ops.attention.sdpa as attention
 
     gen = torch.Generator().manual_seed(3)
     T, Hq, Hkv, D = 50, 4, 2, 8

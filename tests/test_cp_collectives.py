@@ -6,7 +6,7 @@ import pytest
 import torch
 from dist_utils import ChildFailure, run_distributed
 
-from torchtitan_cp.ops.distributed.collectives import all_gather_autograd, all_gather_plain
+from torchtitan_cp.ops.cp.collectives import all_gather_autograd, all_gather_plain
 
 pytestmark = pytest.mark.slow
 

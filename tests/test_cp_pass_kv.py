@@ -1,4 +1,4 @@
-"""Pass-KV attention (ops/distributed/pass_kv.py) on 2, 3 and 4 gloo ranks against unsharded
+"""Pass-KV attention (ops/attention/pass_kv.py) on 2, 3 and 4 gloo ranks against unsharded
 attention: outputs and q/k/v gradients, float64 within 1e-10 and float32 within 2e-5, GQA, on
 contiguous, head-tail, PTRR and random tables, one document over every rank, many short
 documents, one-token documents and an empty rank. In the same spawn: the exchanges and kernel
@@ -101,8 +101,7 @@ def _counted_run(rank, group, cu, table, monkeypatch_target):
     import torch.distributed as dist
 
     from torchtitan_cp.ops import pass_kv_attention
-    from torchtitan_cp.ops.distributed import PassKVTrace
-    from torchtitan_cp.ops.distributed.pass_kv import math_pair_attention
+    from torchtitan_cp.ops.attention.pass_kv import PassKVTrace, math_pair_attention
 
     posted: list[tuple[str, int, int]] = []  # (op, global peer, bytes)
     real = dist.batch_isend_irecv

@@ -83,7 +83,7 @@ def _inputs(total: int, dtype: torch.dtype, seed: int):
 def _check_case(rank, group, case, dtype, seed) -> float:
     from reference_ssd import ssd_reference
 
-    from torchtitan_cp.ops.ssd import chunk_ssd, context_parallel_ssd
+    from torchtitan_cp.ops.ssd.recurrence import chunk_ssd, context_parallel_ssd
 
     name, cu, table = case
     total = cu[-1]
@@ -142,7 +142,7 @@ def test_cp_ssd_matches_unsharded() -> None:
 
 def test_single_rank_out_of_order_span() -> None:
     # World 1, fragments out of token order: the fold carries [3, 17) across three fragments.
-    from torchtitan_cp.ops.ssd import chunk_ssd, context_parallel_ssd
+    from torchtitan_cp.ops.ssd.recurrence import chunk_ssd, context_parallel_ssd
 
     cu, table = [0, 3, 17, 20], [[(11, 20), (0, 6), (6, 11)]]
     routing = device_routing(cu, table, 0)
@@ -163,7 +163,7 @@ def test_fla_backend_matches_oracle() -> None:
     # out-of-order span). Tolerance as tests/test_kernels_fla.py (TF32): 5e-3 relative.
     from reference_ssd import ssd_reference
 
-    from torchtitan_cp.ops.ssd import chunk_ssd, context_parallel_ssd
+    from torchtitan_cp.ops.ssd.recurrence import chunk_ssd, context_parallel_ssd
     from torchtitan_cp.routing import RoutingPlan
 
     cu = [0, 1, 70, 200, 333]

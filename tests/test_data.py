@@ -1,4 +1,4 @@
-"""Tests for the bundled corpus/tokenizer and the packed dataloaders (torchtitan_cp.data)."""
+"""Tests for the bundled corpus/tokenizer and the packed dataloaders (torchtitan_cp.data.loader)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.components.validate import Validator
 
-from torchtitan_cp.data import (
+from torchtitan_cp.data.loader import (
     BUNDLED_TOKENIZER_PATH,
     BUNDLED_TRAIN_PATH,
     BUNDLED_VALIDATION_PATH,
@@ -261,7 +261,7 @@ def test_jsonl_dataset_reads_any_local_file(tokenizer, tmp_path):
 
 
 # The loader's own errors, for launches that skip the pre-launch check: the same "path:line"
-# messages as torchtitan_cp.jsonl.scan (tests/test_validate.py), not a datasets traceback.
+# messages as torchtitan_cp.data.jsonl.scan (tests/test_validate.py), not a datasets traceback.
 BAD_JSONL = [
     (b"", ": empty file: no documents"),
     (b'{"text": "a"}\n{"text": "b"\n', ":2: malformed JSON"),

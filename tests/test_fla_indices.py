@@ -23,8 +23,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from torchtitan_cp.ops import context_parallel_delta_rule
-from torchtitan_cp.ops import local as local_ops
-from torchtitan_cp.ops.fla_backend import FLA_CHUNK_SIZE, causal_conv1d_fla, chunk_delta_rule_fla
+from torchtitan_cp.ops.delta_rule import local as local_ops
+from torchtitan_cp.ops.delta_rule.fla_kernel import (
+    FLA_CHUNK_SIZE,
+    causal_conv1d_fla,
+    chunk_delta_rule_fla,
+)
 from torchtitan_cp.routing import (
     RoutingCaps,
     RoutingPlan,
@@ -396,9 +400,9 @@ def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
 
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_compiled_path_ops_get_the_routing_table(fla_recorder, kind):
-    # The custom ops torch.compile calls (ops/opaque.py) take the routing's table, padded to a
+    # The custom ops torch.compile calls (ops/custom_ops.py) take the routing's table, padded to a
     # fixed row count by the caps, and hand fla its first NT rows: no helper, fla-equal tables.
-    from torchtitan_cp.ops import opaque
+    from torchtitan_cp.ops.delta_rule import custom_ops
 
     r = RoutingPlan.build(CU, TABLE, 0).to_device(
         "cpu", caps=loose_caps(CU, TABLE), chunk_size=FLA_CHUNK_SIZE
@@ -407,17 +411,19 @@ def test_compiled_path_ops_get_the_routing_table(fla_recorder, kind):
     N = cu.numel() - 1
     assert ci.shape[0] == chunk_bound(r.num_tokens, N, FLA_CHUNK_SIZE)  # padded
     q, k, v, g, beta, h0 = (t.detach() for t in _inputs(kind, r.num_tokens, N))
-    o, fin, g_cum, a1, a2 = opaque.delta_rule_fla_op(
+    o, fin, g_cum, a1, a2 = custom_ops.delta_rule_fla_op(
         q, k, v, g, beta, h0, cu, cu_cpu, ci, kind, 0.3, True
     )
     x, w = torch.randn(1, r.num_tokens, 8), torch.randn(8, 4)
-    opaque.causal_conv1d_fla_op(x, w, None, None, cu, cu_cpu, ci, "silu")
+    custom_ops.causal_conv1d_fla_op(x, w, None, None, cu, cu_cpu, ci, "silu")
     fla_recorder.phase = "bwd"
-    opaque.delta_rule_fla_bwd_op(
+    custom_ops.delta_rule_fla_bwd_op(
         q, k, v, beta, g_cum, a1, a2, h0, cu, cu_cpu, ci, torch.zeros_like(o),
         torch.zeros_like(fin), kind, 0.3,
     )  # fmt: skip
-    opaque.causal_conv1d_fla_bwd_op(x, w, None, None, cu, cu_cpu, ci, torch.zeros_like(x), "silu")
+    custom_ops.causal_conv1d_fla_bwd_op(
+        x, w, None, None, cu, cu_cpu, ci, torch.zeros_like(x), "silu"
+    )
     checked = check_launches(fla_recorder, [cu])
     for phase in ("fwd", "bwd"):
         assert "causal_conv1d_fwd_kernel:chunk_indices" in checked[phase]
@@ -429,9 +435,9 @@ def test_qwen35_layers_pass_tables(fla_recorder, monkeypatch):
     # Qwen3.5's swapped GDN kernel and conv (unsharded path) hand fla the routing's tables too.
     from torchtitan.distributed.utils import set_spmd_backend
 
-    from torchtitan_cp.host_metadata import HostMetadata
-    from torchtitan_cp.models.qwen35 import qwen35_config
-    from torchtitan_cp.sequence import SequencePreprocessor
+    from torchtitan_cp.data.host_metadata import HostMetadata
+    from torchtitan_cp.models.qwen35.model import qwen35_config
+    from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
     set_spmd_backend("partial_dtensor")  # as tests/test_qwen35.py (the trainer sets it)
     monkeypatch.setattr(local_ops, "_resolve_backend", lambda backend, x: "fla")

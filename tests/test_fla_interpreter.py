@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from reference import rel_err
 
 from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule
-from torchtitan_cp.ops.ssd import chunk_ssd
+from torchtitan_cp.ops.ssd.recurrence import chunk_ssd
 from torchtitan_cp.routing import chunk_indices, chunk_offsets
 
 pytestmark = [
@@ -211,7 +211,7 @@ def _op_args(kind: str) -> tuple:
 def test_fla_delta_rule_op_writes_every_output_element(kind, monkeypatch):
     """Every allocation fla makes is NaN-filled: finite outputs mean each element the op returns
     was written (an op returning uninitialised memory differs from run to run)."""
-    from torchtitan_cp.ops import opaque
+    from torchtitan_cp.ops.delta_rule import custom_ops as opaque
 
     for name in ("empty", "empty_like"):
         real = getattr(torch, name)
@@ -229,13 +229,13 @@ def test_fla_delta_rule_op_writes_every_output_element(kind, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_fla_delta_rule_op_opcheck(kind):
-    from torchtitan_cp.ops import opaque
+    from torchtitan_cp.ops.delta_rule import custom_ops as opaque
 
     torch.library.opcheck(opaque.delta_rule_fla_op, _op_args(kind))
 
 
 def test_fla_conv_op_opcheck():
-    from torchtitan_cp.ops import opaque
+    from torchtitan_cp.ops.delta_rule import custom_ops as opaque
 
     gen = torch.Generator().manual_seed(12)
     T, N, D = CU_OP[-1], len(CU_OP) - 1, 16
@@ -354,7 +354,7 @@ def _cp_case(rank, group, kind, cu, table) -> dict[str, float]:
     from dist_utils import device_routing, local_subsequences, span_index
 
     from torchtitan_cp.ops import context_parallel_delta_rule
-    from torchtitan_cp.ops.ssd import context_parallel_ssd
+    from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
 
     total, n_docs = cu[-1], len(cu) - 1
     gen = torch.Generator().manual_seed(total + n_docs)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.launch import run_python
-from torchtitan_cp.ops.local import causal_conv1d, chunk_delta_rule
+from torchtitan_cp.ops.delta_rule.local import causal_conv1d, chunk_delta_rule
 
 T, H, K, V = 10, 2, 4, 3
 
@@ -76,7 +76,7 @@ def test_conv_errors(interpreter_off):
 
 
 def test_fla_on_cpu_tensors_only_under_the_interpreter(monkeypatch):
-    from torchtitan_cp.ops.local import _resolve_backend
+    from torchtitan_cp.ops.delta_rule.local import _resolve_backend
 
     x = torch.zeros(1)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -114,7 +114,7 @@ def test_auto_backend_on_cpu_is_torch_and_fla_not_imported():
     """Importing and running ops.local on CPU must not load fla's Triton kernels."""
     code = (
         "import sys, torch\n"
-        "from torchtitan_cp.ops.local import chunk_delta_rule, causal_conv1d\n"
+        "from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule, causal_conv1d\n"
         "q = torch.randn(1, 5, 1, 4); v = torch.randn(1, 5, 1, 2)\n"
         "chunk_delta_rule(q, q, v, -torch.rand(1, 5, 1), torch.rand(1, 5, 1), kind='gdn')\n"
         "causal_conv1d(torch.randn(1, 5, 3), torch.randn(3, 4))\n"

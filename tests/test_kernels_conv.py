@@ -9,7 +9,7 @@ import pytest
 import torch
 from reference import conv_reference, rel_err
 
-from torchtitan_cp.ops.local import causal_conv1d
+from torchtitan_cp.ops.delta_rule.local import causal_conv1d
 
 LAYOUTS = {
     "single": [0, 40],

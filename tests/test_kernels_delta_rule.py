@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from reference import delta_rule_reference, rel_err
 
-from torchtitan_cp.ops.local import chunk_delta_rule
-from torchtitan_cp.ops.torch_backend import chunk_delta_rule_torch
+from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule
+from torchtitan_cp.ops.delta_rule.torch_kernel import chunk_delta_rule_torch
 
 TOL = {
     torch.float64: {"value": 1e-12, "grad": 1e-12},

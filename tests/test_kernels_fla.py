@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from reference import conv_reference, delta_rule_reference, rel_err
 
-from torchtitan_cp.ops.local import causal_conv1d, chunk_delta_rule
+from torchtitan_cp.ops.delta_rule.local import causal_conv1d, chunk_delta_rule
 from torchtitan_cp.routing import chunk_indices, chunk_offsets
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core needs CUDA")

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from reference_ssd import ssd_reference
 
 from torchtitan_cp.models import model_config, parse_layer_pattern
-from torchtitan_cp.models.decoder import HybridDecoder
-from torchtitan_cp.models.layers import LAYERS, LayerOptions
-from torchtitan_cp.models.mamba2 import Mamba2Mixer, Mamba2Options
+from torchtitan_cp.models.hybrid.decoder import HybridDecoder
+from torchtitan_cp.models.hybrid.layers import LAYERS, LayerOptions
+from torchtitan_cp.models.mixers.mamba2 import Mamba2Mixer, Mamba2Options
 
 
 def test_registry_letters() -> None:
@@ -45,7 +45,7 @@ def test_decoder_builds_registered_mixers_and_counts_their_flops() -> None:
 
 
 def test_recipe_has_every_decoder_field() -> None:
-    from torchtitan_cp.config import ModelRecipe
+    from torchtitan_cp.trainer.config import ModelRecipe
 
     recipe = {f.name for f in dataclasses.fields(ModelRecipe)}
     decoder = {f.name for f in dataclasses.fields(HybridDecoder.Config)}
@@ -81,8 +81,8 @@ def test_bad_mamba2_sizes_name_the_keys() -> None:
 
 def test_bad_mamba2_sizes_fail_the_prelaunch_check() -> None:
     # load_config runs the model checks (what ./scripts/train.sh's --check reports).
-    from torchtitan_cp.config import ConfigError
     from torchtitan_cp.train import load_config
+    from torchtitan_cp.trainer.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"heads a multiple of n_groups = 3"):
         load_config(["--config_file", "configs/debug_mamba2_cpu.toml",
@@ -141,9 +141,9 @@ def test_mamba2_mixer_matches_reference(n_groups: int) -> None:
 
 
 def test_compile_with_mamba2_is_a_config_error() -> None:
-    # SSD has no torch.compile custom op yet (ops/opaque.py): refuse before launch, naming it.
-    from torchtitan_cp.config import ConfigError
+    # SSD has no torch.compile custom op yet (ops/delta_rule/custom_ops.py): refuse before launch, naming it.
     from torchtitan_cp.train import load_config
+    from torchtitan_cp.trainer.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"without torch.compile custom ops: M \(Mamba2"):
         load_config(["--config_file", "configs/debug_mamba2_cpu.toml", "--compile.enable"])

@@ -26,12 +26,12 @@ def _model(name: str):
         model = cfg.build()
         model.init_states()
         return model.double()
-    from torchtitan_cp import platform
+    from torchtitan_cp import compat
 
-    platform.apply()
+    compat.apply()
     from torchtitan.distributed.utils import set_spmd_backend
 
-    from torchtitan_cp.models.qwen35 import qwen35_config
+    from torchtitan_cp.models.qwen35.model import qwen35_config
 
     set_spmd_backend("partial_dtensor")
     torch.manual_seed(0)
@@ -44,7 +44,7 @@ def _model(name: str):
 
 
 def _loss_and_grads(model, sequence, tokens, positions, labels):
-    from torchtitan_cp.host_metadata import HostMetadata
+    from torchtitan_cp.data.host_metadata import HostMetadata
 
     inp, lab, pos, ctx = sequence(tokens, labels, positions, HostMetadata(positions.clone()))
     logits = model(inp, pos, ctx)
@@ -56,7 +56,7 @@ def _loss_and_grads(model, sequence, tokens, positions, labels):
 
 
 def _worker(rank: int, world: int) -> dict[str, tuple[float, float]]:
-    from torchtitan_cp.sequence import SequencePreprocessor
+    from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
     worst = {}
     for name in ("hybrid", "qwen3_5"):

@@ -22,9 +22,8 @@ from tests.dist_utils import (
     span_index,
 )
 from tests.helpers import positions_from_lengths
-from torchtitan_cp.config import ConfigError
-from torchtitan_cp.host_metadata import HostMetadata
-from torchtitan_cp.ops.distributed.pass_kv import (
+from torchtitan_cp.data.host_metadata import HostMetadata
+from torchtitan_cp.ops.attention.pass_kv import (
     PairMask,
     flex_pair_attention,
     math_pair_attention,
@@ -35,7 +34,8 @@ from torchtitan_cp.routing import (
     contiguous_fragments,
     headtail_fragments,
 )
-from torchtitan_cp.sequence import SequencePreprocessor
+from torchtitan_cp.trainer.config import ConfigError
+from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
 
 def oracle(cu: list[int], table: list[list[tuple[int, int]]]):
@@ -251,7 +251,7 @@ def test_flex_pair_kernel_matches_the_math_kernel(dtype):
 def test_flex_pair_kernel_block_gradients_match_the_math_kernel_on_cuda():
     """The backward's per-block step (cotangents of the merged output through the kernel's
     (o, lse)) with flex on CUDA, against the math kernel: dq and the packed dk|dv."""
-    from torchtitan_cp.ops.distributed.pass_kv import PairKernelCall, _block_grads
+    from torchtitan_cp.ops.attention.pass_kv import PairKernelCall, _block_grads
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     tq, tk, dk, dv = 200, 300, 16, 8

@@ -18,25 +18,25 @@ import torch.nn.functional as F
 
 from tests.helpers import random_batch
 from tests.reference import conv_reference, delta_rule_reference, seq_bounds
-from torchtitan_cp import platform
+from torchtitan_cp import compat
 
-if platform.torch_release(torch.__version__) < platform.TRAINER_TORCH_FLOOR:
+if compat.torch_release(torch.__version__) < compat.TRAINER_TORCH_FLOOR:
     # e.g. the GPU image's torch 2.11: torchtitan's qwen3_5 package needs 2.14 to import.
     pytest.skip("Qwen3.5 needs torch >= 2.14", allow_module_level=True)
-platform.apply()
+compat.apply()
 
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
-from torchtitan_cp.config import ConfigError, ModelRecipe  # noqa: E402
-from torchtitan_cp.host_metadata import HostMetadata  # noqa: E402
+from torchtitan_cp.data.host_metadata import HostMetadata  # noqa: E402
 from torchtitan_cp.models import recipe_model_spec  # noqa: E402
-from torchtitan_cp.models.qwen35 import (  # noqa: E402
+from torchtitan_cp.models.qwen35.model import (  # noqa: E402
     Qwen35TextModel,
     fla_l2norm,
     layer_types,
     qwen35_config,
 )
-from torchtitan_cp.sequence import SequencePreprocessor  # noqa: E402
+from torchtitan_cp.trainer.config import ConfigError, ModelRecipe  # noqa: E402
+from torchtitan_cp.trainer.sequence import SequencePreprocessor  # noqa: E402
 
 set_spmd_backend("partial_dtensor")  # the recipe's default (trainer sets it from the config)
 

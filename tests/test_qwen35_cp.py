@@ -26,9 +26,9 @@ TOL = {torch.float64: (1e-10, 1e-8), torch.float32: (1e-6, 1e-5)}
 
 
 def _setup():
-    from torchtitan_cp import platform
+    from torchtitan_cp import compat
 
-    platform.apply()
+    compat.apply()
     from torchtitan.distributed.utils import set_spmd_backend
 
     set_spmd_backend("partial_dtensor")
@@ -47,7 +47,7 @@ def _batch(seed: int, bsz: int, seqlen: int):
 
 
 def _loss_and_grads(model, sequence, tokens, positions, labels, total: int):
-    from torchtitan_cp.host_metadata import HostMetadata
+    from torchtitan_cp.data.host_metadata import HostMetadata
 
     inp, lab, pos, ctx = sequence(tokens, labels, positions, HostMetadata(positions.clone()))
     logits = model(inp, pos, ctx)
@@ -62,7 +62,7 @@ def _loss_and_grads(model, sequence, tokens, positions, labels, total: int):
 
 def _cp_vs_unsharded(rank: int, world: int, balancer: str, bsz: int, seqlen: int):
     _setup()
-    from torchtitan_cp.sequence import SequencePreprocessor
+    from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
     tokens, positions, labels = _batch(11, bsz, seqlen)
     common = dict(device=torch.device("cpu"), load_balancer=balancer, ptrr_block_size=16)
@@ -103,8 +103,8 @@ def _adamw_steps(rank: int, world: int, source: str, balancer: str):
     """3 AdamW steps at CP=world; returns every parameter's bytes after each step and the
     routing readbacks."""
     _setup()
-    from torchtitan_cp.host_metadata import HostMetadata
-    from torchtitan_cp.sequence import SequencePreprocessor
+    from torchtitan_cp.data.host_metadata import HostMetadata
+    from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
     model = _model(torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

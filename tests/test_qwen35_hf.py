@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_cp import platform
+from torchtitan_cp import compat
 
-platform.apply()
+compat.apply()
 
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
 from tests.launch import REPO, read_metrics, torchrun_train  # noqa: E402
 from tests.test_qwen35 import make_batch  # noqa: E402
-from torchtitan_cp.config import ConfigError  # noqa: E402
-from torchtitan_cp.hf import check_hf_folder, write_hf_folder  # noqa: E402
-from torchtitan_cp.models.qwen35 import qwen35_config  # noqa: E402
+from torchtitan_cp.models.qwen35.hf import check_hf_folder, write_hf_folder  # noqa: E402
+from torchtitan_cp.models.qwen35.model import qwen35_config  # noqa: E402
+from torchtitan_cp.trainer.config import ConfigError  # noqa: E402
 
 set_spmd_backend("partial_dtensor")
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_cp import platform
+from torchtitan_cp import compat
 
-platform.apply()
+compat.apply()
 
 import transformers.models.qwen3_5.modeling_qwen3_5 as hf_modeling  # noqa: E402
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
@@ -36,8 +36,8 @@ from transformers import (  # noqa: E402
 )
 
 from tests.test_qwen35_hf import _load_through_torchtitan  # noqa: E402
-from torchtitan_cp import hf  # noqa: E402
-from torchtitan_cp.models.qwen35 import qwen35_config  # noqa: E402
+from torchtitan_cp.models.qwen35 import hf  # noqa: E402
+from torchtitan_cp.models.qwen35.model import qwen35_config  # noqa: E402
 
 set_spmd_backend("partial_dtensor")
 
@@ -297,8 +297,8 @@ def test_each_mismatching_field_is_one_line(tmp_path):
 
 def test_mismatch_is_refused_before_launch(tmp_path):
     """Through the configuration load that ``train.sh --check`` and every rank run."""
-    from torchtitan_cp.config import ConfigError
     from torchtitan_cp.train import load_config
+    from torchtitan_cp.trainer.config import ConfigError
 
     _transformers_folder(tmp_path, rope_parameters={**DEBUG_TEXT["rope_parameters"],
                                                     "rope_theta": 1e6})  # fmt: skip

@@ -154,9 +154,9 @@ class _Reversed(LoadBalancer):
 
 
 def test_a_new_balancer_is_one_registered_class(monkeypatch):
-    from torchtitan_cp.compile import routing_caps
-    from torchtitan_cp.host_metadata import HostMetadata
-    from torchtitan_cp.sequence import SequencePreprocessor
+    from torchtitan_cp.data.host_metadata import HostMetadata
+    from torchtitan_cp.trainer.compile import routing_caps
+    from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
     monkeypatch.setattr(balancers_mod, "_REGISTRY", dict(balancers_mod._REGISTRY))
     monkeypatch.setattr(balancers_mod, "_RESOLVED", {})

@@ -134,7 +134,7 @@ def test_refusal_under_torchrun_is_one_line(base_run, tmp_path):
     assert proc.returncode != 0
     out = log(proc)
     assert "traceback : torchtitan_cp.train: error: checkpoint folder" in out, out[-3000:]
-    assert "torchtitan_cp/runs.py" not in out, "no traceback through the recipe"
+    assert "torchtitan_cp/run/start.py" not in out, "no traceback through the recipe"
 
 
 def test_load_step_below_newest_needs_discard_later_steps(base_run, tmp_path):

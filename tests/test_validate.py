@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.launch import REPO, torchrun_cmd
-from torchtitan_cp import jsonl
+from torchtitan_cp.data import jsonl
 from torchtitan_cp.train import main
 
 ON_CUDA = torch.cuda.is_available()
@@ -313,9 +313,9 @@ def test_one_document_on_two_ranks_names_documents_and_ranks(tmp_path):
 def test_shipped_gpu_configs_pass_the_size_checks(name, cp):
     """The rules are not stricter than the shipped runs: 8 GPUs, with and without CP (ptrr).
     (Device, tokenizer and data checks need the GPU machine's files: see docs/gpu.md.)"""
-    from torchtitan_cp import validate as v
     from torchtitan_cp.models import model_config
     from torchtitan_cp.train import load_config
+    from torchtitan_cp.trainer import validate as v
 
     config = load_config(["--config_file", str(REPO / "configs" / f"{name}.toml"),
                           "--parallelism.context_parallel_degree", cp,

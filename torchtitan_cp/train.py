@@ -1,12 +1,12 @@
 """Entry point: ``torchrun ... -m torchtitan_cp.train --config_file configs/NAME.toml [--a.b v]``.
 
-Precedence: command line > TOML > recipe defaults (``torchtitan_cp.trainer.recipe_config``).
+Precedence: command line > TOML > recipe defaults (``torchtitan_cp.trainer.trainer.recipe_config``).
 
 ``--check [--nproc N] [--nnodes M]`` validates the configuration for a launch of N processes
 per node (``auto``: one per GPU, else 2) on M nodes (default 1) in this one process, prints N and
 exits: 0 when the launch can start, 2 with one line on stderr when not. ``./scripts/train.sh``
 runs it before torchrun. Every rank of a real launch runs the same validation
-(``torchtitan_cp.validate``) before building the trainer.
+(``torchtitan_cp.trainer.validate``) before building the trainer.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import os
 import sys
 from typing import Any
 
-from torchtitan_cp.config import ConfigError, apply_table, read_toml, split_config_file
-from torchtitan_cp.jsonl import DataError
+from torchtitan_cp.data.jsonl import DataError
+from torchtitan_cp.trainer.config import ConfigError, apply_table, read_toml, split_config_file
 
 DEFAULT_CONFIG = "configs/debug_cpu.toml"
 
@@ -30,7 +30,7 @@ def load_config(argv: list[str]):
     import tyro
     from torchtitan.config.manager import ConfigManager, custom_registry
 
-    from torchtitan_cp.trainer import recipe_config
+    from torchtitan_cp.trainer.trainer import recipe_config
 
     path, rest = split_config_file(argv, DEFAULT_CONFIG)
     config = recipe_config()
@@ -63,7 +63,7 @@ def load_config(argv: list[str]):
     sys.stderr.write(captured.getvalue())
     # Validate the model recipe now so a bad flavor or layer letter fails before any process
     # group is created.
-    from torchtitan_cp.trainer import check_compile, check_model
+    from torchtitan_cp.trainer.trainer import check_compile, check_model
 
     spec, _ = check_model(config)
     check_compile(config, spec.model)
@@ -178,16 +178,16 @@ def _record_for_torchrun(line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torchtitan_cp import platform
+    from torchtitan_cp import compat
 
     try:  # before any torchtitan import, which fails on an older torch
-        platform.require_torch(platform.TRAINER_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
-    except platform.TorchVersionError as e:
+        compat.require_torch(compat.TRAINER_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
+    except compat.TorchVersionError as e:
         print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
         return 2
     from torchtitan.tools.logging import init_logger, logger
 
-    from torchtitan_cp.validate import parse_nnodes, parse_nproc, validate
+    from torchtitan_cp.trainer.validate import parse_nnodes, parse_nproc, validate
 
     args = list(sys.argv[1:] if argv is None else argv)
     check = False
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             init_logger()
         config = load_config(args)
-        device_type = platform.device_type()
+        device_type = compat.device_type()
         if check:
             nproc = parse_nproc(nproc_text, device_type=device_type)
             validate(config, nproc * nnodes, device_type, local_world_size=nproc)
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    from torchtitan_cp.run_lock import RunError
+    from torchtitan_cp.run.lock import RunError
 
     trainer = None
     try:

@@ -13,7 +13,7 @@ import dataclasses
 import typing
 from typing import Any, Literal
 
-from torchtitan_cp.models.decoder import HybridDecoder
+from torchtitan_cp.models.hybrid.decoder import HybridDecoder
 
 __all__ = ["ModelRecipe"]
 

@@ -1,15 +1,12 @@
 """Delta-rule, short-convolution and attention ops: local kernels and their context-parallel
 versions (docs/CONTRACTS.md, docs/cp.md)."""
 
-from .distributed import (
-    check_flex_shape,
-    context_parallel_attention,
-    context_parallel_conv_history,
-    context_parallel_delta_rule,
-    flex_document_mask,
-    pass_kv_attention,
-)
-from .local import Backend, Kind, causal_conv1d, chunk_delta_rule
+from .attention.flex_mask import check_flex_shape, flex_document_mask
+from .attention.pass_kv import pass_kv_attention
+from .attention.sdpa import context_parallel_attention
+from .conv.halo import context_parallel_conv_history
+from .delta_rule.local import Backend, Kind, causal_conv1d, chunk_delta_rule
+from .delta_rule.recurrence import context_parallel_delta_rule
 
 __all__ = [
     "Backend",

@@ -18,7 +18,7 @@ from fla.ops.kda.chunk_fwd import chunk_kda_fwd
 from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 from torch import Tensor
 
-from .fla_backend import FLA_CHUNK_SIZE, contiguous
+from .delta_rule.fla_kernel import FLA_CHUNK_SIZE, contiguous
 
 __all__ = ["chunk_kda_indexed"]
 

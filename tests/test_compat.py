@@ -1,0 +1,129 @@
+"""Each torchtitan 0.3.0 compatibility shim in torchtitan_cp.compat, one test apiece."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from torchtitan_cp import compat
+
+cpu_only = pytest.mark.skipif(compat.accelerator_available(), reason="CPU-only shims")
+
+
+@cpu_only
+def test_device_bindings_point_at_cpu():
+    compat.apply()
+    for module_name, names in compat._DEVICE_BINDINGS:
+        module = importlib.import_module(module_name)
+        for name in names:
+            value = getattr(module, name)
+            if name == "device_type":
+                assert value == "cpu", module_name
+            else:
+                assert value is compat.CPU_DEVICE_MODULE, module_name
+    utils = importlib.import_module("torchtitan.tools.utils")
+    assert utils.get_local_device() == torch.device("cpu")
+    # The memory monitor torchtitan builds must work with the CPU device module.
+    from torchtitan.components.metrics import build_device_memory_monitor
+
+    stats = build_device_memory_monitor().get_peak_stats()
+    assert stats.max_reserved_gib > 0
+
+
+def _pg_timeouts(rank: int, world: int) -> bool:
+    from datetime import timedelta
+
+    compat.apply()
+    dist_utils = importlib.import_module("torchtitan.distributed.utils")
+    dims = SimpleNamespace(get_all_one_dimensional_meshes=lambda: {})
+    dist_utils.set_pg_timeouts(timedelta(seconds=30), dims)
+    return True
+
+
+@pytest.mark.slow
+@cpu_only
+def test_set_pg_timeouts_works_on_gloo():
+    assert run_distributed(_pg_timeouts, 2) == [True, True]
+
+
+def _fsdp_sum(rank: int, world: int) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2, bias=False)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    compat.force_sum_reduction_on_gloo(model)
+    x = torch.full((1, 4), float(rank + 1))
+    model(x).sum().backward()
+    return model.weight.grad.full_tensor().reshape(-1).tolist()
+
+
+@pytest.mark.slow
+def test_fsdp_gradients_are_summed_on_gloo():
+    # d(sum(W x))/dW = x per output row: rank 0 contributes 1s, rank 1 contributes 2s.
+    grads = run_distributed(_fsdp_sum, 2)
+    assert grads[0] == grads[1] == [3.0] * 8
+
+
+@cpu_only
+def test_grad_norm_is_taken_in_float64_on_cpu():
+    compat.apply()
+    dist_utils = importlib.import_module("torchtitan.distributed.utils")
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(1_000_000)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    exact = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params))
+    norm = dist_utils.clip_grad_norm_(params, max_norm=1e9)
+    assert abs(float(norm) - float(exact)) <= 1e-12 * float(exact)
+
+
+def test_torch_floor_names_found_and_needed_version():
+    with pytest.raises(compat.TorchVersionError) as err:
+        compat.require_torch(compat.TRAINER_TORCH_FLOOR, "the trainer", "2.11.0+cu130")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "needs torch >= 2.14, found torch 2.11.0+cu130" in message
+    for ok in ("2.14.1", "2.14.0.dev20260801+cu130", "2.15.0", "3.0.0"):
+        compat.require_torch(compat.TRAINER_TORCH_FLOOR, "the trainer", ok)
+    compat.require_torch(compat.TRAINER_TORCH_FLOOR, "the trainer")  # the pinned torch
+    compat.require_torch(compat.LIBRARY_TORCH_FLOOR, "the model", "2.11.0")
+    with pytest.raises(compat.TorchVersionError, match="cannot read a torch version"):
+        compat.require_torch(compat.TRAINER_TORCH_FLOOR, "the trainer", "unknown")
+
+
+def test_train_entry_point_states_the_floor_before_importing_torchtitan(monkeypatch, capsys):
+    from torchtitan_cp import train
+
+    monkeypatch.setattr(compat, "TRAINER_TORCH_FLOOR", (99, 0))
+    assert train.main(["--help"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert err.startswith("torchtitan_cp.train: error: the trainer")
+    assert f"needs torch >= 99.0, found torch {torch.__version__}" in err
+
+
+@pytest.mark.slow
+def test_model_and_sequence_do_not_load_torchtitan_fsdp():
+    # torchtitan.distributed.fsdp needs torch >= 2.14; below the trainer the floor is 2.11.
+    from tests.launch import run_python
+
+    code = (
+        "import sys\n"
+        "import torchtitan_cp.models, torchtitan_cp.trainer.sequence, torchtitan_cp.data.host_metadata\n"
+        "from torchtitan_cp.models import model_config\n"
+        "model_config('debug').build()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torchtitan.distributed.fsdp')))\n"
+    )
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
+    from torchtitan_cp.models import model_spec
+    from torchtitan_cp.models.hybrid.parallelize import parallelize_hybrid
+
+    assert model_spec("debug").parallelize_fn is parallelize_hybrid

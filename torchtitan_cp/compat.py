@@ -1,0 +1,206 @@
+"""Every compatibility adjustment torchtitan 0.3.0 needs to run this recipe, in one place.
+
+Each shim has a one-line reason and a test in tests/test_platform.py. ``apply()`` is idempotent
+and must run before the trainer is built; ``torchtitan_cp.trainer.trainer`` calls it at import.
+On CUDA machines only the shims that are not CPU-specific are applied.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+from collections import namedtuple
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_APPLIED = False
+
+# The trainer's floor: torchtitan 0.3.0 imports DataParallelMeshDims from torch.distributed.fsdp
+# and calls dist.set_timeout, both new in torch 2.14. routing/, ops/, models/, sequence.py and
+# host_metadata.py need only torch >= 2.11 (scripts/gpu_imports.py checks it; the GPU image
+# check runs them on 2.11.0).
+TRAINER_TORCH_FLOOR = (2, 14)
+LIBRARY_TORCH_FLOOR = (2, 11)
+
+
+class TorchVersionError(RuntimeError):
+    """The installed torch is older than a floor; the message is one line."""
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string such as ``"2.11.0+cu130"`` or
+    ``"2.14.0.dev20260801"`` (pre-releases of a minor count as that minor)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise TorchVersionError(f"cannot read a torch version from {version!r}")
+    return int(match[1]), int(match[2])
+
+
+def require_torch(floor: tuple[int, int], what: str, version: str | None = None) -> None:
+    """Raise ``TorchVersionError`` naming the found and the needed version when torch
+    (``version``, default the installed one) is older than ``floor``."""
+    found = str(torch.__version__) if version is None else version
+    if torch_release(found) < floor:
+        need = ".".join(map(str, floor))
+        raise TorchVersionError(
+            f"{what} needs torch >= {need}, found torch {found} "
+            "(./scripts/train.sh builds a venv with the pinned torch 2.14.1; see docs/gpu.md)"
+        )
+
+
+# Modules that bind ``device_type`` / ``device_module`` by value at import time.
+_DEVICE_BINDINGS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("torchtitan.tools.utils", ("device_type", "device_module")),
+    ("torchtitan.components.metrics", ("device_type", "device_module")),
+    ("torchtitan.distributed.parallel_dims", ("device_type",)),
+    ("torchtitan.distributed.utils", ("device_type", "device_module")),
+    ("torchtitan.tools.profiler", ("device_module",)),
+)
+
+
+def accelerator_available() -> bool:
+    """True when CUDA devices exist; the recipe then runs on NCCL, else on gloo."""
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def device_type() -> str:
+    return "cuda" if accelerator_available() else "cpu"
+
+
+class _CpuDeviceModule:
+    """``torch.cpu`` plus the few CUDA-style calls torchtitan makes on its device module."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        pass
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        pass
+
+    @staticmethod
+    def memory_stats(device: Any = None) -> dict[str, int]:
+        # Peak resident set size of this process stands in for the allocator's peaks.
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
+
+    @staticmethod
+    def get_device_name(device: Any = None) -> str:
+        return "cpu"
+
+    @staticmethod
+    def get_device_properties(device: Any = None) -> Any:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return namedtuple("CpuProperties", "name total_memory")("cpu", total)
+
+
+CPU_DEVICE_MODULE = _CpuDeviceModule()
+
+
+def _shim_device_bindings() -> None:
+    # 1. torchtitan binds device_type to "cuda" when no accelerator exists; point it at the CPU.
+    for module_name, names in _DEVICE_BINDINGS:
+        module = importlib.import_module(module_name)
+        for name in names:
+            value = "cpu" if name == "device_type" else CPU_DEVICE_MODULE
+            setattr(module, name, value)
+    import torchtitan.tools.utils as utils
+
+    # "cpu:<local_rank>" is no device: every rank uses the CPU.
+    utils.get_local_device = lambda: torch.device("cpu")
+
+
+def _shim_pg_timeouts() -> None:
+    # 2. set_pg_timeouts calls barrier(device_ids=[...]), which gloo rejects: use a plain barrier.
+    import torchtitan.distributed.utils as dist_utils
+
+    def set_pg_timeouts(timeout: timedelta, parallel_dims: Any) -> None:
+        dist.barrier()
+        groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()]
+        for group in [*groups, None]:
+            dist.set_timeout(timeout, group)
+
+    dist_utils.set_pg_timeouts = set_pg_timeouts
+
+
+def _shim_grad_norm() -> None:
+    # 3. On CPU, fp32 norms accumulate sequentially (~3e-5 relative error on a 1M-parameter
+    # model), which hides whether two runs agree: take the total norm in float64 there.
+    import torchtitan.distributed.utils as dist_utils
+
+    original = dist_utils.clip_grad_norm_
+
+    @torch.no_grad()
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                        foreach=None, pp_mesh=None, ep_enabled=False):  # fmt: skip
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        grads = [p.grad for p in params if p.grad is not None]
+        if pp_mesh is not None or ep_enabled or any(g.device.type != "cpu" for g in grads):
+            return original(params, max_norm, norm_type, error_if_nonfinite, foreach,
+                            pp_mesh, ep_enabled)  # fmt: skip
+        from torch.distributed.tensor import DTensor
+
+        total = torch.nn.utils.get_total_norm(
+            [g.to(torch.float64) for g in grads], norm_type, error_if_nonfinite, foreach
+        )
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.float(), foreach)
+        return total
+
+    dist_utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def apply() -> None:
+    """Apply every shim this machine needs (idempotent)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    if not accelerator_available():
+        _shim_device_bindings()
+        _shim_pg_timeouts()
+        _shim_grad_norm()
+    _APPLIED = True
+
+
+def force_sum_reduction_on_gloo(module: torch.nn.Module) -> None:
+    """4. gloo has no PREMUL_SUM, which FSDP2 uses to average gradients: reduce with a plain
+    sum on every FSDP module instead (the loss is already normalised by the global token count,
+    so torchtitan does not rely on FSDP's averaging)."""
+    if dist.is_initialized() and dist.get_backend() != "gloo":
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_force_sum_reduction_for_comms(True)
+            sub.set_gradient_divide_factor(1.0)

@@ -1,0 +1,1 @@
+"""The hybrid decoder: its blocks, the layer registry, flavors and parallelize."""

@@ -1,0 +1,170 @@
+"""The hybrid decoder: a stack of blocks whose mixers the layer pattern picks from the registry
+(``models.layers``: KDA, GDN, softmax attention, Mamba2)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+from torchtitan.models.common.embedding import Embedding
+from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.protocols.model import BaseModel
+from torchtitan.protocols.module import Module, ModuleDict
+
+from torchtitan_cp.models.blocks.init import linear, linear_config
+from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
+from torchtitan_cp.models.hybrid.layers import LAYERS, LayerOptions, parse_layer_pattern
+from torchtitan_cp.models.mixers.attention import (
+    DEFAULT_ATTENTION_CP,
+    AttentionBackend,
+    AttentionCP,
+    resolve_attention_backend,
+)
+
+__all__ = ["HybridBlock", "HybridDecoder", "parse_layer_pattern"]
+
+
+def _norm(dim: int, eps: float) -> RMSNorm:
+    return RMSNorm.Config(normalized_shape=dim, eps=eps).build()
+
+
+class HybridBlock(Module):
+    """Pre-norm residual block: ``x + mixer(norm(x)); x + ffn(norm(x))``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        mixer: Module.Config  # a registered kind's mixer (models.layers)
+        dim: int
+        ffn_hidden_dim: int
+        norm_eps: float = 1e-5
+        layer_id: int = 0
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.mixer = config.mixer.build()
+        self.attention_norm = _norm(config.dim, config.norm_eps)
+        self.ffn_norm = _norm(config.dim, config.norm_eps)
+        out_std = 0.02 / math.sqrt(2 * (config.layer_id + 1))
+        self.feed_forward = FeedForward.Config(
+            w1=linear_config(config.dim, config.ffn_hidden_dim),
+            w2=linear_config(config.ffn_hidden_dim, config.dim, std=out_std),
+            w3=linear_config(config.dim, config.ffn_hidden_dim),
+        ).build()
+
+    def forward(
+        self, x: torch.Tensor, ctx: SequenceContext, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = x + self.mixer(self.attention_norm(x), ctx, positions)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class HybridDecoder(BaseModel):
+    """Token embedding, hybrid blocks, final norm, LM head.
+
+    ``forward(tokens [B, L_local], positions [B, L_local] | None, seq_ctx)`` returns logits
+    ``[B, L_local, vocab]`` (or hidden states when the trainer's chunked loss applies the head).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseModel.Config):
+        vocab_size: int
+        dim: int
+        layer_pattern: str
+        n_heads: int
+        head_dim: int
+        value_head_dim: int | None = None
+        attn_n_heads: int
+        attn_n_kv_heads: int
+        attn_head_dim: int
+        ffn_hidden_dim: int
+        norm_eps: float = 1e-5
+        conv_width: int = 4
+        use_rope: bool = True
+        rope_theta: float = 10000.0
+        max_seq_len: int = 131072
+        enable_weight_tying: bool = False
+        linear_attention_backend: Literal["auto", "torch", "fla"] = "auto"
+        attention_backend: AttentionBackend = "auto"
+        attention_cp: AttentionCP = DEFAULT_ATTENTION_CP
+        layer_options: LayerOptions = field(default_factory=LayerOptions)
+
+        def uses_flex_attention(self, device_type: str | torch.device) -> bool:
+            """Whether the softmax attention layers run flex attention on ``device_type`` (and
+            so every microbatch needs a document ``BlockMask``)."""
+            parse_layer_pattern(self.layer_pattern)
+            return any(LAYERS[c].flex_mask for c in self.layer_pattern) and (
+                resolve_attention_backend(self.attention_backend, device_type) == "flex"
+            )
+
+        def update_from_config(self, *, config, **kwargs) -> None:
+            seq_len = config.training.seq_len
+            if seq_len > self.max_seq_len:
+                raise ValueError(
+                    f"training.seq_len ({seq_len}) exceeds model.max_seq_len ({self.max_seq_len})"
+                )
+            la = getattr(config, "linear_attention", None)
+            if la is not None:
+                self.linear_attention_backend = la.backend
+
+        def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+            nparams = sum(p.numel() for p in model.parameters())
+            emb = sum(p.numel() for p in model.get_submodule("tok_embeddings").parameters())
+            matmul_params = nparams if self.enable_weight_tying else nparams - emb
+            parse_layer_pattern(self.layer_pattern)
+            mixers = sum(LAYERS[c].flops(self, seq_len) for c in self.layer_pattern)
+            return nparams, 6 * matmul_params + mixers
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = config
+        parse_layer_pattern(config.layer_pattern)
+        self.tok_embeddings = Embedding.Config(
+            num_embeddings=config.vocab_size,
+            embedding_dim=config.dim,
+            param_init={"weight": nn.init.normal_},
+        ).build()
+        self.layers = ModuleDict()
+        for i, letter in enumerate(config.layer_pattern):
+            mixer = LAYERS[letter].mixer(config, i)
+            self.layers[str(i)] = HybridBlock.Config(
+                mixer=mixer,
+                dim=config.dim,
+                ffn_hidden_dim=config.ffn_hidden_dim,
+                norm_eps=config.norm_eps,
+                layer_id=i,
+            ).build()
+        self.norm = _norm(config.dim, config.norm_eps)
+        s = config.dim**-0.5
+        self.lm_head = linear(config.dim, config.vocab_size, std=s)
+        self.enable_weight_tying = config.enable_weight_tying
+        if self.enable_weight_tying:
+            self.tok_embeddings.weight = self.lm_head.weight
+
+    # Set by torchtitan's trainer when its chunked loss applies the LM head itself.
+    _skip_lm_head: bool = False
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        seq_ctx: SequenceContext | None = None,
+    ) -> torch.Tensor:
+        if seq_ctx is None:
+            # A direct call (custom loader, evaluation script) without host metadata: derive
+            # the documents from the device positions, which costs a device->host copy.
+            seq_ctx = context_from_device_positions(
+                tokens, positions, flex_mask=self.config.uses_flex_attention(tokens.device)
+            )
+        if positions is None:  # each row is one document: RoPE positions restart per row
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, seq_ctx, positions)
+        h = self.norm(h)
+        if self._skip_lm_head:
+            return h
+        return self.lm_head(h)

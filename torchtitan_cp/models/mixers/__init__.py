@@ -1,0 +1,1 @@
+"""Token mixers, one module per family: delta net (KDA, GDN), Mamba2, softmax attention."""

@@ -1,0 +1,257 @@
+"""KDA (Kimi Delta Attention) and GDN (Gated DeltaNet) token mixers.
+
+Both follow the published layers (Kimi Linear; Qwen3-Next / Gated DeltaNet): q/k/v projections,
+a width-4 causal depthwise convolution with SiLU per projection, L2-normalised q and k,
+``beta = sigmoid(b_proj(x))``, a natural-log decay gate, the delta-rule recurrence, a gated RMSNorm
+on the output and an output projection. KDA's gate is per channel,
+``-exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)`` with shape ``[.., H, K]``; GDN's is one scalar per
+head, ``-exp(A_log) * softplus(a_proj(x) + dt_bias)``. Every document starts from a zero state
+and zero convolution history; under context parallelism both are carried in from other ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtitan.protocols.module import Module
+
+from torchtitan_cp.models.blocks.init import linear
+from torchtitan_cp.models.context import SequenceContext
+from torchtitan_cp.ops import (
+    Backend,
+    Kind,
+    causal_conv1d,
+    chunk_delta_rule,
+    context_parallel_conv_history,
+    context_parallel_delta_rule,
+)
+
+
+def upcast(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: at least float32, float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class ShortConvolution(Module):
+    """Causal depthwise convolution over the packed stream, per document, SiLU activation.
+
+    Weight ``[D, W]``; input/output ``[1, T, D]``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        channels: int
+        width: int = 4
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.width = config.width
+        self.weight = nn.Parameter(torch.empty(config.channels, config.width))
+
+    def reset_parameters(self) -> None:
+        # nn.Conv1d's default for a depthwise kernel: fan_in = width.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor, ctx: SequenceContext, backend: Backend) -> torch.Tensor:
+        routing = ctx.routing
+        history = None
+        if ctx.cp_enabled:
+            # Tokens before each continued fragment come from the ranks that own them.
+            history = context_parallel_conv_history(x, routing=routing, group=ctx.group)
+        return causal_conv1d(
+            x,
+            self.weight,
+            None,
+            cu_seqlens=routing.cu_seqlens,
+            cu_seqlens_cpu=routing.cu_seqlens_cpu,
+            chunk_indices=routing.chunk_indices,
+            initial_state=history,
+            activation="silu",
+            backend=backend,
+        )
+
+
+class GatedRMSNorm(Module):
+    """RMSNorm over the head dimension followed by an output gate: ``norm(o) * act(gate)``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        dim: int
+        eps: float = 1e-5
+        activation: Literal["sigmoid", "silu"] = "silu"
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.eps = config.eps
+        self.activation = config.activation
+        self.weight = nn.Parameter(torch.empty(config.dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = o.dtype
+        acc = upcast(dtype)
+        o32 = o.to(acc)
+        o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
+        gate = gate.to(acc)
+        act = torch.sigmoid(gate) if self.activation == "sigmoid" else F.silu(gate)
+        return (o32 * self.weight.to(acc) * act).to(dtype)
+
+
+class DeltaNetMixer(Module):
+    """The shared KDA / GDN token mixer. Input/output ``[B, L, D]``; B·L is the local span.
+
+    A subclass fixes the recurrence ``kind`` and supplies the decay gate (``_init_gates``,
+    ``_gate``) and the output gate (``_output_gate``, activated by ``gate_activation``).
+    """
+
+    kind: ClassVar[Kind]
+    gate_activation: ClassVar[Literal["sigmoid", "silu"]]
+    dt_bias: nn.Parameter  # created by _init_gates: [H*K] (KDA) or [H] (GDN)
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        dim: int
+        n_heads: int
+        head_dim: int
+        value_head_dim: int | None = None
+        conv_width: int = 4
+        norm_eps: float = 1e-5
+        layer_id: int = 0
+        backend: Backend = "auto"
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.n_heads = h = config.n_heads
+        self.head_dim = k = config.head_dim
+        self.value_head_dim = v = config.value_head_dim or config.head_dim
+        self.backend = config.backend
+        d = config.dim
+        self.q_proj = linear(d, h * k)
+        self.k_proj = linear(d, h * k)
+        self.v_proj = linear(d, h * v)
+        # One depthwise conv over [q | k | v] channels: the same as three separate ones, but a
+        # single kernel call and a single history exchange under CP.
+        self.qkv_conv = ShortConvolution.Config(
+            channels=2 * h * k + h * v, width=config.conv_width
+        ).build()
+        self.b_proj = linear(d, h)
+        self._init_gates(d, h, k, v)
+        self.A_log = nn.Parameter(torch.empty(h))
+        self.o_norm = GatedRMSNorm.Config(
+            dim=v, eps=config.norm_eps, activation=self.gate_activation
+        ).build()
+        # Depth-scaled output projection, as torchtitan's decoders do.
+        self.o_proj = linear(h * v, d, std=0.02 / math.sqrt(2 * (config.layer_id + 1)))
+
+    def _init_gates(self, d: int, h: int, k: int, v: int) -> None:
+        """Create the decay-gate and output-gate parameters (and ``dt_bias``)."""
+        raise NotImplementedError
+
+    def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(f, dt_bias, A)`` broadcastable to the gate's shape."""
+        raise NotImplementedError
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Output gate pre-activation ``[1, T, H*V]``."""
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        # A in [1, 16] and dt in [1e-3, 1e-1] log-uniform (Mamba-2 / GDN initialisation), so the
+        # initial per-token decays span short to long memories.
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            dt = torch.exp(
+                torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1))
+            ).clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def _gate(self, x: torch.Tensor) -> torch.Tensor:
+        f, bias, a = self._gate_logits(x)
+        acc = upcast(x.dtype)
+        # Gates stay in at least float32: they are summed over long ranges inside the kernel.
+        return -a.to(acc) * F.softplus(f.to(acc) + bias.to(acc))
+
+    def forward(
+        self, x: torch.Tensor, ctx: SequenceContext, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        h, k, v = self.n_heads, self.head_dim, self.value_head_dim
+        # The local span is the B rows' local pieces back to back: one packed stream.
+        xs = x.reshape(1, bsz * seqlen, -1)
+        qkv = torch.cat([self.q_proj(xs), self.k_proj(xs), self.v_proj(xs)], dim=-1)
+        q, kk, vv = self.qkv_conv(qkv, ctx, self.backend).split([h * k, h * k, h * v], dim=-1)
+        q, kk, vv = q.unflatten(-1, (h, k)), kk.unflatten(-1, (h, k)), vv.unflatten(-1, (h, v))
+        q = F.normalize(q, p=2, dim=-1)
+        kk = F.normalize(kk, p=2, dim=-1)
+        beta = torch.sigmoid(self.b_proj(xs).to(upcast(xs.dtype))).to(xs.dtype)
+        g = self._gate(xs)
+        if ctx.cp_enabled:
+            o, _ = context_parallel_delta_rule(
+                q, kk, vv, g, beta, kind=self.kind, routing=ctx.routing, group=ctx.group,
+                backend=self.backend,
+            )  # fmt: skip
+        else:
+            o, _ = chunk_delta_rule(
+                q, kk, vv, g, beta, kind=self.kind,
+                cu_seqlens=ctx.routing.cu_seqlens, cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu,
+                chunk_indices=ctx.routing.chunk_indices, chunk_offsets=ctx.routing.chunk_offsets,
+                backend=self.backend,
+            )  # fmt: skip
+        gate = self._output_gate(xs)
+        o = self.o_norm(o.to(xs.dtype), gate.unflatten(-1, (h, v)))
+        return self.o_proj(o.flatten(-2)).reshape(bsz, seqlen, -1)
+
+
+class KDAMixer(DeltaNetMixer):
+    """KDA: low-rank per-channel decay ``[.., H, K]`` and sigmoid output gate (Kimi Linear)."""
+
+    kind = "kda"
+    gate_activation = "sigmoid"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(DeltaNetMixer.Config):
+        pass
+
+    def _init_gates(self, d: int, h: int, k: int, v: int) -> None:
+        self.f_a_proj = linear(d, k)
+        self.f_b_proj = linear(k, h * k)
+        self.g_a_proj = linear(d, v)
+        self.g_b_proj = linear(v, h * v, bias=True)
+        self.dt_bias = nn.Parameter(torch.empty(h * k))
+
+    def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, k = self.n_heads, self.head_dim
+        f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (h, k))
+        return f, self.dt_bias.view(h, k), self.A_log.exp().view(h, 1)
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_b_proj(self.g_a_proj(x))
+
+
+class GDNMixer(DeltaNetMixer):
+    """GDN: one decay scalar per head and SiLU output gate (Gated DeltaNet / Qwen3-Next)."""
+
+    kind = "gdn"
+    gate_activation = "silu"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(DeltaNetMixer.Config):
+        pass
+
+    def _init_gates(self, d: int, h: int, k: int, v: int) -> None:
+        self.a_proj = linear(d, h)
+        self.g_proj = linear(d, h * v)
+        self.dt_bias = nn.Parameter(torch.empty(h))
+
+    def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.a_proj(x), self.dt_bias, self.A_log.exp()
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(x)

@@ -1,0 +1,528 @@
+"""torchtitan 0.3.0's Qwen3.5 through this recipe: host routing, context parallelism, CPU kernels.
+
+The architecture is torchtitan's own (``torchtitan.models.qwen3_5``: ``Qwen35Model``,
+``GatedDeltaNet``, ``Qwen35Attention``, its flavors and ``Qwen35StateDictAdapter``). This module
+changes only what crosses the module boundaries torchtitan provides:
+
+* ``Qwen35TextModel.forward(tokens, positions, seq_ctx)`` takes the microbatch's
+  ``SequenceContext`` (built by ``SequencePreprocessor`` from the loader's host positions) and
+  hands every layer a ``RoutedVarlenMetadata``: the device *and* host document offsets of this
+  rank's span, taken from the routing — no ``nonzero``/``.tolist()`` on device positions
+  (upstream's ``create_varlen_metadata_for_document``).
+* ``GatedDeltaNet.kernel`` becomes ``RoutedGatedDeltaKernel``: the same math as upstream's
+  ``chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)`` (q/k heads repeated to the value
+  heads, FLA's L2 norm ``x / sqrt(sum x^2 + 1e-6)``, scale ``K^-0.5``), run by this recipe's
+  ``chunk_delta_rule`` or, under CP, ``context_parallel_delta_rule`` over the routing.
+* ``GatedDeltaNet._causal_conv`` becomes the recipe's causal conv with the CP halo exchange.
+* ``Qwen35Attention.inner_attention`` becomes ``RoutedInnerAttention``: flex (torchtitan's
+  ``FlexAttention`` with the document ``BlockMask``; under CP torchtitan's ``apply_cp_to_forward``
+  K/V all-gather) or sdpa (``ops.context_parallel_attention``), chosen as for the hybrid model;
+  with ``model.attention_cp = "pass_kv"`` under CP, ``ops.pass_kv_attention`` instead.
+
+Text only: the vision encoder is dropped unless ``vision=True``, which context parallelism
+rejects (multimodal batches scatter image embeddings before CP sharding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+from torch import nn
+
+from torchtitan_cp import compat
+
+# torchtitan 0.3.0's qwen3_5 package imports its FSDP code, which needs torch >= 2.14: say so
+# in one line instead of an ImportError inside torchtitan (the hybrid models need only 2.11).
+compat.require_torch(compat.TRAINER_TORCH_FLOOR, "Qwen3.5 (torchtitan 0.3.0's qwen3_5)")
+
+from torchtitan.distributed.utils import get_spmd_backend  # noqa: E402
+from torchtitan.models.common.decoder import Decoder  # noqa: E402
+from torchtitan.models.qwen3_5 import qwen3_5_configs  # noqa: E402
+from torchtitan.models.qwen3_5.model import GatedDeltaNet, Qwen35Model  # noqa: E402
+from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder  # noqa: E402
+from torchtitan.protocols.module import Module  # noqa: E402
+
+from torchtitan_cp.models.context import SequenceContext, context_from_device_positions  # noqa: E402
+from torchtitan_cp.models.mixers.attention import (  # noqa: E402
+    DEFAULT_ATTENTION_CP,
+    AttentionBackend,
+    AttentionCP,
+    DocumentFlexAttention,
+    check_attention_cp,
+    resolve_attention_backend,
+    routed_pass_kv,
+)
+from torchtitan_cp.ops import (  # noqa: E402
+    causal_conv1d,
+    chunk_delta_rule,
+    context_parallel_attention,
+    context_parallel_conv_history,
+    context_parallel_delta_rule,
+)
+
+QWEN35_FLAVORS: tuple[str, ...] = tuple(qwen3_5_configs)
+"""torchtitan 0.3.0's Qwen3.5 flavors (``debugmodel``, ``0.8B``, ``2B``, ...)."""
+
+_TEXT_ONLY_TOKENS = {"image_id": -1, "video_id": -1}
+L2NORM_EPS = 1e-6  # fla-core's l2norm_fwd default, used by use_qk_l2norm_in_kernel
+
+
+@dataclass(frozen=True, eq=False)
+class RoutedVarlenMetadata:
+    """What upstream's ``GatedDeltaNet`` reads from its ``VarlenMetadata`` (this rank's local
+    document offsets) plus the microbatch's ``SequenceContext`` for the swapped layers.
+
+    A plain dataclass rather than a ``VarlenMetadata`` subclass: pytree maps over a block's
+    inputs (FSDP's input cast, activation checkpointing) rebuild NamedTuples from their fields
+    and would drop ``seq_ctx``; a dataclass is a leaf and passes through whole. (Upstream's
+    isinstance check runs only under ``spmd_backend = "spmd_types"``, which this recipe does not
+    use.)"""
+
+    cu_seq_q: torch.Tensor
+    """[N+1] int32 local span offsets of the subsequences (device)."""
+    cu_seq_k: torch.Tensor
+    max_q: int
+    max_k: int
+    cu_seq_q_host: tuple[int, ...]
+    """The same offsets as Python ints, from the routing's host copy."""
+    seq_ctx: SequenceContext
+
+
+def routed_varlen_metadata(ctx: SequenceContext) -> RoutedVarlenMetadata:
+    """The varlen metadata of this rank's span from ``ctx.routing``: device offsets and the same
+    numbers as host ints read from the routing's host copy (no device read)."""
+    r = ctx.routing
+    host = tuple(int(c) for c in r.cu_seqlens_cpu.tolist())  # host tensor: no sync
+    longest = max((b - a for a, b in zip(host[:-1], host[1:], strict=True)), default=0)
+    return RoutedVarlenMetadata(r.cu_seqlens, r.cu_seqlens, longest, longest, host, ctx)
+
+
+def _seq_ctx(masks: Any, where: str) -> SequenceContext:
+    ctx = getattr(masks, "seq_ctx", None)
+    if ctx is None:
+        raise ValueError(
+            f"{where} under torchtitan_cp needs the microbatch's SequenceContext: call "
+            "Qwen35TextModel.forward(tokens, positions, seq_ctx) (SequencePreprocessor builds it)"
+        )
+    return ctx
+
+
+def fla_l2norm(x: torch.Tensor) -> torch.Tensor:
+    """fla-core's ``l2norm_fwd`` in PyTorch: ``x * rsqrt(sum(x^2) + 1e-6)`` over the last dim,
+    accumulated in float32 (float64 for float64 input), returned in x's dtype."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+
+
+class RoutedGatedDeltaKernel(Module):
+    """Stand-in for upstream's ``GatedDeltaKernel``: same inputs and output, this recipe's delta
+    rule over the microbatch's routing.
+
+    q, k ``[1, T, H, K]``; v ``[1, T, HV, V]`` (HV a multiple of H: grouped value heads);
+    g ``[1, T, HV]`` natural-log decay; beta ``[1, T, HV]``. Returns ``o [1, T, HV, V]``.
+    ``seq_ctx`` is set by the owning ``GatedDeltaNet`` for the duration of its forward.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        backend: Literal["auto", "torch", "fla"] = "auto"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.backend = config.backend
+        self.seq_ctx: SequenceContext | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_cpu: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ctx = self.seq_ctx
+        assert ctx is not None, "set by the GatedDeltaNet forward wrapper"
+        if q.shape[2] != v.shape[2]:  # upstream's grouped value heads: q/k head h serves HV/H
+            rep = v.shape[2] // q.shape[2]
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        q, k = fla_l2norm(q), fla_l2norm(k)  # use_qk_l2norm_in_kernel=True
+        if ctx.cp_enabled:
+            o, _ = context_parallel_delta_rule(
+                q, k, v, g, beta, kind="gdn", routing=ctx.routing, group=ctx.group,
+                backend=self.backend,
+            )  # fmt: skip
+        else:
+            o, _ = chunk_delta_rule(
+                q, k, v, g, beta, kind="gdn", cu_seqlens=ctx.routing.cu_seqlens,
+                cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu, chunk_indices=ctx.routing.chunk_indices,
+                chunk_offsets=ctx.routing.chunk_offsets, backend=self.backend,
+            )  # fmt: skip
+        return o
+
+
+def _routed_causal_conv(
+    self: GatedDeltaNet,
+    x_BLD: torch.Tensor,
+    conv: nn.Module,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``GatedDeltaNet._causal_conv`` on this recipe's conv: depthwise, SiLU, per-document
+    resets, and under CP the W-1 tokens of history borrowed from earlier fragments.
+    x ``[1, T, D]`` -> ``[1, T, D]``. The context and backend live on the swapped kernel."""
+    kernel = cast(RoutedGatedDeltaKernel, self.kernel)
+    ctx = kernel.seq_ctx
+    assert ctx is not None, "set by the GatedDeltaNet forward wrapper"
+    weight = cast(torch.Tensor, conv.weight).squeeze(1)  # [D, 1, W] -> [D, W]
+    history = None
+    if ctx.cp_enabled:
+        history = context_parallel_conv_history(x_BLD, routing=ctx.routing, group=ctx.group)
+    return causal_conv1d(
+        x_BLD, weight, None, cu_seqlens=ctx.routing.cu_seqlens,
+        cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu, chunk_indices=ctx.routing.chunk_indices,
+        initial_state=history, activation="silu", backend=kernel.backend,
+    )  # fmt: skip
+
+
+def _routed_delta_net_forward(
+    self: GatedDeltaNet, x_BLD: torch.Tensor, attention_masks: Any = None
+) -> torch.Tensor:
+    """Upstream's ``GatedDeltaNet.forward`` with the microbatch's context visible to the swapped
+    conv and kernel for the duration of the call (activation-checkpoint recompute calls this
+    again with the same masks, so it sees the same context)."""
+    kernel = cast(RoutedGatedDeltaKernel, self.kernel)
+    kernel.seq_ctx = _seq_ctx(attention_masks, "Qwen3.5 GatedDeltaNet")
+    try:
+        return GatedDeltaNet.forward(self, x_BLD, attention_masks)
+    finally:
+        kernel.seq_ctx = None
+
+
+class RoutedInnerAttention(Module):
+    """``Qwen35Attention.inner_attention`` over the packed documents of the microbatch.
+
+    In/out ``[B, L_local, H, D]``. flex: torchtitan's ``FlexAttention`` (``self.flex``) with the
+    context's document ``BlockMask`` (under CP wrapped by ``apply_cp_to_forward``); sdpa:
+    ``ops.context_parallel_attention`` over the flattened span with global token/document ids;
+    under CP with ``cp_mode = "pass_kv"``: ``ops.pass_kv_attention`` (either backend).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        backend: AttentionBackend = "auto"
+        cp_mode: AttentionCP = DEFAULT_ATTENTION_CP
+
+    def __init__(self, config: Config):
+        super().__init__()
+        resolve_attention_backend(config.backend, "cpu")  # reject a bad name at build time
+        check_attention_cp(config.cp_mode)
+        self.backend = config.backend
+        self.cp_mode = config.cp_mode
+        self.flex = DocumentFlexAttention(DocumentFlexAttention.Config())
+        self.flex_cp = False  # set once torchtitan's CP wrapper gathers K/V for self.flex
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        attention_masks: Any = None,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        ctx = _seq_ctx(attention_masks, "Qwen3.5 attention")
+        bsz, seqlen, n_heads, head_dim = q.shape
+        backend = resolve_attention_backend(self.backend, q.device)
+        if ctx.cp_enabled and self.cp_mode == "pass_kv":
+            o = routed_pass_kv(
+                q.reshape(1, bsz * seqlen, n_heads, head_dim),
+                k.reshape(1, bsz * seqlen, k.shape[2], k.shape[3]),
+                v.reshape(1, bsz * seqlen, v.shape[2], v.shape[3]),
+                ctx, backend, scale,
+            )  # fmt: skip
+            return o.reshape(bsz, seqlen, n_heads, v.shape[3])
+        if backend == "flex":
+            if ctx.block_mask is None:
+                raise ValueError(
+                    "attention_backend 'flex' needs a SequenceContext with a document "
+                    "block_mask (SequencePreprocessor(flex_attention=True) builds one)"
+                )
+            if ctx.cp_enabled and not self.flex_cp:
+                raise RuntimeError(
+                    "flex attention under context parallelism needs its K/V all-gather: "
+                    "parallelize_qwen35 applies it"
+                )
+            if scale is not None and scale != head_dim**-0.5:
+                raise ValueError(f"flex path supports the default scale only, got {scale}")
+            return self.flex(q, k, v, attention_masks=ctx.block_mask, enable_gqa=enable_gqa)
+        o = context_parallel_attention(
+            q.reshape(1, bsz * seqlen, n_heads, head_dim),
+            k.reshape(1, bsz * seqlen, k.shape[2], k.shape[3]),
+            v.reshape(1, bsz * seqlen, v.shape[2], v.shape[3]),
+            token_ids=ctx.token_ids, doc_ids=ctx.doc_ids, group=ctx.group, scale=scale,
+            max_tokens=ctx.routing.num_tokens,
+        )  # fmt: skip
+        return o.reshape(bsz, seqlen, n_heads, v.shape[3])
+
+
+def route_delta_nets(model: nn.Module, backend: Literal["auto", "torch", "fla"]) -> int:
+    """Swap every ``GatedDeltaNet``'s kernel and causal conv for this recipe's (see module
+    docstring); parameters and state-dict keys are unchanged. Returns the number swapped."""
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, GatedDeltaNet) or isinstance(m.kernel, RoutedGatedDeltaKernel):
+            continue
+        m.kernel = RoutedGatedDeltaKernel.Config(backend=backend).build()
+        m._causal_conv = types.MethodType(_routed_causal_conv, m)  # pyrefly: ignore[bad-assignment]
+        m.forward = types.MethodType(_routed_delta_net_forward, m)  # pyrefly: ignore[bad-assignment]
+        n += 1
+    return n
+
+
+class Qwen35TextModel(Qwen35Model):
+    """torchtitan's ``Qwen35Model`` (text path) taking this recipe's ``SequenceContext``.
+
+    ``forward(tokens [B, L_local], positions [B, L_local] | None, seq_ctx)`` returns logits
+    ``[B, L_local, vocab]`` (hidden states when the trainer's chunked loss applies the head).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Qwen35Model.Config):
+        vision_encoder: Qwen35VisionEncoder.Config | None = None  # pyrefly: ignore[bad-override]
+        linear_attention_backend: Literal["auto", "torch", "fla"] = "auto"
+        attention_backend: AttentionBackend = "auto"
+        attention_cp: AttentionCP = DEFAULT_ATTENTION_CP
+
+        @property
+        def conv_width(self) -> int:
+            """Short-convolution width of the GatedDeltaNet layers (the CP halo is width - 1)."""
+            dn = next((lay.delta_net for lay in self.layers if lay.delta_net is not None), None)
+            return dn.conv_kernel_size if dn is not None else 1
+
+        def uses_flex_attention(self, device_type: str | torch.device) -> bool:
+            """Whether the gated attention layers run flex on ``device_type`` (then every
+            microbatch needs a document ``BlockMask``)."""
+            return self.first_attention is not None and (
+                resolve_attention_backend(self.attention_backend, device_type) == "flex"
+            )
+
+        def update_from_config(self, *, config, **kwargs) -> None:
+            # Decoder's checks and RoPE sizing; not Qwen35Model's, which fills tensor-parallel
+            # sharding configs (and needs the vision encoder) for TP this recipe rejects.
+            Decoder.Config.update_from_config(self, config=config, **kwargs)
+            la = getattr(config, "linear_attention", None)
+            if la is not None:
+                self.linear_attention_backend = la.backend
+
+    def __init__(self, config: Config):
+        Decoder.__init__(self, config)  # Qwen35Model.__init__ minus the mandatory vision encoder
+        self.vision_encoder = None
+        self.spatial_merge_size = 1
+        if config.vision_encoder is not None:
+            self.vision_encoder = config.vision_encoder.build()
+            self.spatial_merge_size = config.vision_encoder.spatial_merge_size
+        route_delta_nets(self, config.linear_attention_backend)
+
+    def forward(  # pyrefly: ignore[bad-override]
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        seq_ctx: SequenceContext | None = None,
+    ) -> torch.Tensor:
+        cfg = self.config
+        assert isinstance(cfg, Qwen35TextModel.Config)
+        if seq_ctx is None:
+            # A direct call without host metadata: documents from the device positions
+            # (a device->host copy per forward, warned once).
+            seq_ctx = context_from_device_positions(
+                tokens, positions, flex_mask=cfg.uses_flex_attention(tokens.device)
+            )
+        if positions is None:  # each row is one document
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        if get_spmd_backend() == "spmd_types":
+            raise ValueError(
+                "qwen3_5 under torchtitan_cp runs with parallelism.spmd_backend = "
+                "'partial_dtensor' (the recipe default), not 'spmd_types'"
+            )
+        meta = routed_varlen_metadata(seq_ctx)
+        masks = {"deltanet": meta, "quadratic_attention": meta}
+        return super().forward(
+            tokens, attention_masks=masks, positions=positions,  # pyrefly: ignore[bad-argument-type]
+            special_tokens=_TEXT_ONLY_TOKENS,  # text batches: no image/video placeholders
+        )  # fmt: skip
+
+
+_QWEN35_OVERRIDES = ("vocab_size", "attention_backend", "attention_cp")
+
+
+def qwen35_config(
+    flavor: str,
+    *,
+    n_layers: int | None = None,
+    vision: bool = False,
+    vocab_size: int | None = None,
+    enable_weight_tying: bool | None = None,
+    attention_backend: AttentionBackend = "auto",
+    attention_cp: AttentionCP = DEFAULT_ATTENTION_CP,
+    linear_attention_backend: Literal["auto", "torch", "fla"] = "auto",
+) -> Qwen35TextModel.Config:
+    """torchtitan's Qwen3.5 ``flavor`` as a ``Qwen35TextModel.Config``.
+
+    ``n_layers`` keeps the first layers (the 3:1 GatedDeltaNet/attention pattern is
+    positional); ``vocab_size`` resizes embedding and head (e.g. to a smaller tokenizer);
+    ``vision`` keeps the vision encoder (no context parallelism then); ``enable_weight_tying``
+    shares embedding and head as HF's ``tie_word_embeddings`` does (Qwen3.5 0.8B/2B/4B), so the
+    HF folder's missing ``lm_head.weight`` is neither read nor written.
+    """
+    if flavor not in qwen3_5_configs:
+        raise ValueError(
+            f"unknown model.flavor {flavor!r} for model.name 'qwen3_5'; choose one of "
+            f"{list(QWEN35_FLAVORS)}"
+        )
+    base = qwen3_5_configs[flavor](attn_backend="flex")
+    layers = list(base.layers)
+    if n_layers is not None:
+        if not 1 <= n_layers <= len(layers):
+            raise ValueError(
+                f"model.n_layers must be in [1, {len(layers)}] for qwen3_5 {flavor}, got {n_layers}"
+            )
+        layers = layers[:n_layers]
+    resolve_attention_backend(attention_backend, "cpu")
+    check_attention_cp(attention_cp)
+    inner = RoutedInnerAttention.Config(backend=attention_backend, cp_mode=attention_cp)
+    layers = [
+        dataclasses.replace(
+            lay, attention=dataclasses.replace(lay.attention, inner_attention=inner)
+        )
+        if lay.attention is not None
+        else lay
+        for lay in layers
+    ]
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    fields.update(layers=layers, vision_encoder=base.vision_encoder if vision else None)
+    if vocab_size is not None:
+        if vocab_size < 1:
+            raise ValueError(f"model.vocab_size must be >= 1, got {vocab_size}")
+        fields["vocab_size"] = vocab_size
+        fields["tok_embeddings"] = dataclasses.replace(
+            base.tok_embeddings, num_embeddings=vocab_size
+        )
+        fields["lm_head"] = dataclasses.replace(base.lm_head, out_features=vocab_size)
+    if enable_weight_tying is not None:
+        fields["enable_weight_tying"] = enable_weight_tying
+    return Qwen35TextModel.Config(
+        **fields,
+        attention_backend=attention_backend,
+        attention_cp=attention_cp,
+        linear_attention_backend=linear_attention_backend,
+    )
+
+
+def layer_types(cfg: Qwen35Model.Config) -> list[str]:
+    """HF's ``layer_types``: "linear_attention" (GatedDeltaNet) or "full_attention" per layer."""
+    return [
+        "full_attention" if lay.attention is not None else "linear_attention" for lay in cfg.layers
+    ]
+
+
+def qwen35_layers_summary(cfg: Qwen35Model.Config) -> str:
+    """``"GGGA"``-style letters of the layer stack, for logs."""
+    return "".join("A" if t == "full_attention" else "G" for t in layer_types(cfg))
+
+
+def check_qwen35_parallelism(cfg: Any, parallelism: Any) -> None:
+    """A ValueError naming the key where Qwen3.5 cannot run with ``parallelism``."""
+    cp = parallelism.context_parallel_degree
+    if cfg.vision_encoder is not None and cp > 1:
+        raise ValueError(
+            f"model.vision = true cannot run under context parallelism "
+            f"(parallelism.context_parallel_degree = {cp}): Qwen3.5 scatters image embeddings "
+            "into the unsharded sequence; train text-only (model.vision = false)"
+        )
+    for key in ("tensor_parallel_degree", "expert_parallel_degree", "pipeline_parallel_degree"):
+        if getattr(parallelism, key, 1) > 1:
+            raise ValueError(f"parallelism.{key} > 1 is not supported for qwen3_5 by this recipe")
+
+
+def parallelize_qwen35(
+    model: nn.Module,
+    *,
+    parallel_dims: Any,
+    training: Any,
+    parallelism: Any,
+    compile_config: Any,
+    ac_config: Any,
+    dump_folder: str,
+) -> nn.Module:
+    """Context parallelism, activation checkpointing, compile and FSDP for ``Qwen35TextModel``.
+
+    The GatedDeltaNet kernels and convs already read the microbatch's routing (swapped at
+    construction), so CP only adds torchtitan's K/V all-gather to flex attention layers (before
+    FSDP, as torchtitan requires). CP ranks hold the same parameters: FSDP shards and reduces
+    gradients over the flattened dp_shard x cp mesh, as for the hybrid decoder."""
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.distributed.compile import apply_compile
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder, apply_fsdp_to_vision_encoder
+
+    from torchtitan_cp import compat
+    from torchtitan_cp.models.hybrid.parallelize import apply_flex_context_parallel
+
+    for key, on in (("tensor_parallel_degree", parallel_dims.tp_enabled),
+                    ("expert_parallel_degree", parallel_dims.ep_enabled),
+                    ("pipeline_parallel_degree", parallel_dims.pp_enabled)):  # fmt: skip
+        if on:
+            raise NotImplementedError(f"parallelism.{key} > 1 is not supported for qwen3_5")
+    vision = getattr(model, "vision_encoder", None)
+    if parallel_dims.cp_enabled:
+        if vision is not None:
+            raise NotImplementedError("Qwen3.5's vision encoder cannot run under CP")
+        apply_flex_context_parallel(model, parallel_dims.get_mesh("cp"), RoutedInnerAttention)
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    if compile_config.enable and "model" in compile_config.components:
+        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+    if parallel_dims.fsdp_enabled:
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        mesh = parallel_dims.get_mesh(names)
+        common = dict(
+            param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+            reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
+            pp_enabled=False,
+        )
+        if vision is not None:
+            apply_fsdp_to_vision_encoder(vision, mesh, **common)  # pyrefly: ignore[bad-argument-type]
+        apply_fsdp_to_decoder(
+            model,  # pyrefly: ignore[bad-argument-type]
+            mesh,
+            cpu_offload=training.enable_cpu_offload,
+            **common,  # pyrefly: ignore[bad-argument-type]
+        )
+        compat.force_sum_reduction_on_gloo(model)
+    return model
+
+
+def qwen35_model_spec(flavor: str, **kwargs: Any):
+    """``ModelSpec`` for torchtitan's Qwen3.5 ``flavor`` through this recipe (kwargs: see
+    ``qwen35_config``), with torchtitan's ``Qwen35StateDictAdapter`` for HF checkpoints."""
+    from torchtitan.models.qwen3_5 import Qwen35StateDictAdapter
+    from torchtitan.protocols.model_spec import ModelSpec
+
+    return ModelSpec(
+        name="qwen3_5",
+        flavor=flavor,
+        model=qwen35_config(flavor, **kwargs),
+        parallelize_fn=parallelize_qwen35,
+        pipelining_fn=None,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=Qwen35StateDictAdapter,
+    )

@@ -1,0 +1,2 @@
+"""The gated delta rule (KDA, GDN): local kernels (torch, fla), custom ops and its
+``Recurrence``."""

@@ -1,0 +1,137 @@
+"""The gated delta rule (KDA / GDN) as a ``Recurrence``, and its context-parallel entry point.
+
+Summary algebra: a token range maps the state affinely, ``S_out = M S_in + E`` with a full
+transition ``M [HV, K, K]`` and ``E [HV, K, V]``, stored as ``[HV, K, V + K] = [E | M]``. Both come
+from one final-state pass: values ``[v | 0]`` from the entry state ``[0 | I]``, since the first V
+columns follow E and the last K columns follow M (the same recurrence applied to the identity).
+The driver (``ops.distributed.recurrence``) does the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..cp.driver import context_parallel_recurrence
+from ..cp.recurrence import SequenceTables, fold_dtype
+
+if TYPE_CHECKING:
+    from torchtitan_cp.routing import DeviceRouting
+
+    from .local import Backend, Kind
+
+__all__ = ["DeltaRule", "context_parallel_delta_rule", "fold_dtype"]
+
+
+@dataclass(frozen=True)
+class DeltaRule:
+    """KDA (per-channel gate) or GDN (scalar gate); inputs ``(q, k, v, g, beta)`` with the shapes
+    of ``ops.local.chunk_delta_rule``."""
+
+    kind: Kind
+    scale: float | None = None
+    backend: Backend = "auto"
+
+    def state_shape(self, inputs: tuple[Tensor, ...]) -> tuple[int, int, int]:
+        q, _, v = inputs[:3]
+        return v.shape[2], q.shape[3], v.shape[3]
+
+    def local(
+        self,
+        inputs: tuple[Tensor, ...],
+        tables: SequenceTables,
+        initial_state: Tensor | None,
+        output_final_state: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        from .local import chunk_delta_rule  # imported late: ops.local imports ops.distributed
+
+        return chunk_delta_rule(
+            *inputs,
+            kind=self.kind,
+            scale=self.scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=tables.cu_seqlens,
+            cu_seqlens_cpu=tables.cu_seqlens_cpu,
+            chunk_indices=tables.chunk_indices,
+            chunk_offsets=tables.chunk_offsets,
+            backend=self.backend,
+        )
+
+    def identity(self, state_shape: tuple[int, int, int], dtype, device) -> Tensor:
+        HV, K, V = state_shape
+        ident = torch.zeros(1, HV, K, V + K, dtype=dtype, device=device)
+        ident[..., V:] = torch.eye(K, dtype=dtype, device=device)
+        return ident
+
+    def summarize(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Tensor:
+        from .local import _resolve_backend, chunk_delta_rule
+
+        q, k, v, g, beta = inputs
+        HV, K, V = self.state_shape(inputs)
+        n = tables.cu_seqlens.numel() - 1
+        dt = fold_dtype(v.dtype)
+        vs = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)  # [v | 0]
+        h0 = self.identity((HV, K, V), dt, v.device).expand(n, -1, -1, -1).contiguous()
+        if _resolve_backend(self.backend, q) == "torch" and not torch.compiler.is_compiling():
+            from .torch_kernel import delta_rule_final_states_torch
+
+            return delta_rule_final_states_torch(
+                q, k, vs, g, beta, kind=self.kind, initial_state=h0,
+                cu_seqlens=tables.cu_seqlens, cu_seqlens_cpu=tables.cu_seqlens_cpu,
+            )  # fmt: skip
+        # fla-core 0.6.0 has no differentiable state-only entry point (its chunk_*_fwd_h are
+        # forward-only pieces of the autograd Function), and under torch.compile the local
+        # kernel runs as an opaque custom op: both compute, and discard, the [.., V+K] output.
+        _, fin = chunk_delta_rule(
+            q, k, vs, g, beta, kind=self.kind, scale=self.scale, initial_state=h0,
+            output_final_state=True, cu_seqlens=tables.cu_seqlens,
+            cu_seqlens_cpu=tables.cu_seqlens_cpu, chunk_indices=tables.chunk_indices,
+            chunk_offsets=tables.chunk_offsets, backend=self.backend,
+        )  # fmt: skip
+        assert fin is not None  # output_final_state=True
+        return fin
+
+    def apply(self, summary: Tensor, state: Tensor) -> Tensor:
+        V = state.shape[-1]
+        return torch.matmul(summary[..., V:], state) + summary[..., :V]
+
+    def compose(self, first: Tensor, then: Tensor, state_shape: tuple[int, int, int]) -> Tensor:
+        V = state_shape[2]
+        return torch.matmul(then[..., V:], first) + torch.cat(
+            [then[..., :V], torch.zeros_like(then[..., V:])], -1
+        )
+
+
+def context_parallel_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    kind: Kind,
+    routing: DeviceRouting,
+    group: dist.ProcessGroup | None,
+    scale: float | None = None,
+    output_final_state: bool = False,
+    backend: Backend = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Gated delta rule on this rank's span, continuing documents across fragments and ranks.
+
+    Shapes (FLA conventions, local span of ``T = routing.num_tokens`` tokens): q, k
+    ``[1,T,H,K]``; v ``[1,T,HV,V]``; g natural-log decay ``[1,T,HV,K]`` (kind="kda") or
+    ``[1,T,HV]`` (kind="gdn"); beta ``[1,T,HV]``. Returns ``(o [1,T,HV,V], final_states
+    [Nt,HV,K,V] | None)`` as ``context_parallel_recurrence`` describes.
+    """
+    return context_parallel_recurrence(
+        DeltaRule(kind=kind, scale=scale, backend=backend),
+        (q, k, v, g, beta),
+        routing=routing,
+        group=group,
+        output_final_state=output_final_state,
+    )

@@ -1,0 +1,107 @@
+"""Chunked SSD (Mamba2's state-space duality form; scalar-gated linear attention) in PyTorch.
+
+Per sequence and value head: ``S_t = exp(g_t) S_{t-1} + k_t v_tᵀ``, ``o_t = S_tᵀ (scale q_t)``.
+Inside a chunk, with ``G_t`` the cumulative log gate since the chunk start and ``S0`` the entry
+state: ``o_t = exp(G_t) (scale q_t)ᵀ S0 + sum_{s<=t} (scale q_t · k_s) exp(G_t - G_s) v_s`` and
+``S_end = exp(G_C) S0 + sum_s exp(G_C - G_s) k_s v_sᵀ``. Chunks are packed as in
+``delta_rule._chunk_layout``; every exponent is masked to -inf before ``exp`` where not causal.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..common.varlen import host_cu_seqlens
+from ..delta_rule.torch_kernel import _chunk_layout, _gdn_scores
+
+__all__ = ["chunk_ssd_torch"]
+
+
+def chunk_ssd_torch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    cu_seqlens_cpu: Tensor | None = None,
+    chunk_size: int = 64,
+    states_only: bool = False,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Chunked SSD forward (autograd gives the backward).
+
+    Args:
+        q, k: ``[1, T, H, K]`` (Mamba2's C and B; H groups); v: ``[1, T, HV, V]``, HV a
+            multiple of H. g: natural-log decay ≤ 0, ``[1, T, HV]``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (zeros when None).
+        cu_seqlens / cu_seqlens_cpu: ``[N+1]`` sequence offsets (host copy preferred).
+        states_only: return ``(None, final)`` without computing any output.
+
+    Returns:
+        ``(o [1, T, HV, V] in v's dtype or None, final [N, HV, K, V] in the compute dtype or
+        None)``.
+    """
+    T, H, K = q.shape[1:]
+    HV, V = v.shape[2:]
+    scale = K**-0.5 if scale is None else scale
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dev = q.device
+    C = chunk_size
+    cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
+    N = len(cu) - 1
+    want_final = output_final_state or states_only
+    if initial_state is None:
+        state0 = torch.zeros(N, HV, K, V, dtype=cd, device=dev)
+    else:
+        state0 = initial_state.to(cd)
+    if T == 0:
+        o = None if states_only else v.new_zeros(1, 0, HV, V)
+        return o, (state0.clone() if want_final else None)
+
+    lay = _chunk_layout(cu, C)
+    NC = lay.num_chunks
+    src = lay.src.to(dev)
+
+    def pack(x: Tensor) -> Tensor:
+        """[1, T, Hx, ...] -> [NC, Hx, C, ...] in compute dtype, padding with zeros."""
+        x = x[0].to(cd)
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])], 0)[src]
+        return x.unflatten(0, (NC, C)).movedim(1, 2)
+
+    rep = HV // H
+    kc = pack(k).repeat_interleave(rep, dim=1)  # [NC, HV, C, K]
+    vc = pack(v)  # [NC, HV, C, V]
+    G = pack(g).cumsum(2)  # [NC, HV, C] cumulative log gate inside the chunk, <= 0
+    Gl = G[:, :, -1]  # [NC, HV]
+    decay_end = torch.exp(Gl.unsqueeze(-1) - G).unsqueeze(-1)  # exp(G_C - G_t) <= 1
+    E = (kc * decay_end).transpose(-1, -2) @ vc  # [NC, HV, K, V]
+    dec = torch.exp(Gl)[..., None, None]  # [NC, HV, 1, 1]
+
+    # Inter-chunk recurrence: one step per chunk position, all sequences still running at once.
+    perm = lay.perm.to(dev)
+    decs, Es = dec[perm], E[perm]
+    S = state0[lay.order.to(dev)]
+    entry = []
+    start = 0
+    for a in lay.steps:
+        S_a = S[:a]
+        if not states_only:
+            entry.append(S_a)
+        S_new = decs[start : start + a] * S_a + Es[start : start + a]
+        S = torch.cat([S_new, S[a:]], 0) if a < N else S_new
+        start += a
+    final = S[lay.inv_order.to(dev)] if want_final else None
+    if states_only:
+        return None, final
+
+    S0 = torch.cat(entry, 0)[lay.inv_perm.to(dev)]  # [NC, HV, K, V] entry state of each chunk
+    qc = pack(q).repeat_interleave(rep, dim=1) * scale
+    scores = _gdn_scores(qc.unsqueeze(0), kc, G)[0]  # [NC, HV, C, C]
+    oc = (qc * torch.exp(G).unsqueeze(-1)) @ S0 + scores @ vc  # [NC, HV, C, V]
+    o = oc.movedim(1, 2).flatten(0, 1)[lay.dst.to(dev)]  # [T, HV, V]
+    return o.unsqueeze(0).to(v.dtype), final

@@ -1,0 +1,148 @@
+"""A run's hold on its dump folder, decided once at start before the model is built.
+
+``start_run`` (all ranks, right after the process group exists): rank 0 takes the dump folder's
+run lock, checks that the checkpoint folder is writable and plans the resume (verification,
+steps moved aside); every rank gets the same ``RunContext`` or raises the same ``RunError``.
+
+``metrics.jsonl`` keeps one history: each run starts with a header line
+``{"run_header": {"run_id", "start_time", "resumed_from_step", ...}}``, and rows of earlier runs
+past the step this run resumes from move to ``metrics.superseded.jsonl``, so no step row repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan_cp.run.checkpoint import (
+    ResumePlan,
+    broadcast,
+    check_writable,
+    control_group,
+    on_rank0,
+    plan_resume,
+)
+from torchtitan_cp.run.lock import RunLock, new_run_id
+
+HEADER_KEY = "run_header"
+SUPERSEDED_SUFFIX = ".superseded.jsonl"
+
+
+@dataclass
+class RunContext:
+    run_id: str
+    start_time: str
+    lock: RunLock | None  # rank 0 only
+    plan: ResumePlan | None  # None without checkpointing
+    lines: list[str]  # what start_run decided, for the log
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
+def start_run(
+    *,
+    dump_folder: str,
+    checkpoint: Any,
+    training_steps: int,
+) -> RunContext:
+    """Lock ``dump_folder`` and plan the resume from ``checkpoint`` (a checkpoint config with
+    ``enable``, ``folder``, ``load_step``, ``load_only``, ``create_seed_checkpoint``,
+    ``discard_later_steps``, ``verify``). Collective over all ranks."""
+    pg = control_group()
+    run_id, start_time = broadcast(
+        (new_run_id(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())), pg
+    )
+    lock = RunLock(dump_folder)
+    lines: list[str] = []
+
+    def take() -> str | None:
+        return lock.acquire(run_id, start_time)
+
+    stale = on_rank0(take, pg)
+    if stale:
+        lines.append(stale)
+    plan = None
+    if checkpoint.enable and not checkpoint.create_seed_checkpoint:
+        folder = os.path.join(dump_folder, checkpoint.folder)
+        if not checkpoint.load_only:
+            on_rank0(lambda: check_writable(folder), pg)
+        plan = plan_resume(
+            folder,
+            run_id=run_id,
+            load_step=checkpoint.load_step,
+            training_steps=training_steps,
+            discard_later_steps=getattr(checkpoint, "discard_later_steps", False),
+            sha256=getattr(checkpoint, "verify", "sha256") == "sha256",
+            move=not checkpoint.load_only,
+            pg=pg,
+        )
+        lines.extend(plan.lines)
+    return RunContext(run_id, start_time, lock if lock.held else None, plan, lines)
+
+
+def run_header(ctx: RunContext, *, resumed_from: int, world_size: int) -> dict[str, Any]:
+    return {
+        HEADER_KEY: {
+            "run_id": ctx.run_id,
+            "start_time": ctx.start_time,
+            "resumed_from_step": resumed_from,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "world_size": world_size,
+        }
+    }
+
+
+def supersede_rows(path: str, resumed_from: int) -> int:
+    """Move rows with ``step > resumed_from`` from ``path`` to ``<path stem>.superseded.jsonl``
+    (each group after the header of the run that wrote it); returns how many moved. The rewrite
+    is atomic (temp file, then rename)."""
+    if not os.path.isfile(path):
+        return 0
+    keep: list[str] = []
+    moved: list[str] = []
+    header: str | None = None
+    header_moved = False
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            keep.append(line)  # not ours to judge: leave it where it is
+            continue
+        if isinstance(row, dict) and HEADER_KEY in row:
+            keep.append(line)
+            header, header_moved = line, False
+            continue
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, int) and step > resumed_from:
+            if header is not None and not header_moved:
+                moved.append(header)
+                header_moved = True
+            moved.append(line)
+        else:
+            keep.append(line)
+    if not moved:
+        return 0
+    stem = path[: -len(".jsonl")] if path.endswith(".jsonl") else path
+    with open(stem + SUPERSEDED_SUFFIX, "a") as f:
+        f.write("\n".join(moved) + "\n")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return sum(1 for line in moved if HEADER_KEY not in line)
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """The step rows of a metrics.jsonl (training and validation), header lines left out."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if HEADER_KEY not in r]

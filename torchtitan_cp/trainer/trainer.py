@@ -1,0 +1,469 @@
+"""The hybrid-model trainer: torchtitan's ``Trainer`` with CP routing built per microbatch.
+
+What changes against torchtitan 0.3.0's trainer:
+* ``post_dataloading_process`` pops the batch's ``HostMetadata`` and hands the batch to one
+  ``SequencePreprocessor`` (shared with the validator) that shards it for this CP rank and builds
+  the microbatch's ``SequenceContext``; the model gets ``positions`` and ``seq_ctx``.
+* ``[model]`` (a ``ModelRecipe``) is the single source of the model spec.
+* Metrics add ``routing/*`` counters, a JSONL file and optional parameter checksums.
+* Runs hold their dump folder (``runs.start_run``: lock, verified resume plan), checkpoints carry
+  sha256 manifests (``checkpoint.HybridCheckpointManager``), and an optional loss-spike guard
+  acts before the optimizer step (``spike_guard``).
+"""
+
+from __future__ import annotations
+
+from torchtitan_cp import compat
+
+# A clear start-up error instead of an ImportError deep inside torchtitan on an older torch.
+compat.require_torch(compat.TRAINER_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
+compat.apply()  # before torchtitan.trainer binds device names (see compat.py)
+
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import IO, Any, cast  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # noqa: E402
+from torchtitan.components.metrics import (  # noqa: E402
+    BaseLogger,
+    LoggerContainer,
+    MetricsProcessor,
+    _get_metrics_rank,
+)
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
+from torchtitan.components.validate import Validator  # noqa: E402
+from torchtitan.config import DebugConfig as _TitanDebugConfig  # noqa: E402
+from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+from torchtitan_cp.data.loader import (  # noqa: E402
+    PackedTextDataLoader,
+    PackedValidationDataLoader,
+    pop_host_metadata,
+)
+from torchtitan_cp.models import recipe_model_spec  # noqa: E402
+from torchtitan_cp.models.recipe import ModelRecipe  # noqa: E402
+from torchtitan_cp.ops import check_flex_shape  # noqa: E402
+from torchtitan_cp.run.checkpoint import HybridCheckpointManager  # noqa: E402
+from torchtitan_cp.run.spike_guard import SpikeGuard, SpikeGuardConfig  # noqa: E402
+from torchtitan_cp.run.start import RunContext, run_header, start_run, supersede_rows  # noqa: E402
+from torchtitan_cp.trainer.compile import CAP_KEYS, check_compile, compile_counters  # noqa: E402
+from torchtitan_cp.trainer.config import ConfigError, LinearAttentionConfig  # noqa: E402
+from torchtitan_cp.trainer.sequence import SequencePreprocessor  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+@dataclass(kw_only=True, slots=True)
+class DebugConfig(_TitanDebugConfig):
+    param_checksums: bool = False
+    """Log ``params_sha256`` (every parameter after the optimizer step, gathered to rank 0)
+    and ``grads_sha256`` (the step's gradients) at each log step, to compare runs bit for bit."""
+
+
+def tensors_sha256(model_parts: list[torch.nn.Module], *, grads: bool) -> str:
+    """SHA-256 over every parameter's (or its gradient's) full value, in name order.
+    Collective under FSDP: every rank must call it."""
+    h = hashlib.sha256()
+    for part in model_parts:
+        for name, p in sorted(part.named_parameters(), key=lambda kv: kv[0]):
+            t = p.grad if grads else p
+            if t is None:
+                continue
+            t = t.full_tensor() if isinstance(t, DTensor) else t
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class JsonlLogger(BaseLogger):
+    """One JSON object per log call in ``<dump_folder>/metrics.jsonl``; floats at full
+    precision (``json`` writes ``repr``), for scripts and bitwise comparisons. ``start_run``
+    moves rows past the resume step aside and writes the run's header line (see runs.py)."""
+
+    ALIASES = {
+        "loss_metrics/global_avg_loss": "loss",
+        "grad_norm": "grad_norm",
+        "throughput(tps)": "tokens_per_s",
+        "validation_metrics/loss": "validation_loss",
+    }
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path = path
+        # Opened by start_run (or the first log), after the checkpoint load.
+        self._f: IO[str] | None = None
+
+    def start_run(self, header: dict[str, Any], resumed_from: int) -> None:
+        moved = supersede_rows(self.path, resumed_from)
+        if moved:
+            logger.info(
+                f"Moved {moved} rows past step {resumed_from} from {self.path} to its "
+                ".superseded.jsonl: this run replaces them"
+            )
+        self._open().write(json.dumps(header) + "\n")
+
+    def _open(self) -> IO[str]:
+        if self._f is None:
+            self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - kept open for the run
+        return self._f
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        row: dict[str, Any] = {"step": step}
+        for k, v in metrics.items():
+            if k in self.ALIASES:
+                row[self.ALIASES[k]] = v
+            if k.startswith("lr"):
+                row.setdefault("lr", v)
+            row[k] = v
+        self._open().write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+
+
+class HybridMetricsProcessor(MetricsProcessor):
+    """torchtitan's metrics plus metrics.jsonl and the extra metrics the trainer supplies."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        jsonl_file: str = "metrics.jsonl"
+        """File under dump_folder written by the metrics rank; empty string disables it."""
+
+        wandb_mode: str = ""
+        """WANDB_MODE for this run ("offline" leaves a run to `wandb sync` later); empty keeps
+        the environment's setting."""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        if config.enable_wandb and config.wandb_mode:
+            os.environ["WANDB_MODE"] = config.wandb_mode
+        super().__init__(config, **kwargs)
+        self.extra_metrics_fn = None
+        self.validation_metrics_fn = None
+        self.jsonl: JsonlLogger | None = None
+        dump_folder = kwargs.get("dump_folder", "./outputs")
+        rank = _get_metrics_rank(
+            parallel_dims=kwargs["parallel_dims"], pp_schedule=kwargs.get("pp_schedule", "1F1B")
+        )
+        if config.jsonl_file and dist.get_rank() == rank:
+            container = LoggerContainer()
+            container.add_logger(self.logger)
+            self.jsonl = JsonlLogger(os.path.join(dump_folder, config.jsonl_file))
+            container.add_logger(self.jsonl)
+            self.logger = container
+
+    def start_run(self, header: dict[str, Any], resumed_from: int) -> None:
+        """A new run in metrics.jsonl: earlier rows past ``resumed_from`` move aside, then the
+        run's header line (no-op off the metrics rank)."""
+        if self.jsonl is not None:
+            self.jsonl.start_run(header, resumed_from)
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        extra = dict(extra_metrics or {})
+        if self.extra_metrics_fn is not None:
+            extra.update(self.extra_metrics_fn())
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+        if "routing/source" in extra:
+            logger.info(
+                f"step: {step:2}  routing: {extra['routing/source']}  "
+                f"readbacks: {extra['routing/readbacks']}  "
+                f"build: {extra['routing/build_ms']:.2f}ms  "
+                f"cache: {extra['routing/cache_hits']} hits / {extra['routing/cache_misses']} "
+                f"misses / {extra['routing/cache_evictions']} evictions"
+            )
+
+    def log_validation(self, loss, step, extra_metrics=None):
+        extra = dict(extra_metrics or {})
+        if self.validation_metrics_fn is not None:
+            extra.update(self.validation_metrics_fn())
+        super().log_validation(loss, step, extra_metrics=extra)
+
+
+class HybridValidator(Validator):
+    """torchtitan's validator, preprocessing batches with the trainer's SequencePreprocessor."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Validator.Config):
+        # A narrower config type than the parent's field, as torchtitan's own subclasses do.
+        dataloader: PackedValidationDataLoader.Config = field(  # pyrefly: ignore[bad-override-mutable-attribute]
+            default_factory=PackedValidationDataLoader.Config
+        )
+
+    sequence: SequencePreprocessor | None = None
+
+    def post_dataloading_process(self, input_dict, labels, model_parts):
+        assert self.sequence is not None, "HybridTrainer sets the validator's preprocessor"
+        return _preprocess(self.sequence, input_dict, labels)
+
+
+def _preprocess(
+    sequence: SequencePreprocessor, input_dict: dict[str, Any], labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    host = pop_host_metadata(input_dict)
+    unknown = sorted(set(input_dict) - {"input", "positions"})
+    if unknown:
+        raise ValueError(f"batch has keys the hybrid model does not take: {unknown}")
+    inputs, labels, positions, ctx = sequence(
+        input_dict["input"], labels, input_dict.get("positions"), host
+    )
+    return inputs, labels, {"positions": positions, "seq_ctx": ctx}
+
+
+def check_model(config: Any) -> tuple[Any, bool]:
+    """Build ``[model]``'s spec and check it against the run's parallelism and device; returns
+    ``(spec, flex)``. Every problem is a one-line ConfigError naming the key."""
+    try:
+        spec = recipe_model_spec(config.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if config.model.name == "qwen3_5":
+        from torchtitan_cp.models.qwen35.model import check_qwen35_parallelism
+
+        try:
+            check_qwen35_parallelism(spec.model, config.parallelism)
+            if config.compile.enable and "model" in config.compile.components:
+                # Untested: the swapped GatedDeltaNet layers pass the microbatch context
+                # through a Python attribute for the duration of each call.
+                raise ValueError(
+                    "compile.enable is not supported for model.name = 'qwen3_5' yet; "
+                    "use --compile.no-enable"
+                )
+            ckpt = config.checkpoint
+            if ckpt.enable and ckpt.initial_load_in_hf:
+                from torchtitan_cp.models.qwen35.hf import check_hf_folder
+
+                check_hf_folder(ckpt.initial_load_path or config.hf_assets_path, spec.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return spec, check_attention_backend(config, spec.model)
+
+
+def check_attention_backend(config: Any, model_cfg: Any, *, device_type: str | None = None) -> bool:
+    """Whether this run's attention layers use flex; a ConfigError where flex cannot run:
+    training off CUDA (no flex backward there) or, on the all-gather CP path, a CP shard that
+    is not whole mask blocks.
+    ``device_type`` defaults to this machine's."""
+    device = device_type or compat.device_type()
+    if not model_cfg.uses_flex_attention(device):
+        return False
+    if device != "cuda":
+        raise ConfigError(
+            f"model.attention_backend = 'flex' cannot train on {device}: flex attention has no "
+            "backward there; use 'sdpa' (or 'auto', which picks sdpa off CUDA)"
+        )
+    cp = config.parallelism.context_parallel_degree
+    if getattr(model_cfg, "attention_cp", "all_gather") == "pass_kv" and cp > 1:
+        return True  # per-pair masks of any length: no whole-block rule
+    try:
+        check_flex_shape(config.training.seq_len, cp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return True
+
+
+class HybridTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        model: ModelRecipe = field(default_factory=ModelRecipe)
+        linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
+        # Narrower config types than the parent's fields (the subclasses this recipe builds).
+        debug: DebugConfig = field(default_factory=DebugConfig)  # pyrefly: ignore[bad-override-mutable-attribute]
+        metrics: HybridMetricsProcessor.Config = field(  # pyrefly: ignore[bad-override-mutable-attribute]
+            default_factory=HybridMetricsProcessor.Config
+        )
+        validator: HybridValidator.Config = field(default_factory=HybridValidator.Config)  # pyrefly: ignore[bad-override-mutable-attribute]
+        checkpoint: HybridCheckpointManager.Config = field(  # pyrefly: ignore[bad-override-mutable-attribute]
+            default_factory=HybridCheckpointManager.Config
+        )
+        spike_guard: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)
+
+    run: RunContext
+
+    def __init__(self, config: Config):
+        spec, flex = check_model(config)
+        model_cfg = spec.model  # HybridDecoder.Config or Qwen35TextModel.Config
+        config.model_spec = spec
+        # The loss is sized by the model's vocabulary, whichever flavor or override set it.
+        loss_fn_cfg = getattr(config.loss, "loss_fn", config.loss)
+        if hasattr(loss_fn_cfg, "global_vocab_size"):
+            setattr(loss_fn_cfg, "global_vocab_size", model_cfg.vocab_size)  # noqa: B010
+        caps = check_compile(config, model_cfg)  # fixed routing shapes when compiling
+        super().__init__(config)
+        pd = self.parallel_dims
+        cp_group = pd.get_mesh("cp").get_group() if pd.cp_enabled else None
+        self.sequence = SequencePreprocessor(
+            device=self.device,
+            cp_group=cp_group,
+            load_balancer=config.parallelism.context_parallel_load_balancer,
+            routing_source=config.linear_attention.routing_source,
+            plan_cache_size=config.linear_attention.plan_cache_size,
+            conv_history=model_cfg.conv_width - 1,
+            ptrr_block_size=config.linear_attention.ptrr_block_size,
+            flex_attention=flex,
+            attention_cp=getattr(model_cfg, "attention_cp", "all_gather"),
+            caps=caps,
+            cap_keys=CAP_KEYS,
+        )
+        self.report_compile = caps is not None
+        if config.validator.enable:
+            cast(HybridValidator, self.validator).sequence = self.sequence
+        metrics = cast(HybridMetricsProcessor, self.metrics_processor)
+        metrics.extra_metrics_fn = self._extra_metrics
+        metrics.validation_metrics_fn = self._validation_metrics
+        self.param_checksums = config.debug.param_checksums
+        ckpt = self.checkpointer
+        if isinstance(ckpt, HybridCheckpointManager):
+            ckpt.run_id = self.run.run_id
+            ckpt.plan = self.run.plan
+            ckpt.on_loaded = self._start_metrics_run
+        self.spike_guard = SpikeGuard(config.spike_guard) if config.spike_guard.enabled else None
+        self._step_loss: torch.Tensor | None = None
+        if self.spike_guard is not None:
+            self.optimizers.register_step_pre_hook(lambda *args, **kwargs: self._guard_step())
+
+    def init_distributed(self):
+        parallel_dims = super().init_distributed()
+        # Before anything is built: the dump folder's lock, a writable checkpoint folder and a
+        # verified resume plan, so a second run or a bad checkpoint folder fails in seconds.
+        cfg = self.config
+        self.run = start_run(
+            dump_folder=cfg.dump_folder,
+            checkpoint=cfg.checkpoint,
+            training_steps=cfg.training.steps,
+        )
+        for line in self.run.lines:
+            logger.warning(line)
+        return parallel_dims
+
+    def _start_metrics_run(self, resumed_from: int) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        header = run_header(self.run, resumed_from=resumed_from, world_size=world)
+        cast(HybridMetricsProcessor, self.metrics_processor).start_run(header, resumed_from)
+
+    def train(self):
+        plan = self.run.plan
+        if plan is not None and plan.complete:
+            logger.info(
+                f"Nothing to train: checkpoint step-{plan.step} already reached training.steps "
+                f"= {self.config.training.steps} (raise --training.steps to continue)"
+            )
+            return
+        super().train()  # its checkpointer.load() starts the metrics run (on_loaded)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if hasattr(self, "run"):
+                self.run.close()
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+        )
+        if self.spike_guard is not None:
+            # local loss sum / global valid tokens; summed over the loss mesh it is the
+            # global average torchtitan logs
+            loss_d = loss.detach()
+            self._step_loss = (
+                loss_d.clone() if self._step_loss is None else self._step_loss + loss_d
+            )
+        return loss
+
+    def _guard_step(self) -> None:
+        """Optimizer pre-step hook: the spike guard's verdict on this step's global loss."""
+        assert self.spike_guard is not None and self._step_loss is not None
+        pd = self.parallel_dims
+        mesh = pd.get_optional_mesh("loss") if pd.dp_cp_enabled else None
+        loss = dist_utils.dist_sum(self._step_loss, mesh)
+        self._step_loss = None
+        skipped = self.spike_guard.check(self.step, loss)
+        if skipped is not None:
+            logger.warning(skipped)
+            # No gradients: AdamW leaves parameters and moments of every parameter alone.
+            self.optimizers.zero_grad(set_to_none=True)
+
+    def post_dataloading_process(self, input_dict, labels):
+        inputs, labels, extra = _preprocess(self.sequence, input_dict, labels)
+        # Count after CP sharding so ntokens reflects what this rank processes.
+        self.ntokens_seen += labels.numel()
+        return inputs, labels, extra
+
+    def train_step(self, data_iterator):
+        self.sequence.stats.take()  # counters cover this step only (not validation before it)
+        self._step_loss = None
+        return super().train_step(data_iterator)
+
+    def _routing_metrics(self, prefix: str) -> dict[str, Any]:
+        """Routing counters since the last call; readbacks and build time are the worst rank's
+        (a collective: every rank calls this at the same log step). On the training device: on
+        CUDA the default group is NCCL only, which has no CPU backend."""
+        stats = self.sequence.stats.take()
+        cache = self.sequence.cache.stats()
+        local = torch.tensor(
+            [stats["readbacks"], stats["build_ms"]], dtype=torch.float64, device=self.device
+        )
+        if dist.is_initialized():
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        local = local.cpu()  # one copy for both values (a log step synchronises anyway)
+        return {
+            f"{prefix}/source": stats["source"],
+            f"{prefix}/microbatches": stats["microbatches"],
+            f"{prefix}/readbacks": int(local[0]),
+            f"{prefix}/build_ms": float(local[1]),
+            f"{prefix}/cache_hits": cache["hits"],
+            f"{prefix}/cache_misses": cache["misses"],
+            f"{prefix}/cache_evictions": cache["evictions"],
+        }
+
+    def _extra_metrics(self) -> dict[str, Any]:
+        out = self._routing_metrics("routing")
+        if self.report_compile:
+            out.update(compile_counters())
+        if self.spike_guard is not None:
+            out["spike_guard/skipped_steps"] = self.spike_guard.skipped
+        if self.param_checksums:
+            out["params_sha256"] = tensors_sha256(self.model_parts, grads=False)
+            out["grads_sha256"] = tensors_sha256(self.model_parts, grads=True)
+        return out
+
+    def _validation_metrics(self) -> dict[str, Any]:
+        return self._routing_metrics("validation_routing")
+
+
+def recipe_config() -> HybridTrainer.Config:
+    """Recipe defaults (the TOML and the command line override any field)."""
+    return HybridTrainer.Config(
+        hf_assets_path=str(ASSETS / "tokenizer"),
+        model=ModelRecipe(),
+        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=1)),
+        optimizer=default_adamw(lr=3e-3),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
+        ),
+        training=TrainingConfig(
+            local_batch_size=2,
+            seq_len=256,
+            steps=20,
+            # The model takes a per-microbatch SequenceContext kwarg, which CUDA-graph capture
+            # of the forward/backward rejects.
+            disable_cuda_graphs=True,
+        ),
+        dataloader=PackedTextDataLoader.Config(),
+        metrics=HybridMetricsProcessor.Config(log_freq=1),
+        parallelism=ParallelismConfig(
+            spmd_backend="partial_dtensor", context_parallel_load_balancer="headtail"
+        ),
+        checkpoint=HybridCheckpointManager.Config(interval=10, last_save_model_only=False),
+        activation_checkpoint=None,
+        validator=HybridValidator.Config(freq=10, steps=4),
+    )

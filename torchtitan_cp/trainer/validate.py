@@ -1,0 +1,363 @@
+"""Every check a run's configuration can pass before any process group exists.
+
+``validate(config, world_size, device_type)`` raises a ``ConfigError`` whose message is one line
+naming the key (or file) and the fix. ``./scripts/train.sh`` runs it in one process before it
+starts torchrun (``python -m torchtitan_cp.train --check``), and every rank runs it again before
+building the trainer, for launches that call torchrun directly. It reads files (dataset,
+tokenizer) and probes folders, but builds no model and starts no process group.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import tempfile
+from typing import Any
+
+from torchtitan_cp.data import jsonl
+from torchtitan_cp.routing import get_balancer
+from torchtitan_cp.trainer.config import ConfigError
+
+__all__ = ["parse_nnodes", "parse_nproc", "validate"]
+
+
+def _whole_number(text: str, what: str, meaning: str) -> int:
+    """``text`` as a whole number >= 1, else a ConfigError naming ``what`` and its ``meaning``."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != text.strip():
+        raise ConfigError(f"{what} must be a whole number >= 1 ({meaning}), got {text!r}")
+    return n
+
+
+def parse_nproc(text: str, *, device_type: str) -> int:
+    """``NPROC`` as train.sh passes it: a whole number >= 1, or ``auto`` (one process per GPU,
+    else 2 on CPU)."""
+    if text in ("", "auto"):
+        if device_type == "cuda":
+            import torch
+
+            return torch.cuda.device_count()
+        return 2
+    return _whole_number(text, "NPROC", "processes to start")
+
+
+def parse_nnodes(text: str) -> int:
+    """``NNODES`` as train.sh passes it: a whole number >= 1 (machines in the run)."""
+    return _whole_number(text, "NNODES", "machines in the run")
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _dp_degree(config: Any, world_size: int) -> int:
+    """Data-parallel (batch) degree torchtitan derives from the parallelism section."""
+    p = config.parallelism
+    degrees = {
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "context_parallel_degree": p.context_parallel_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "expert_parallel_degree": p.expert_parallel_degree,
+    }
+    for key, d in degrees.items():
+        _need(d >= 1, f"parallelism.{key} must be >= 1, got {d}")
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
+        _need(
+            degrees[key] == 1,
+            f"parallelism.{key} = {degrees[key]}: the hybrid recipe supports FSDP and context "
+            "parallelism only; set it to 1",
+        )
+    shard = p.data_parallel_shard_degree
+    _need(
+        shard == -1 or shard >= 1,
+        f"parallelism.data_parallel_shard_degree must be -1 (the "
+        f"rest of the processes) or >= 1, got {shard}",
+    )
+    others = p.data_parallel_replicate_degree * p.context_parallel_degree
+    if shard == -1:
+        _need(
+            world_size % others == 0,
+            f"parallelism.context_parallel_degree ({p.context_parallel_degree}) x "
+            f"data_parallel_replicate_degree ({p.data_parallel_replicate_degree}) = {others} "
+            f"does not divide the {world_size} processes; use a divisor of {world_size} or "
+            f"start a multiple of {others} processes (NPROC x NNODES)",
+        )
+        shard = world_size // others
+    else:
+        _need(
+            shard * others == world_size,
+            f"parallelism: data_parallel_shard_degree ({shard}) x replicate "
+            f"({p.data_parallel_replicate_degree}) x context_parallel_degree "
+            f"({p.context_parallel_degree}) = {shard * others}, but {world_size} processes "
+            "run; make the product equal NPROC x NNODES or set data_parallel_shard_degree = -1",
+        )
+    return shard * p.data_parallel_replicate_degree
+
+
+def _check_cp_within_nodes(config: Any, world_size: int, per_node: int) -> None:
+    """CP is the innermost mesh axis (torchtitan orders pp, dp_replicate, dp_shard, cp, tp), so
+    ranks r..r+CP-1 form a CP group and torchrun numbers each node's processes consecutively: a
+    group stays inside a node when CP divides the processes per node, or covers whole nodes
+    when they divide CP. Anything else splits a group unevenly across nodes."""
+    cp = config.parallelism.context_parallel_degree
+    if world_size == per_node or cp <= 1 or per_node % cp == 0 or cp % per_node == 0:
+        return
+    raise ConfigError(
+        f"parallelism.context_parallel_degree ({cp}) and the {per_node} processes per node "
+        f"(NPROC_PER_NODE) divide neither way: CP groups would straddle nodes; use a CP degree "
+        f"that divides {per_node} (CP inside a node) or a multiple of it (whole nodes)"
+    )
+
+
+def _check_numbers(config: Any, dp: int) -> None:
+    t = config.training
+    _need(t.steps >= 0, f"training.steps must be >= 0, got {t.steps}")
+    _need(
+        t.local_batch_size >= 1, f"training.local_batch_size must be >= 1, got {t.local_batch_size}"
+    )
+    _need(t.seq_len >= 1, f"training.seq_len must be >= 1 (tokens per row), got {t.seq_len}")
+    _need(t.gc_freq >= 1, f"training.gc_freq must be >= 1, got {t.gc_freq}")
+    gbs = t.global_batch_size
+    if gbs >= 0:
+        per_step = t.local_batch_size * dp
+        _need(
+            gbs >= 1 and gbs % per_step == 0,
+            f"training.global_batch_size ({gbs}) must be a positive multiple of "
+            f"local_batch_size x data-parallel degree ({t.local_batch_size} x {dp} = "
+            f"{per_step}); use -1 for exactly that",
+        )
+    for i, group in enumerate(config.optimizer.param_groups):
+        lr = group.optimizer_kwargs.get("lr")
+        if isinstance(lr, (int, float)):
+            _need(lr >= 0, f"optimizer.param_groups.{i}.optimizer_kwargs.lr must be >= 0, got {lr}")
+    s = config.lr_scheduler
+    _need(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
+    _need(
+        s.total_steps is None or s.total_steps >= 1,
+        f"lr_scheduler.total_steps must be >= 1 or unset, got {s.total_steps}",
+    )
+    _need(
+        s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
+        f"lr_scheduler.decay_ratio must be in [0, 1] or unset, got {s.decay_ratio}",
+    )
+    _need(
+        0 <= s.min_lr_factor <= 1,
+        f"lr_scheduler.min_lr_factor must be in [0, 1], got {s.min_lr_factor}",
+    )
+    _need(
+        config.metrics.log_freq >= 1,
+        f"metrics.log_freq must be >= 1, got {config.metrics.log_freq}",
+    )
+    v = config.validator
+    if v.enable:
+        _need(
+            v.freq >= 1,
+            f"validator.freq must be >= 1 (validate every N steps), got {v.freq}; "
+            "use --validator.no-enable to turn validation off",
+        )
+        _need(
+            v.steps == -1 or v.steps >= 1,
+            f"validator.steps must be >= 1, or -1 for the whole split, got {v.steps}",
+        )
+
+
+def _check_seq_len(config: Any, model_cfg: Any) -> None:
+    """``training.seq_len`` against CP, the load balancer, the loss chunking and the model."""
+    seq = config.training.seq_len
+    cp = config.parallelism.context_parallel_degree
+    try:
+        balancer = get_balancer(
+            config.parallelism.context_parallel_load_balancer,
+            ptrr_block_size=config.linear_attention.ptrr_block_size,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    max_len = getattr(model_cfg, "max_seq_len", None)
+    if max_len is not None:
+        _need(
+            seq <= max_len, f"training.seq_len ({seq}) exceeds the model's max_seq_len ({max_len})"
+        )
+    if cp > 1:
+        # torchtitan's trainer asks for 2 x CP whatever the balancer; the balancer adds its own.
+        torchtitan_rule = (2 * cp, f"2 x context_parallel_degree ({cp})")
+        try:
+            balancer.check(seq, cp, also=[torchtitan_rule])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    chunks = getattr(config.loss, "num_chunks", None)
+    if chunks is not None:
+        local = seq // max(cp, 1)
+        if local % chunks:
+            step = chunks * max(cp, 1)
+            lower, upper = seq - seq % step, seq - seq % step + step
+            hint = f"{lower} or {upper}" if lower else f"{upper}"
+            raise ConfigError(
+                f"training.seq_len ({seq}) / context_parallel_degree ({cp}) = {local} tokens "
+                f"per rank must be divisible by loss.num_chunks ({chunks}), the chunked loss's "
+                f"pieces: use seq_len {hint}, or change --loss.num_chunks"
+            )
+
+
+def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: int) -> None:
+    backend = config.linear_attention.backend
+    if backend == "fla":
+        from torchtitan_cp.ops.delta_rule.fla_kernel import triton_interpreter_on
+
+        # On CPU only under Triton's interpreter (the fla_interpreter test tier).
+        _need(
+            device_type == "cuda" or (device_type == "cpu" and triton_interpreter_on()),
+            "linear_attention.backend = 'fla' needs CUDA (fla-core's "
+            f"kernels are Triton) but this machine runs on {device_type}; use 'torch' or "
+            "'auto'",
+        )
+    if backend in ("fla", "auto") and device_type == "cuda":
+        _need(
+            importlib.util.find_spec("fla") is not None,
+            f"linear_attention.backend = "
+            f"'{backend}' uses fla-core on CUDA, which is not installed; pip install "
+            "fla-core==0.6.0, or use 'torch'",
+        )
+    if device_type == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        _need(
+            local_world <= gpus,
+            f"{local_world} processes on this machine but {gpus} GPU(s): "
+            "one process per GPU; set NPROC (or --nproc_per_node) to at most "
+            f"{gpus}",
+        )
+    # Model-dependent checks of the trainer take (config, model_cfg) and live in trainer.py;
+    # call each one here so the pre-launch check and the trainer agree.
+    from torchtitan_cp.trainer.trainer import check_attention_backend
+
+    check_attention_backend(config, model_cfg, device_type=device_type)
+
+
+def _probe_writable(folder: str, key: str) -> None:
+    """``folder`` exists and takes a new file, or can be created (its nearest existing parent
+    takes one). Probes with a real file: ``os.access`` says yes to root on read-only mounts."""
+    path = os.path.abspath(folder)
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{key} {folder}: {probe} is a file, not a folder; choose another path")
+    try:
+        with tempfile.TemporaryFile(dir=probe, prefix=".write-probe-"):
+            pass
+    except OSError as e:
+        where = "" if probe == path else f" (its parent {probe} cannot be written)"
+        raise ConfigError(
+            f"{key} {folder}: not writable{where}: {e.strerror or e}; choose "
+            "another folder or fix its permissions"
+        ) from None
+
+
+def _check_paths(config: Any) -> None:
+    _probe_writable(config.dump_folder, "dump_folder")
+    ckpt = config.checkpoint
+    if ckpt.enable:
+        _probe_writable(os.path.join(config.dump_folder, ckpt.folder), "checkpoint.folder")
+        if ckpt.initial_load_path and "://" not in ckpt.initial_load_path:
+            _need(
+                os.path.isdir(ckpt.initial_load_path),
+                f"checkpoint.initial_load_path {ckpt.initial_load_path}: no such checkpoint folder",
+            )
+
+
+def _tokenizer_vocab(path: str) -> int | None:
+    """The tokenizer's vocabulary size from the files torchtitan's HuggingFaceTokenizer reads
+    (``tokenizer.json``, else ``vocab.json`` / ``vocab.txt``), or a ConfigError."""
+    key = "hf_assets_path"
+    _need(os.path.isdir(path), f"{key} {path}: no such folder (it must hold tokenizer.json)")
+    tok_json = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(tok_json):
+        try:
+            from tokenizers import Tokenizer
+
+            return Tokenizer.from_file(tok_json).get_vocab_size()
+        except Exception as e:  # tokenizers raises its own exception types
+            raise ConfigError(f"{key} {tok_json}: cannot be read as a tokenizer: {e}") from None
+    if os.path.isfile(os.path.join(path, "vocab.json")):
+        try:
+            with open(os.path.join(path, "vocab.json"), encoding="utf-8") as f:
+                return len(json.load(f))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key} {path}/vocab.json: cannot be read: {e}") from None
+    if os.path.isfile(os.path.join(path, "vocab.txt")):
+        return None
+    raise ConfigError(f"{key} {path}: no tokenizer.json, vocab.json or vocab.txt in it")
+
+
+def _check_data(config: Any, model_cfg: Any, dp: int, *, scan: bool) -> None:
+    from torchtitan_cp.data.loader import local_jsonl_path
+
+    vocab = _tokenizer_vocab(config.hf_assets_path)
+    if vocab is not None and vocab > model_cfg.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({model_cfg.vocab_size}) is smaller than the tokenizer's {vocab} "
+            f"tokens ({config.hf_assets_path}); set --model.vocab_size {vocab} or larger"
+        )
+    loaders = [("dataloader", config.dataloader)]
+    if config.validator.enable:
+        loaders.append(("validator.dataloader", config.validator.dataloader))
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    for key, loader in loaders:
+        name = loader.dataset.lower()
+        _need(
+            name in DATASETS,
+            f"{key}.dataset '{loader.dataset}' is unknown (known: {', '.join(sorted(DATASETS))})",
+        )
+        path = local_jsonl_path(name, loader.dataset_path)
+        if name == "jsonl" and not path:
+            raise ConfigError(f"{key}.dataset = 'jsonl' needs {key}.dataset_path (a .jsonl file)")
+        if not path:
+            continue
+        try:
+            if not scan:
+                jsonl.check_jsonl_file(path)
+                continue
+            summary = jsonl.scan(path)
+            if summary.complete:
+                jsonl.check_documents_for_ranks(path, summary.documents, dp)
+                jsonl.check_rank_shares(summary, dp)
+        except jsonl.DataError as e:
+            raise ConfigError(f"{key}.dataset_path: {e}") from None
+
+
+def validate(
+    config: Any,
+    world_size: int,
+    device_type: str,
+    *,
+    local_world_size: int | None = None,
+    scan_data: bool = True,
+) -> None:
+    """Check ``config`` (a ``HybridTrainer.Config``) for a run of ``world_size`` processes
+    (``local_world_size`` of them on this machine; default all) on ``device_type``.
+
+    Raises ConfigError (one line: key, value, fix). ``scan_data`` reads local JSONL datasets line
+    by line (up to ``jsonl.SCAN_LIMIT_BYTES``); without it only their presence is checked (the
+    loader checks the content itself)."""
+    from torchtitan_cp.models import recipe_model_spec
+
+    _need(world_size >= 1, f"the run needs at least one process, got {world_size} (NPROC)")
+    try:  # the hybrid decoder or torchtitan's Qwen3.5, as [model] name says
+        model_cfg = recipe_model_spec(config.model).model
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    dp = _dp_degree(config, world_size)
+    _check_cp_within_nodes(config, world_size, local_world_size or world_size)
+    _check_numbers(config, dp)
+    _check_seq_len(config, model_cfg)
+    _check_backends(config, model_cfg, device_type, local_world_size or world_size)
+    _check_paths(config)
+    _check_data(config, model_cfg, dp, scan=scan_data)
