@@ -188,8 +188,7 @@ def doc_lengths(args: argparse.Namespace, gen: torch.Generator) -> list[int]:
 def step_time(args: argparse.Namespace) -> None:
     import torch.multiprocessing as mp
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from dist_utils import free_port
+    from tests.dist_utils import free_port  # the repository root is on sys.path (above)
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -16,7 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from torchtitan_cp.ops.delta_rule.local import causal_conv1d, chunk_delta_rule
+from torchtitan_cp.ops.conv.local import causal_conv1d
+from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule
 
 # name -> (H, K = V, document lengths); T = sum of the lengths.
 SIZES = {

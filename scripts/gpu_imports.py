@@ -15,7 +15,7 @@ import importlib
 import sys
 
 CUDA_PATH_IMPORTS: tuple[str, ...] = (
-    # fla-core 0.6.0 entry points (torchtitan_cp/ops/delta_rule/fla_kernel.py) and the helpers they load
+    # fla-core 0.6.0 entry points (torchtitan_cp/ops/<family>/fla_kernel.py) and the helpers they load
     "fla.ops.kda:chunk_kda",
     "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
     "fla.modules.causal_conv1d:causal_conv1d",
@@ -30,11 +30,13 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "torchtitan_cp.routing:host_layout",
     "torchtitan_cp.ops:chunk_delta_rule",
     "torchtitan_cp.ops.delta_rule.fla_kernel:chunk_delta_rule_fla",
-    "torchtitan_cp.ops.delta_rule.fla_kernel:causal_conv1d_fla",
+    "torchtitan_cp.ops.conv.fla_kernel:causal_conv1d_fla",
     "torchtitan_cp.ops.fla_compat:chunk_kda_indexed",
     "torchtitan_cp.ops.delta_rule.custom_ops:delta_rule_fla_op",  # torch.compile's custom ops
+    "torchtitan_cp.ops.conv.custom_ops:causal_conv1d_fla_op",
+    "torchtitan_cp.ops.ssd.fla_kernel:chunk_ssd_fla",
     "torchtitan_cp.ops.cp.recurrence:recurrence",
-    "torchtitan_cp.ops.ssd.recurrence:chunk_ssd",
+    "torchtitan_cp.ops.ssd.local:chunk_ssd",
     "torchtitan_cp.models.mixers.mamba2",
     "torchtitan_cp.trainer.compile:routing_caps",
     "torchtitan_cp.models:model_config",

@@ -1,17 +1,31 @@
-"""Session set-up: the ``fla_interpreter`` tier (tests/fla_interpreter.py).
+"""The suite's shared pytest configuration.
 
-fla's kernels must be imported after Triton's interpreter is on, and test modules import fla at
-collection, so the interpreter is installed here, before collection, whenever the ``-m``
-expression can select the tier. ``-m "not slow"`` (the fast loop) and ``-m "not
-fla_interpreter"`` leave this process untouched.
+* Markers: ``slow`` marks every test that starts a process (gloo ranks, torchrun, a subprocess)
+  and the interpreted-kernel tests; ``pytest -m "not slow"`` is the fast in-process loop. The
+  plugin ``tests.process_starts`` registers the marker and fails an unmarked test that starts a
+  process. ``fla_interpreter`` marks the tier that runs fla-core's Triton kernels on CPU under
+  Triton's interpreter (tests/fla_interpreter.py); every test of the tier carries both marks.
+* The tier's set-up: fla's kernels must be imported after Triton's interpreter is on, and test
+  modules import fla at collection, so the interpreter is installed here, before collection,
+  whenever the ``-m`` expression can select the tier. ``-m "not slow"`` (the fast loop) and
+  ``-m "not fla_interpreter"`` leave this process untouched. Tests of a normal run's behaviour
+  take the ``interpreter_off`` fixture.
+* Shared helpers are imported one way, as ``tests.<module>`` (``tests`` is a package):
+  ``tests.dist_utils`` (gloo ranks, layout cases), ``tests.launch`` (the real entry points),
+  ``tests.helpers`` (batches, files), ``tests.reference`` / ``tests.reference_ssd`` (float64
+  oracles), ``tests.fla_interpreter`` (the tier's interpreter set-up).
 """
 
 from __future__ import annotations
 
-import fla_interpreter
 import pytest
 
-TIER_MARKS = {"fla_interpreter", "slow"}  # every test of the tier carries both
+from tests import fla_interpreter
+
+pytest_plugins = ["tests.process_starts"]
+
+FLA_INTERPRETER = "fla_interpreter"
+TIER_MARKS = {FLA_INTERPRETER, "slow"}  # every test of the tier carries both
 
 
 def _tier_selected(config: pytest.Config) -> bool:
@@ -27,6 +41,11 @@ def _tier_selected(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{FLA_INTERPRETER}: fla-core's Triton kernels on CPU under Triton's interpreter "
+        "(tests/fla_interpreter.py); also slow",
+    )
     if _tier_selected(config):
         fla_interpreter.install()
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from reference import seq_bounds
 from torch import Tensor
+
+from tests.reference import seq_bounds
 
 __all__ = ["ssd_reference"]
 

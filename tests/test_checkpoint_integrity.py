@@ -21,7 +21,8 @@ from torchtitan_cp.run.checkpoint import (
     plan_resume,
     write_manifest,
 )
-from torchtitan_cp.run.lock import RunError, RunLock
+from torchtitan_cp.run.errors import RunError
+from torchtitan_cp.run.lock import RunLock
 from torchtitan_cp.run.start import read_rows, supersede_rows
 
 

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from collective_devices import Tracker
 
+from tests.collective_devices import Tracker
 from tests.dist_utils import free_port
 from torchtitan_cp.ops.cp.collectives import _funcol_all_gather
 

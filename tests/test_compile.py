@@ -16,11 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import random_cu_seqlens, run_distributed
 
+from tests.dist_utils import random_cu_seqlens, run_distributed
 from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule
+from torchtitan_cp.ops.conv import custom_ops as conv_ops
 from torchtitan_cp.ops.conv.torch_kernel import causal_conv1d_torch
-from torchtitan_cp.ops.delta_rule import custom_ops
+from torchtitan_cp.ops.delta_rule import custom_ops as delta_ops
 from torchtitan_cp.ops.delta_rule.torch_kernel import chunk_delta_rule_torch
 from torchtitan_cp.routing import RoutingPlan, host_layout
 from torchtitan_cp.trainer.compile import CAP_KEYS, check_compile, routing_caps
@@ -58,7 +59,7 @@ def test_delta_rule_torch_op_matches_kernel_bitwise(kind, with_final):
         cu_seqlens_cpu=CU,
     )  # fmt: skip
     assert fin is not None
-    o2, fin2 = custom_ops.delta_rule_torch_op(*ins, CU, kind, 0.4)
+    o2, fin2 = delta_ops.delta_rule_torch_op(*ins, CU, kind, 0.4)
     assert torch.equal(o, o2) and torch.equal(fin, fin2)
     do, dfin = torch.randn_like(o), torch.randn_like(fin)
     cots = [do, dfin] if with_final else [do]
@@ -71,9 +72,9 @@ def test_delta_rule_torch_op_matches_kernel_bitwise(kind, with_final):
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_delta_rule_torch_op_opcheck(kind):
     ins = _delta_inputs(kind, 3, torch.float32)
-    torch.library.opcheck(custom_ops.delta_rule_torch_op, (*ins, CU, kind, 0.4))
+    torch.library.opcheck(delta_ops.delta_rule_torch_op, (*ins, CU, kind, 0.4))
     # No initial state, one sequence.
-    torch.library.opcheck(custom_ops.delta_rule_torch_op, (*ins[:5], None, None, kind, 0.4))
+    torch.library.opcheck(delta_ops.delta_rule_torch_op, (*ins[:5], None, None, kind, 0.4))
 
 
 def test_conv_torch_op_matches_kernel_bitwise_and_opcheck():
@@ -83,15 +84,15 @@ def test_conv_torch_op_matches_kernel_bitwise_and_opcheck():
     b = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
     h = torch.randn(3, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     y = causal_conv1d_torch(x, w, b, cu_seqlens_cpu=CU, initial_state=h)
-    y2 = custom_ops.causal_conv1d_torch_op(x, w, b, h, CU, "silu")
+    y2 = conv_ops.causal_conv1d_torch_op(x, w, b, h, CU, "silu")
     assert torch.equal(y, y2)
     dy = torch.randn_like(y)
     for a, c in zip(
         torch.autograd.grad(y, [x, w, b, h], dy), torch.autograd.grad(y2, [x, w, b, h], dy)
     ):
         assert torch.equal(a, c)
-    torch.library.opcheck(custom_ops.causal_conv1d_torch_op, (x, w, b, h, CU, "silu"))
-    torch.library.opcheck(custom_ops.causal_conv1d_torch_op, (x, w, None, None, CU, "none"))
+    torch.library.opcheck(conv_ops.causal_conv1d_torch_op, (x, w, b, h, CU, "silu"))
+    torch.library.opcheck(conv_ops.causal_conv1d_torch_op, (x, w, None, None, CU, "none"))
 
 
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
@@ -108,22 +109,22 @@ def test_fla_fake_impls_give_fla_shapes(kind):
         beta = torch.empty(1, T, HV, dtype=bf)
         h0 = torch.empty(3, HV, K, V)
         cu = torch.empty(4, dtype=torch.int32)
-        o, fin, g_cum, a1, a2 = custom_ops.delta_rule_fla_op(
+        o, fin, g_cum, a1, a2 = delta_ops.delta_rule_fla_op(
             q, k, v, g, beta, h0, cu, cu, None, kind, 0.3, True
         )
         assert (o.shape, o.dtype) == ((1, T, HV, V), bf)
         assert (fin.shape, fin.dtype) == ((3, HV, K, V), torch.float32)
         assert (g_cum.shape, g_cum.dtype) == (g.shape, torch.float32)
-        assert a1.shape == (1, T, HV, custom_ops.FLA_CHUNK)
+        assert a1.shape == (1, T, HV, delta_ops.FLA_CHUNK)
         assert a2.shape == (a1.shape if kind == "kda" else (0,))
-        grads = custom_ops.delta_rule_fla_bwd_op(
+        grads = delta_ops.delta_rule_fla_bwd_op(
             q, k, v, beta, g_cum, a1, a2, h0, cu, cu, None, o, fin, kind, 0.3
         )
         for grad, x in zip(grads, (q, k, v, g_cum, beta, h0)):
             assert (grad.shape, grad.dtype) == (x.shape, x.dtype)
         x = torch.empty(1, T, 5, dtype=bf)
         w = torch.empty(5, 4, dtype=bf)
-        y = custom_ops.causal_conv1d_fla_op(
+        y = conv_ops.causal_conv1d_fla_op(
             x, w, None, torch.empty(3, 5, 4, dtype=bf), cu, cu, None, "silu"
         )
         assert (y.shape, y.dtype) == (x.shape, bf)
@@ -135,12 +136,12 @@ def test_fla_ops_opcheck_cuda(kind):
     ins = [x.detach().cuda().float().requires_grad_(True) for x in _delta_inputs(kind, 3)]
     cu = CU.cuda()
     torch.library.opcheck(
-        custom_ops.delta_rule_fla_op, (*ins[:5], ins[5], cu, CU, None, kind, 0.4, True)
+        delta_ops.delta_rule_fla_op, (*ins[:5], ins[5], cu, CU, None, kind, 0.4, True)
     )
     x = torch.randn(1, T, 64, device="cuda", requires_grad=True)
     w = torch.randn(64, 4, device="cuda", requires_grad=True)
     h = torch.randn(3, 64, 4, device="cuda", requires_grad=True)
-    torch.library.opcheck(custom_ops.causal_conv1d_fla_op, (x, w, None, h, cu, CU, None, "silu"))
+    torch.library.opcheck(conv_ops.causal_conv1d_fla_op, (x, w, None, h, cu, CU, None, "silu"))
 
 
 def _layer(q, k, v, g, beta, w, cu_cpu):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import (
+
+from tests.dist_utils import (
     balanced_layouts,
     device_routing,
     doc_ids_of,
@@ -24,7 +25,6 @@ from dist_utils import (
     run_distributed,
     span_index,
 )
-
 from torchtitan_cp.ops import context_parallel_attention
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}

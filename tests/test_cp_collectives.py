@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import ChildFailure, run_distributed
 
+from tests.dist_utils import ChildFailure, run_distributed
 from torchtitan_cp.ops.cp.collectives import all_gather_autograd, all_gather_plain
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import (
+
+from tests.dist_utils import (
     balanced_layouts,
     device_routing,
     empty_rank_layout,

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import (
+
+from tests.dist_utils import (
     device_routing,
     empty_rank_layout,
     explicit_layout_4,
@@ -28,7 +29,6 @@ from dist_utils import (
     run_distributed,
     span_index,
 )
-
 from torchtitan_cp.routing import contiguous_fragments, headtail_fragments
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
@@ -74,8 +74,8 @@ def _inputs(kind: str, total: int, dtype: torch.dtype, seed: int):
 
 def _check_case(rank, group, case: Case, kind, dtype, seed) -> float:
     import torch.distributed as dist
-    from reference import delta_rule_reference
 
+    from tests.reference import delta_rule_reference
     from torchtitan_cp.ops import chunk_delta_rule, context_parallel_delta_rule
 
     name, cu, table, capped = case
@@ -210,8 +210,7 @@ def test_fla_backend_out_of_order_span(kind: str) -> None:
     # World 1 on CUDA through fla-core: the summary pass runs FLA with value width V+K and a
     # float32 [0 | I] initial state. Tolerance as tests/test_kernels_fla.py (TF32 matmuls):
     # 5e-3 of max(1, max |oracle|). Not run where the CP ops were developed (no GPU there).
-    from reference import delta_rule_reference
-
+    from tests.reference import delta_rule_reference
     from torchtitan_cp.ops import context_parallel_delta_rule
     from torchtitan_cp.routing import RoutingPlan
 

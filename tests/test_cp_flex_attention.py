@@ -52,7 +52,8 @@ def _logits(model, sequence, tokens, positions, labels, host: bool):
 def _cp_flex_forward(rank: int, world: int, bsz: int, seqlen: int):
     from torch.distributed.device_mesh import DeviceMesh
 
-    from torchtitan_cp.models.hybrid.parallelize import apply_flex_context_parallel
+    from torchtitan_cp.models.blocks.flex import apply_flex_context_parallel
+    from torchtitan_cp.models.mixers.attention import SoftmaxAttention
     from torchtitan_cp.routing import host_layout
     from torchtitan_cp.trainer.sequence import SequencePreprocessor, shard_rows
 
@@ -63,8 +64,9 @@ def _cp_flex_forward(rank: int, world: int, bsz: int, seqlen: int):
     with pytest.raises(RuntimeError, match="apply_flex_context_parallel"):
         seq = SequencePreprocessor(cp_group=dist.group.WORLD, **cp)
         _logits(flex, seq, tokens, positions, labels, True)  # K/V not gathered yet
-    assert apply_flex_context_parallel(flex, mesh) == 1
-    assert apply_flex_context_parallel(sdpa, mesh) == 0  # sdpa layers gather K/V themselves
+    assert apply_flex_context_parallel(flex, mesh, SoftmaxAttention) == 1
+    # sdpa layers gather K/V themselves
+    assert apply_flex_context_parallel(sdpa, mesh, SoftmaxAttention) == 0
     worst = {}
     for balancer in BALANCERS:
         common = dict(device=torch.device("cpu"), load_balancer=balancer, ptrr_block_size=128)
@@ -118,7 +120,7 @@ def test_flex_without_a_block_mask_is_a_clear_error() -> None:
 
 def test_backend_resolution_and_shape_errors() -> None:
     from torchtitan_cp.models import model_config
-    from torchtitan_cp.models.mixers.attention import resolve_attention_backend
+    from torchtitan_cp.models.blocks.flex import resolve_attention_backend
     from torchtitan_cp.ops import check_flex_shape
 
     assert resolve_attention_backend("auto", "cuda") == "flex"

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import (
+
+from tests.dist_utils import (
     doc_ids_of,
     empty_rank_layout,
     explicit_layout_4,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import (
+
+from tests.dist_utils import (
     device_routing,
     local_subsequences,
     max_abs,
@@ -24,7 +25,6 @@ from dist_utils import (
     run_distributed,
     span_index,
 )
-
 from torchtitan_cp.routing import (
     contiguous_fragments,
     headtail_fragments,
@@ -81,9 +81,9 @@ def _inputs(total: int, dtype: torch.dtype, seed: int):
 
 
 def _check_case(rank, group, case, dtype, seed) -> float:
-    from reference_ssd import ssd_reference
-
-    from torchtitan_cp.ops.ssd.recurrence import chunk_ssd, context_parallel_ssd
+    from tests.reference_ssd import ssd_reference
+    from torchtitan_cp.ops.ssd.local import chunk_ssd
+    from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
 
     name, cu, table = case
     total = cu[-1]
@@ -142,7 +142,8 @@ def test_cp_ssd_matches_unsharded() -> None:
 
 def test_single_rank_out_of_order_span() -> None:
     # World 1, fragments out of token order: the fold carries [3, 17) across three fragments.
-    from torchtitan_cp.ops.ssd.recurrence import chunk_ssd, context_parallel_ssd
+    from torchtitan_cp.ops.ssd.local import chunk_ssd
+    from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
 
     cu, table = [0, 3, 17, 20], [[(11, 20), (0, 6), (6, 11)]]
     routing = device_routing(cu, table, 0)
@@ -161,9 +162,9 @@ def test_single_rank_out_of_order_span() -> None:
 def test_fla_backend_matches_oracle() -> None:
     # fla-core's chunk_simple_gla as the SSD backend, local and through the CP driver (world 1,
     # out-of-order span). Tolerance as tests/test_kernels_fla.py (TF32): 5e-3 relative.
-    from reference_ssd import ssd_reference
-
-    from torchtitan_cp.ops.ssd.recurrence import chunk_ssd, context_parallel_ssd
+    from tests.reference_ssd import ssd_reference
+    from torchtitan_cp.ops.ssd.local import chunk_ssd
+    from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
     from torchtitan_cp.routing import RoutingPlan
 
     cu = [0, 1, 70, 200, 333]

@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from dist_utils import loose_caps, random_cu_seqlens, random_layout
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tests.dist_utils import loose_caps, random_cu_seqlens, random_layout
 from torchtitan_cp.ops import context_parallel_delta_rule
-from torchtitan_cp.ops.delta_rule import local as local_ops
-from torchtitan_cp.ops.delta_rule.fla_kernel import (
-    FLA_CHUNK_SIZE,
-    causal_conv1d_fla,
-    chunk_delta_rule_fla,
-)
+from torchtitan_cp.ops.common import checks
+from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
+from torchtitan_cp.ops.conv import custom_ops as conv_ops
+from torchtitan_cp.ops.conv.fla_kernel import causal_conv1d_fla
+from torchtitan_cp.ops.conv.local import causal_conv1d
+from torchtitan_cp.ops.delta_rule.fla_kernel import chunk_delta_rule_fla
 from torchtitan_cp.routing import (
     RoutingCaps,
     RoutingPlan,
@@ -220,7 +220,7 @@ def test_cp_driver_passes_tables_for_both_passes(fla_recorder, monkeypatch, kind
     # World 1 with out-of-order fragments: the first fragment's last document continues in the
     # third, so both the summary pass and the main pass run. fla's kernels need CUDA; on CPU
     # the backend choice is forced to fla (the launches are recorded, never run).
-    monkeypatch.setattr(local_ops, "_resolve_backend", lambda backend, x: "fla")
+    monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")
     torch.manual_seed(0)
     r = RoutingPlan.build(CU, TABLE, 0).to_device("cpu", chunk_size=FLA_CHUNK_SIZE)
     assert r.summary_cu_seqlens.numel() > 1  # a published summary
@@ -330,7 +330,7 @@ def test_model_layers_pass_tables(fla_recorder, monkeypatch):
     # The decoder's KDA, GDN and short-conv layers (unsharded path) hand fla the routing's tables.
     from torchtitan_cp.models import model_config
 
-    monkeypatch.setattr(local_ops, "_resolve_backend", lambda backend, x: "fla")
+    monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")
     torch.manual_seed(0)
     model = model_config("debug", layer_pattern="KG", vocab_size=97).build()
     model.init_states()
@@ -369,7 +369,7 @@ def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
     # offsets (cu_seqlens_cpu) are the only host tensors they touch.
     from torchtitan_cp.ops import context_parallel_conv_history
 
-    monkeypatch.setattr(local_ops, "_resolve_backend", lambda backend, x: "fla")
+    monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")
     r = RoutingPlan.build(CU, TABLE, 0).to_device("meta", chunk_size=FLA_CHUNK_SIZE)
     assert r.chunk_indices.is_meta and not r.cu_seqlens_cpu.is_meta
     q, k, v, g, beta, _ = (t.detach().to("meta").requires_grad_() for t in _inputs(kind, r.num_tokens, 1))  # fmt: skip
@@ -380,7 +380,7 @@ def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
             q, k, v, g, beta, kind=kind, routing=r, group=None, output_final_state=True
         )
         history = context_parallel_conv_history(x, routing=r, group=None)
-        y = local_ops.causal_conv1d(
+        y = causal_conv1d(
             x, w, cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu,
             chunk_indices=r.chunk_indices, initial_state=history,
         )  # fmt: skip
@@ -400,7 +400,7 @@ def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
 
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_compiled_path_ops_get_the_routing_table(fla_recorder, kind):
-    # The custom ops torch.compile calls (ops/custom_ops.py) take the routing's table, padded to a
+    # The custom ops torch.compile calls (ops/<family>/custom_ops.py) take the routing's table, padded to a
     # fixed row count by the caps, and hand fla its first NT rows: no helper, fla-equal tables.
     from torchtitan_cp.ops.delta_rule import custom_ops
 
@@ -415,15 +415,13 @@ def test_compiled_path_ops_get_the_routing_table(fla_recorder, kind):
         q, k, v, g, beta, h0, cu, cu_cpu, ci, kind, 0.3, True
     )
     x, w = torch.randn(1, r.num_tokens, 8), torch.randn(8, 4)
-    custom_ops.causal_conv1d_fla_op(x, w, None, None, cu, cu_cpu, ci, "silu")
+    conv_ops.causal_conv1d_fla_op(x, w, None, None, cu, cu_cpu, ci, "silu")
     fla_recorder.phase = "bwd"
     custom_ops.delta_rule_fla_bwd_op(
         q, k, v, beta, g_cum, a1, a2, h0, cu, cu_cpu, ci, torch.zeros_like(o),
         torch.zeros_like(fin), kind, 0.3,
     )  # fmt: skip
-    custom_ops.causal_conv1d_fla_bwd_op(
-        x, w, None, None, cu, cu_cpu, ci, torch.zeros_like(x), "silu"
-    )
+    conv_ops.causal_conv1d_fla_bwd_op(x, w, None, None, cu, cu_cpu, ci, torch.zeros_like(x), "silu")
     checked = check_launches(fla_recorder, [cu])
     for phase in ("fwd", "bwd"):
         assert "causal_conv1d_fwd_kernel:chunk_indices" in checked[phase]
@@ -440,7 +438,7 @@ def test_qwen35_layers_pass_tables(fla_recorder, monkeypatch):
     from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
     set_spmd_backend("partial_dtensor")  # as tests/test_qwen35.py (the trainer sets it)
-    monkeypatch.setattr(local_ops, "_resolve_backend", lambda backend, x: "fla")
+    monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")
     torch.manual_seed(0)
     model = qwen35_config(
         "debugmodel", n_layers=2, vocab_size=97, attention_backend="sdpa",

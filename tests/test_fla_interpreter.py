@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import functools
 
-import fla_interpreter
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import rel_err
 
+from tests import fla_interpreter
+from tests.reference import rel_err
 from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule
-from torchtitan_cp.ops.ssd.recurrence import chunk_ssd
+from torchtitan_cp.ops.ssd.local import chunk_ssd
 from torchtitan_cp.routing import chunk_indices, chunk_offsets
 
 pytestmark = [
@@ -189,7 +189,8 @@ def test_fla_conv_matches_torch_backend(layout):
 
 
 # ----------------------------------------------------------------------------- custom ops
-# ops/opaque.py: what torch.compile runs instead of fla's autograd functions.
+# ops/delta_rule/custom_ops.py, ops/conv/custom_ops.py: what torch.compile runs instead of
+# fla's autograd functions.
 
 CU_OP = [0, 0, 20, 20, 64]  # two empty sequences
 
@@ -211,7 +212,7 @@ def _op_args(kind: str) -> tuple:
 def test_fla_delta_rule_op_writes_every_output_element(kind, monkeypatch):
     """Every allocation fla makes is NaN-filled: finite outputs mean each element the op returns
     was written (an op returning uninitialised memory differs from run to run)."""
-    from torchtitan_cp.ops.delta_rule import custom_ops as opaque
+    from torchtitan_cp.ops.delta_rule import custom_ops
 
     for name in ("empty", "empty_like"):
         real = getattr(torch, name)
@@ -222,20 +223,20 @@ def test_fla_delta_rule_op_writes_every_output_element(kind, monkeypatch):
 
         monkeypatch.setattr(torch, name, poisoned)
     args = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in _op_args(kind))
-    outs = opaque.delta_rule_fla_op(*args)
+    outs = custom_ops.delta_rule_fla_op(*args)
     for name, out in zip(("o", "final", "g_cumsum", "A1", "A2"), outs):
         assert torch.isfinite(out).all(), f"{kind} {name}: {int(out.isnan().sum())} unwritten"
 
 
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_fla_delta_rule_op_opcheck(kind):
-    from torchtitan_cp.ops.delta_rule import custom_ops as opaque
+    from torchtitan_cp.ops.delta_rule import custom_ops
 
-    torch.library.opcheck(opaque.delta_rule_fla_op, _op_args(kind))
+    torch.library.opcheck(custom_ops.delta_rule_fla_op, _op_args(kind))
 
 
 def test_fla_conv_op_opcheck():
-    from torchtitan_cp.ops.delta_rule import custom_ops as opaque
+    from torchtitan_cp.ops.conv import custom_ops
 
     gen = torch.Generator().manual_seed(12)
     T, N, D = CU_OP[-1], len(CU_OP) - 1, 16
@@ -244,11 +245,11 @@ def test_fla_conv_op_opcheck():
     b = torch.randn(D, generator=gen, requires_grad=True)
     h = torch.randn(N, D, 4, generator=gen, requires_grad=True)  # fla's [N, D, W] cache layout
     cu = torch.tensor(CU_OP, dtype=torch.int32)
-    torch.library.opcheck(opaque.causal_conv1d_fla_op, (x, w, b, h, cu, cu, None, "silu"))
+    torch.library.opcheck(custom_ops.causal_conv1d_fla_op, (x, w, b, h, cu, cu, None, "silu"))
 
 
 def _block(x, w, g_kda, g_gdn, beta, h0, cu, ci, co, backend="fla"):
-    """A KDA + GDN block as models/delta_net.py feeds the kernels: the routing's chunk tables
+    """A KDA + GDN block as models/mixers/delta_net.py feeds the kernels: the routing's chunk tables
     (eager KDA goes through ``fla_compat.chunk_kda_indexed``), conv over [q|k|v], q/k/v split
     views of its output (v non-contiguous), final states requested."""
     T = x.shape[1]
@@ -332,8 +333,7 @@ CP_ROWS, CP_ROW_LEN = 2, 48  # PTRR: 8-token blocks x 2 or 3 ranks divide 48
 def _cp_layouts(world: int) -> list[tuple[str, str, list[int], list]]:
     """(kind, layout name, cu, table): GDN over the balancers' layouts, KDA (2 ranks) and SSD
     (3 ranks) over a random table (KDA's kernels cost the most under the interpreter)."""
-    from dist_utils import random_cu_seqlens, random_layout
-
+    from tests.dist_utils import random_cu_seqlens, random_layout
     from torchtitan_cp.routing import contiguous_fragments, headtail_fragments, host_layout
 
     gen = torch.Generator().manual_seed(100 + world)
@@ -351,8 +351,7 @@ def _cp_layouts(world: int) -> list[tuple[str, str, list[int], list]]:
 
 
 def _cp_case(rank, group, kind, cu, table) -> dict[str, float]:
-    from dist_utils import device_routing, local_subsequences, span_index
-
+    from tests.dist_utils import device_routing, local_subsequences, span_index
     from torchtitan_cp.ops import context_parallel_delta_rule
     from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
 
@@ -401,7 +400,7 @@ def _cp_case(rank, group, kind, cu, table) -> dict[str, float]:
 def _cp_worker(rank: int, world: int) -> dict[str, float]:
     why = fla_interpreter.install()  # a fresh (spawned) process: before fla is imported
     assert why is None, why
-    from dist_utils import prefix_groups
+    from tests.dist_utils import prefix_groups
 
     groups = prefix_groups(world, sizes=(2,))
     worst: dict[str, float] = {}
@@ -416,7 +415,7 @@ def _cp_worker(rank: int, world: int) -> dict[str, float]:
 
 
 def test_cp_driver_on_fla_matches_unsharded():
-    from dist_utils import run_distributed
+    from tests.dist_utils import run_distributed
 
     per_rank = run_distributed(_cp_worker, 3, timeout=600)
     worst: dict[str, float] = {}

@@ -1,5 +1,5 @@
-"""ops.local argument checking and backend dispatch (CPU only; fla needs CUDA, or Triton's
-interpreter in the fla_interpreter tier), and that tier's one-line skip reasons."""
+"""The local kernels' argument checking and backend dispatch (CPU only; fla needs CUDA, or
+Triton's interpreter in the fla_interpreter tier), and that tier's one-line skip reasons."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.launch import run_python
-from torchtitan_cp.ops.delta_rule.local import causal_conv1d, chunk_delta_rule
+from torchtitan_cp.ops.conv.local import causal_conv1d
+from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule
 
 T, H, K, V = 10, 2, 4, 3
 
@@ -76,25 +77,25 @@ def test_conv_errors(interpreter_off):
 
 
 def test_fla_on_cpu_tensors_only_under_the_interpreter(monkeypatch):
-    from torchtitan_cp.ops.delta_rule.local import _resolve_backend
+    from torchtitan_cp.ops.common.checks import resolve_backend
 
     x = torch.zeros(1)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="backend='fla' needs CUDA tensors"):
-        _resolve_backend("fla", x)
-    assert _resolve_backend("auto", x) == "torch"
+        resolve_backend("fla", x)
+    assert resolve_backend("auto", x) == "torch"
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert _resolve_backend("fla", x) == "fla"
-    assert _resolve_backend("auto", x) == "torch"  # auto never picks the interpreter
+    assert resolve_backend("fla", x) == "fla"
+    assert resolve_backend("auto", x) == "torch"  # auto never picks the interpreter
     with pytest.raises(ValueError, match="got meta"):  # CPU tensors only
-        _resolve_backend("fla", x.to("meta"))
+        resolve_backend("fla", x.to("meta"))
 
 
 def test_interpreter_tier_names_what_is_missing(monkeypatch):
     import importlib.metadata
 
-    import fla_interpreter
+    from tests import fla_interpreter
 
     def version(name):
         raise importlib.metadata.PackageNotFoundError(name)
@@ -111,10 +112,11 @@ def test_interpreter_tier_names_what_is_missing(monkeypatch):
 
 @pytest.mark.slow
 def test_auto_backend_on_cpu_is_torch_and_fla_not_imported():
-    """Importing and running ops.local on CPU must not load fla's Triton kernels."""
+    """Importing and running the local kernels on CPU must not load fla's Triton kernels."""
     code = (
         "import sys, torch\n"
-        "from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule, causal_conv1d\n"
+        "from torchtitan_cp.ops.conv.local import causal_conv1d\n"
+        "from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule\n"
         "q = torch.randn(1, 5, 1, 4); v = torch.randn(1, 5, 1, 2)\n"
         "chunk_delta_rule(q, q, v, -torch.rand(1, 5, 1), torch.rand(1, 5, 1), kind='gdn')\n"
         "causal_conv1d(torch.randn(1, 5, 3), torch.randn(3, 4))\n"

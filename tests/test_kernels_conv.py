@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import conv_reference, rel_err
 
-from torchtitan_cp.ops.delta_rule.local import causal_conv1d
+from tests.reference import conv_reference, rel_err
+from torchtitan_cp.ops.conv.local import causal_conv1d
 
 LAYOUTS = {
     "single": [0, 40],

@@ -14,8 +14,8 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import delta_rule_reference, rel_err
 
+from tests.reference import delta_rule_reference, rel_err
 from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule
 from torchtitan_cp.ops.delta_rule.torch_kernel import chunk_delta_rule_torch
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import conv_reference, delta_rule_reference, rel_err
 
-from torchtitan_cp.ops.delta_rule.local import causal_conv1d, chunk_delta_rule
+from tests.reference import conv_reference, delta_rule_reference, rel_err
+from torchtitan_cp.ops.conv.local import causal_conv1d
+from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule
 from torchtitan_cp.routing import chunk_indices, chunk_offsets
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core needs CUDA")

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import max_abs
-from reference import delta_rule_reference
-from reference_ssd import ssd_reference
 
+from tests.dist_utils import max_abs
+from tests.reference import delta_rule_reference
+from tests.reference_ssd import ssd_reference
 from torchtitan_cp.ops.cp.recurrence import RECURRENCES, SequenceTables, recurrence
-from torchtitan_cp.ops.ssd.recurrence import chunk_ssd
+from torchtitan_cp.ops.ssd.local import chunk_ssd
 
 H, HV, K, V = 1, 2, 8, 6
 

@@ -16,8 +16,8 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from reference_ssd import ssd_reference
 
+from tests.reference_ssd import ssd_reference
 from torchtitan_cp.models import model_config, parse_layer_pattern
 from torchtitan_cp.models.hybrid.decoder import HybridDecoder
 from torchtitan_cp.models.hybrid.layers import LAYERS, LayerOptions
@@ -45,7 +45,7 @@ def test_decoder_builds_registered_mixers_and_counts_their_flops() -> None:
 
 
 def test_recipe_has_every_decoder_field() -> None:
-    from torchtitan_cp.trainer.config import ModelRecipe
+    from torchtitan_cp.models.recipe import ModelRecipe
 
     recipe = {f.name for f in dataclasses.fields(ModelRecipe)}
     decoder = {f.name for f in dataclasses.fields(HybridDecoder.Config)}
@@ -141,7 +141,7 @@ def test_mamba2_mixer_matches_reference(n_groups: int) -> None:
 
 
 def test_compile_with_mamba2_is_a_config_error() -> None:
-    # SSD has no torch.compile custom op yet (ops/delta_rule/custom_ops.py): refuse before launch, naming it.
+    # SSD has no torch.compile custom op yet (ops/<family>/custom_ops.py): refuse before launch, naming it.
     from torchtitan_cp.train import load_config
     from torchtitan_cp.trainer.config import ConfigError
 

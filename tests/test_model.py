@@ -18,8 +18,9 @@ from torchtitan.models.common.nn_modules import RMSNorm
 
 from tests.dist_utils import max_abs
 from torchtitan_cp.models import model_config, parse_layer_pattern
+from torchtitan_cp.models.blocks.norm import GatedRMSNorm
 from torchtitan_cp.models.mixers.attention import SoftmaxAttention
-from torchtitan_cp.models.mixers.delta_net import DeltaNetMixer, GatedRMSNorm
+from torchtitan_cp.models.mixers.delta_net import DeltaNetMixer
 
 VOCAB = 97
 TOL = 1e-12  # float64: a real dependence moves logits by far more than this

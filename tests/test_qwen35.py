@@ -35,7 +35,8 @@ from torchtitan_cp.models.qwen35.model import (  # noqa: E402
     layer_types,
     qwen35_config,
 )
-from torchtitan_cp.trainer.config import ConfigError, ModelRecipe  # noqa: E402
+from torchtitan_cp.models.recipe import ModelRecipe  # noqa: E402
+from torchtitan_cp.trainer.config import ConfigError  # noqa: E402
 from torchtitan_cp.trainer.sequence import SequencePreprocessor  # noqa: E402
 
 set_spmd_backend("partial_dtensor")  # the recipe's default (trainer sets it from the config)

@@ -164,13 +164,13 @@ def test_sync_check_names_the_synchronising_frame():
     import pytest
     import torch
 
-    from torchtitan_cp.ops.delta_rule.fla_kernel import _chunk_table
+    from torchtitan_cp.ops.common.fla import chunk_table
 
     spec = importlib.util.spec_from_file_location("gpu_check", f"{REPO}/scripts/gpu_check.py")
     assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     with pytest.raises(ValueError) as info:
-        _chunk_table(None, 0, torch.zeros(1, 2), None)
+        chunk_table(None, 0, torch.zeros(1, 2), None)
     site = gpu_check.sync_site(info.value)
-    assert site.startswith("torchtitan_cp/ops/delta_rule/fla_kernel.py:") and "_chunk_table" in site
+    assert site.startswith("torchtitan_cp/ops/common/fla.py:") and "chunk_table" in site

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from torchtitan_cp.run.spike_guard import LossSpikeError, SpikeGuard, SpikeGuardConfig
+from torchtitan_cp.run.errors import LossSpikeError
+from torchtitan_cp.run.spike_guard import SpikeGuard, SpikeGuardConfig
 
 
 def test_guard_waits_for_history_then_skips_spikes_against_the_median():

@@ -1,7 +1,8 @@
 """Every compatibility adjustment torchtitan 0.3.0 needs to run this recipe, in one place.
 
-Each shim has a one-line reason and a test in tests/test_platform.py. ``apply()`` is idempotent
-and must run before the trainer is built; ``torchtitan_cp.trainer.trainer`` calls it at import.
+Each shim has a one-line reason and a test in tests/test_compat.py. ``apply()`` is idempotent
+and must run before the trainer is built: the entry point (``torchtitan_cp.train``) calls it
+before loading any of torchtitan's trainer code, and ``HybridTrainer.__init__`` again.
 On CUDA machines only the shims that are not CPU-specific are applied.
 """
 
@@ -22,9 +23,9 @@ logger = logging.getLogger(__name__)
 _APPLIED = False
 
 # The trainer's floor: torchtitan 0.3.0 imports DataParallelMeshDims from torch.distributed.fsdp
-# and calls dist.set_timeout, both new in torch 2.14. routing/, ops/, models/, sequence.py and
-# host_metadata.py need only torch >= 2.11 (scripts/gpu_imports.py checks it; the GPU image
-# check runs them on 2.11.0).
+# and calls dist.set_timeout, both new in torch 2.14. routing/, ops/, models/ (but for qwen35/ and
+# hybrid/parallelize.py), data/host_metadata.py, trainer/sequence.py and trainer/compile.py need
+# only torch >= 2.11 (scripts/gpu_imports.py checks it; the GPU image check runs them on 2.11.0).
 TRAINER_TORCH_FLOOR = (2, 14)
 LIBRARY_TORCH_FLOOR = (2, 11)
 

@@ -63,7 +63,8 @@ def load_config(argv: list[str]):
     sys.stderr.write(captured.getvalue())
     # Validate the model recipe now so a bad flavor or layer letter fails before any process
     # group is created.
-    from torchtitan_cp.trainer.trainer import check_compile, check_model
+    from torchtitan_cp.trainer.compile import check_compile
+    from torchtitan_cp.trainer.validate import check_model
 
     spec, _ = check_model(config)
     check_compile(config, spec.model)
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     except compat.TorchVersionError as e:
         print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
         return 2
+    compat.apply()  # torchtitan 0.3.0's shims, before any of torchtitan's trainer code runs
     from torchtitan.tools.logging import init_logger, logger
 
     from torchtitan_cp.trainer.validate import parse_nnodes, parse_nproc, validate
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    from torchtitan_cp.run.lock import RunError
+    from torchtitan_cp.run.errors import RunError
 
     trainer = None
     try:

@@ -2,7 +2,8 @@
 
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.models.hybrid.decoder import HybridBlock, HybridDecoder, parse_layer_pattern
-from torchtitan_cp.models.hybrid.flavors import FLAVORS, model_config, model_spec, recipe_model_spec
+from torchtitan_cp.models.hybrid.flavors import FLAVORS, model_config, model_spec
+from torchtitan_cp.models.recipe import recipe_model_spec
 
 __all__ = [
     "FLAVORS",

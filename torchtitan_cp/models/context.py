@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.nn.attention.flex_attention import BlockMask
 
 from torchtitan_cp.ops import flex_document_mask
-from torchtitan_cp.ops.delta_rule.fla_kernel import FLA_CHUNK_SIZE
+from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
 from torchtitan_cp.routing import (
     DevicePassKV,
     DeviceRouting,

@@ -1,4 +1,5 @@
-"""``[model]``: the recipe's model section, generated from ``HybridDecoder.Config``.
+"""``[model]``: the recipe's model section, generated from ``HybridDecoder.Config``, and the
+``ModelSpec`` it names (the hybrid decoder, or torchtitan's Qwen3.5).
 
 Its keys are the four that choose a model (``name``, ``flavor``, ``n_layers``, ``vision``) plus
 every field of ``HybridDecoder.Config`` (unset = the flavor's value), so a field added to the
@@ -13,9 +14,12 @@ import dataclasses
 import typing
 from typing import Any, Literal
 
-from torchtitan_cp.models.hybrid.decoder import HybridDecoder
+from torchtitan.protocols.model_spec import ModelSpec
 
-__all__ = ["ModelRecipe"]
+from torchtitan_cp.models.hybrid.decoder import HybridDecoder
+from torchtitan_cp.models.hybrid.flavors import model_spec
+
+__all__ = ["ModelRecipe", "recipe_model_spec"]
 
 # Keys of [model] that pick the model rather than size it.
 _CHOOSERS = ("name", "flavor", "n_layers", "vision")
@@ -67,3 +71,28 @@ def _build() -> type:
 
 
 ModelRecipe = _build()
+
+
+def recipe_model_spec(recipe: Any) -> ModelSpec:
+    """The ``ModelSpec`` that ``[model]`` names: the hybrid decoder or torchtitan's Qwen3.5.
+    A key that does not apply to the chosen model is a ValueError naming it."""
+    overrides = recipe.overrides()
+    if recipe.name == "hybrid":
+        if recipe.n_layers is not None or recipe.vision:
+            key = "n_layers" if recipe.n_layers is not None else "vision"
+            raise ValueError(f"model.{key} applies to model.name = 'qwen3_5' only")
+        return model_spec(recipe.flavor, **overrides)
+    if recipe.name == "qwen3_5":
+        from torchtitan_cp.models.qwen35.spec import qwen35_model_spec
+
+        allowed = ("vocab_size", "attention_backend", "attention_cp", "enable_weight_tying")
+        bad = sorted(set(overrides) - set(allowed))
+        if bad:
+            raise ValueError(
+                f"model.{bad[0]} does not apply to qwen3_5 (its flavor fixes the architecture; "
+                f"settable: n_layers, vision, {', '.join(allowed)})"
+            )
+        return qwen35_model_spec(
+            recipe.flavor, n_layers=recipe.n_layers, vision=recipe.vision, **overrides
+        )
+    raise ValueError(f"unknown model.name {recipe.name!r}; choose 'hybrid' or 'qwen3_5'")

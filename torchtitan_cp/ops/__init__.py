@@ -4,8 +4,10 @@ versions (docs/CONTRACTS.md, docs/cp.md)."""
 from .attention.flex_mask import check_flex_shape, flex_document_mask
 from .attention.pass_kv import pass_kv_attention
 from .attention.sdpa import context_parallel_attention
+from .common.checks import Backend
 from .conv.halo import context_parallel_conv_history
-from .delta_rule.local import Backend, Kind, causal_conv1d, chunk_delta_rule
+from .conv.local import causal_conv1d
+from .delta_rule.local import Kind, chunk_delta_rule
 from .delta_rule.recurrence import context_parallel_delta_rule
 
 __all__ = [

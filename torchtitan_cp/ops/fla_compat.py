@@ -1,6 +1,6 @@
 """fla-core 0.6.0 compatibility: the one place that reaches below fla's public functions.
 
-Imported only by ``ops.fla_backend`` inside its functions (it loads fla, hence Triton).
+Imported only by ``ops.delta_rule.fla_kernel`` inside its function (it loads fla, hence Triton).
 
 Reason: ``fla.ops.kda.chunk_kda`` 0.6.0 has no ``chunk_indices`` parameter; its autograd
 Function always calls ``prepare_chunk_indices``, which ends in a blocking pageable host-to-device
@@ -18,7 +18,7 @@ from fla.ops.kda.chunk_fwd import chunk_kda_fwd
 from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 from torch import Tensor
 
-from .delta_rule.fla_kernel import FLA_CHUNK_SIZE, contiguous
+from .common.fla import FLA_CHUNK_SIZE, contiguous
 
 __all__ = ["chunk_kda_indexed"]
 

@@ -32,16 +32,13 @@ import torch.distributed as dist
 from torchtitan.components.checkpoint import TRAIN_STATE, CheckpointManager
 from torchtitan.tools.logging import logger
 
-from torchtitan_cp.run.lock import RunError, new_run_id
+from torchtitan_cp.run.errors import CheckpointError, RunError
+from torchtitan_cp.run.lock import new_run_id
 
 MANIFEST = "manifest.sha256.json"
 MANIFEST_FORMAT = "torchtitan_cp.checkpoint-manifest/1"
 _STEP_RE = re.compile(r"step-(\d+)")
 _CHUNK = 8 << 20
-
-
-class CheckpointError(RunError):
-    """A checkpoint that cannot be used as asked; the message names the step folder or file."""
 
 
 # ----------------------------------------------------------------------------- collectives

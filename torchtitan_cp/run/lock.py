@@ -17,15 +17,9 @@ import socket
 import time
 from typing import IO, Any
 
+from torchtitan_cp.run.errors import RunError
+
 LOCK_FILE = "run.lock"
-
-
-class RunError(RuntimeError):
-    """A run that must not go on: a busy or unwritable dump folder, an unusable checkpoint, a
-    loss spike. The message is one line naming the folder or file and the fix; the entry point
-    prints it without a traceback and exits with ``exit_code``."""
-
-    exit_code = 2
 
 
 def new_run_id() -> str:

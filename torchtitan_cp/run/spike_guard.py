@@ -16,13 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from torchtitan_cp.run.lock import RunError
-
-
-class LossSpikeError(RunError):
-    """The spike guard stopped the run."""
-
-    exit_code = 1
+from torchtitan_cp.run.errors import LossSpikeError
 
 
 @dataclass(kw_only=True, slots=True)

@@ -23,16 +23,6 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key, file or value."""
 
 
-def __getattr__(name: str) -> Any:
-    # ``[model]`` is generated from the decoder's config (models/recipe.py); importing it here
-    # eagerly would import the models package while it imports this module.
-    if name == "ModelRecipe":
-        from torchtitan_cp.models.recipe import ModelRecipe
-
-        return ModelRecipe
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @dataclass(kw_only=True, slots=True)
 class LinearAttentionConfig:
     """``[linear_attention]``: kernels and routing for the KDA/GDN layers."""

@@ -36,8 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask
 
 from torchtitan_cp.data.host_metadata import HostMetadata
+from torchtitan_cp.models.blocks.attention_cp import ATTENTION_CP_MODES
 from torchtitan_cp.models.context import SequenceContext, build_sequence_context
-from torchtitan_cp.models.mixers.attention import ATTENTION_CP_MODES
 from torchtitan_cp.ops import flex_document_mask
 from torchtitan_cp.routing import (
     Layout,

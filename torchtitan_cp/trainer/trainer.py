@@ -6,58 +6,55 @@ What changes against torchtitan 0.3.0's trainer:
   the microbatch's ``SequenceContext``; the model gets ``positions`` and ``seq_ctx``.
 * ``[model]`` (a ``ModelRecipe``) is the single source of the model spec.
 * Metrics add ``routing/*`` counters, a JSONL file and optional parameter checksums.
-* Runs hold their dump folder (``runs.start_run``: lock, verified resume plan), checkpoints carry
-  sha256 manifests (``checkpoint.HybridCheckpointManager``), and an optional loss-spike guard
-  acts before the optimizer step (``spike_guard``).
+* Runs hold their dump folder (``run.start.start_run``: lock, verified resume plan), checkpoints carry
+  sha256 manifests (``run.checkpoint.HybridCheckpointManager``), and an optional loss-spike guard
+  acts before the optimizer step (``run.spike_guard``).
+
+The torchtitan 0.3.0 shims (``compat.apply``) are applied by the entry point before torchtitan's
+trainer code runs, and again (idempotent) when a ``HybridTrainer`` is built.
 """
 
 from __future__ import annotations
 
-from torchtitan_cp import compat
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, cast
 
-# A clear start-up error instead of an ImportError deep inside torchtitan on an older torch.
-compat.require_torch(compat.TRAINER_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
-compat.apply()  # before torchtitan.trainer binds device names (see compat.py)
-
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import IO, Any, cast  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # noqa: E402
-from torchtitan.components.metrics import (  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.metrics import (
     BaseLogger,
     LoggerContainer,
     MetricsProcessor,
     _get_metrics_rank,
 )
-from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
-from torchtitan.components.validate import Validator  # noqa: E402
-from torchtitan.config import DebugConfig as _TitanDebugConfig  # noqa: E402
-from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
-from torchtitan.distributed import utils as dist_utils  # noqa: E402
-from torchtitan.tools.logging import logger  # noqa: E402
-from torchtitan.trainer import Trainer  # noqa: E402
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.components.validate import Validator
+from torchtitan.config import DebugConfig as _TitanDebugConfig
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
 
-from torchtitan_cp.data.loader import (  # noqa: E402
+from torchtitan_cp import compat
+from torchtitan_cp.data.loader import (
     PackedTextDataLoader,
     PackedValidationDataLoader,
     pop_host_metadata,
 )
-from torchtitan_cp.models import recipe_model_spec  # noqa: E402
-from torchtitan_cp.models.recipe import ModelRecipe  # noqa: E402
-from torchtitan_cp.ops import check_flex_shape  # noqa: E402
-from torchtitan_cp.run.checkpoint import HybridCheckpointManager  # noqa: E402
-from torchtitan_cp.run.spike_guard import SpikeGuard, SpikeGuardConfig  # noqa: E402
-from torchtitan_cp.run.start import RunContext, run_header, start_run, supersede_rows  # noqa: E402
-from torchtitan_cp.trainer.compile import CAP_KEYS, check_compile, compile_counters  # noqa: E402
-from torchtitan_cp.trainer.config import ConfigError, LinearAttentionConfig  # noqa: E402
-from torchtitan_cp.trainer.sequence import SequencePreprocessor  # noqa: E402
+from torchtitan_cp.models.recipe import ModelRecipe
+from torchtitan_cp.run.checkpoint import HybridCheckpointManager
+from torchtitan_cp.run.spike_guard import SpikeGuard, SpikeGuardConfig
+from torchtitan_cp.run.start import RunContext, run_header, start_run, supersede_rows
+from torchtitan_cp.trainer.compile import CAP_KEYS, check_compile, compile_counters
+from torchtitan_cp.trainer.config import LinearAttentionConfig
+from torchtitan_cp.trainer.sequence import SequencePreprocessor
+from torchtitan_cp.trainer.validate import check_model
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -218,58 +215,6 @@ def _preprocess(
     return inputs, labels, {"positions": positions, "seq_ctx": ctx}
 
 
-def check_model(config: Any) -> tuple[Any, bool]:
-    """Build ``[model]``'s spec and check it against the run's parallelism and device; returns
-    ``(spec, flex)``. Every problem is a one-line ConfigError naming the key."""
-    try:
-        spec = recipe_model_spec(config.model)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if config.model.name == "qwen3_5":
-        from torchtitan_cp.models.qwen35.model import check_qwen35_parallelism
-
-        try:
-            check_qwen35_parallelism(spec.model, config.parallelism)
-            if config.compile.enable and "model" in config.compile.components:
-                # Untested: the swapped GatedDeltaNet layers pass the microbatch context
-                # through a Python attribute for the duration of each call.
-                raise ValueError(
-                    "compile.enable is not supported for model.name = 'qwen3_5' yet; "
-                    "use --compile.no-enable"
-                )
-            ckpt = config.checkpoint
-            if ckpt.enable and ckpt.initial_load_in_hf:
-                from torchtitan_cp.models.qwen35.hf import check_hf_folder
-
-                check_hf_folder(ckpt.initial_load_path or config.hf_assets_path, spec.model)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    return spec, check_attention_backend(config, spec.model)
-
-
-def check_attention_backend(config: Any, model_cfg: Any, *, device_type: str | None = None) -> bool:
-    """Whether this run's attention layers use flex; a ConfigError where flex cannot run:
-    training off CUDA (no flex backward there) or, on the all-gather CP path, a CP shard that
-    is not whole mask blocks.
-    ``device_type`` defaults to this machine's."""
-    device = device_type or compat.device_type()
-    if not model_cfg.uses_flex_attention(device):
-        return False
-    if device != "cuda":
-        raise ConfigError(
-            f"model.attention_backend = 'flex' cannot train on {device}: flex attention has no "
-            "backward there; use 'sdpa' (or 'auto', which picks sdpa off CUDA)"
-        )
-    cp = config.parallelism.context_parallel_degree
-    if getattr(model_cfg, "attention_cp", "all_gather") == "pass_kv" and cp > 1:
-        return True  # per-pair masks of any length: no whole-block rule
-    try:
-        check_flex_shape(config.training.seq_len, cp)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return True
-
-
 class HybridTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -289,6 +234,7 @@ class HybridTrainer(Trainer):
     run: RunContext
 
     def __init__(self, config: Config):
+        compat.apply()  # torchtitan 0.3.0's shims (idempotent; the entry point applies them first)
         spec, flex = check_model(config)
         model_cfg = spec.model  # HybridDecoder.Config or Qwen35TextModel.Config
         config.model_spec = spec

@@ -15,11 +15,14 @@ import os
 import tempfile
 from typing import Any
 
+from torchtitan_cp import compat
 from torchtitan_cp.data import jsonl
+from torchtitan_cp.models import recipe_model_spec
+from torchtitan_cp.ops import check_flex_shape
 from torchtitan_cp.routing import get_balancer
 from torchtitan_cp.trainer.config import ConfigError
 
-__all__ = ["parse_nnodes", "parse_nproc", "validate"]
+__all__ = ["check_attention_backend", "check_model", "parse_nnodes", "parse_nproc", "validate"]
 
 
 def _whole_number(text: str, what: str, meaning: str) -> int:
@@ -207,7 +210,7 @@ def _check_seq_len(config: Any, model_cfg: Any) -> None:
 def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: int) -> None:
     backend = config.linear_attention.backend
     if backend == "fla":
-        from torchtitan_cp.ops.delta_rule.fla_kernel import triton_interpreter_on
+        from torchtitan_cp.ops.common.fla import triton_interpreter_on
 
         # On CPU only under Triton's interpreter (the fla_interpreter test tier).
         _need(
@@ -233,10 +236,8 @@ def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: 
             "one process per GPU; set NPROC (or --nproc_per_node) to at most "
             f"{gpus}",
         )
-    # Model-dependent checks of the trainer take (config, model_cfg) and live in trainer.py;
-    # call each one here so the pre-launch check and the trainer agree.
-    from torchtitan_cp.trainer.trainer import check_attention_backend
-
+    # The trainer runs the same model checks (check_model), so the pre-launch check and the
+    # trainer agree.
     check_attention_backend(config, model_cfg, device_type=device_type)
 
 
@@ -347,8 +348,6 @@ def validate(
     Raises ConfigError (one line: key, value, fix). ``scan_data`` reads local JSONL datasets line
     by line (up to ``jsonl.SCAN_LIMIT_BYTES``); without it only their presence is checked (the
     loader checks the content itself)."""
-    from torchtitan_cp.models import recipe_model_spec
-
     _need(world_size >= 1, f"the run needs at least one process, got {world_size} (NPROC)")
     try:  # the hybrid decoder or torchtitan's Qwen3.5, as [model] name says
         model_cfg = recipe_model_spec(config.model).model
@@ -361,3 +360,55 @@ def validate(
     _check_backends(config, model_cfg, device_type, local_world_size or world_size)
     _check_paths(config)
     _check_data(config, model_cfg, dp, scan=scan_data)
+
+
+def check_model(config: Any) -> tuple[Any, bool]:
+    """Build ``[model]``'s spec and check it against the run's parallelism and device; returns
+    ``(spec, flex)``. Every problem is a one-line ConfigError naming the key."""
+    try:
+        spec = recipe_model_spec(config.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if config.model.name == "qwen3_5":
+        from torchtitan_cp.models.qwen35.model import check_qwen35_parallelism
+
+        try:
+            check_qwen35_parallelism(spec.model, config.parallelism)
+            if config.compile.enable and "model" in config.compile.components:
+                # Untested: the swapped GatedDeltaNet layers pass the microbatch context
+                # through a Python attribute for the duration of each call.
+                raise ValueError(
+                    "compile.enable is not supported for model.name = 'qwen3_5' yet; "
+                    "use --compile.no-enable"
+                )
+            ckpt = config.checkpoint
+            if ckpt.enable and ckpt.initial_load_in_hf:
+                from torchtitan_cp.models.qwen35.hf import check_hf_folder
+
+                check_hf_folder(ckpt.initial_load_path or config.hf_assets_path, spec.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return spec, check_attention_backend(config, spec.model)
+
+
+def check_attention_backend(config: Any, model_cfg: Any, *, device_type: str | None = None) -> bool:
+    """Whether this run's attention layers use flex; a ConfigError where flex cannot run:
+    training off CUDA (no flex backward there) or, on the all-gather CP path, a CP shard that
+    is not whole mask blocks.
+    ``device_type`` defaults to this machine's."""
+    device = device_type or compat.device_type()
+    if not model_cfg.uses_flex_attention(device):
+        return False
+    if device != "cuda":
+        raise ConfigError(
+            f"model.attention_backend = 'flex' cannot train on {device}: flex attention has no "
+            "backward there; use 'sdpa' (or 'auto', which picks sdpa off CUDA)"
+        )
+    cp = config.parallelism.context_parallel_degree
+    if getattr(model_cfg, "attention_cp", "all_gather") == "pass_kv" and cp > 1:
+        return True  # per-pair masks of any length: no whole-block rule
+    try:
+        check_flex_shape(config.training.seq_len, cp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return True

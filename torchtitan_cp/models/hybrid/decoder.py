@@ -15,15 +15,11 @@ from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.module import Module, ModuleDict
 
+from torchtitan_cp.models.blocks.attention_cp import DEFAULT_ATTENTION_CP, AttentionCP
+from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
 from torchtitan_cp.models.blocks.init import linear, linear_config
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
 from torchtitan_cp.models.hybrid.layers import LAYERS, LayerOptions, parse_layer_pattern
-from torchtitan_cp.models.mixers.attention import (
-    DEFAULT_ATTENTION_CP,
-    AttentionBackend,
-    AttentionCP,
-    resolve_attention_backend,
-)
 
 __all__ = ["HybridBlock", "HybridDecoder", "parse_layer_pattern"]
 

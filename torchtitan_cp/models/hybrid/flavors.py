@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from torchtitan.protocols.model_spec import ModelSpec
 
+from torchtitan_cp.models.blocks.attention_cp import check_attention_cp
+from torchtitan_cp.models.blocks.flex import resolve_attention_backend
 from torchtitan_cp.models.hybrid.decoder import HybridDecoder, parse_layer_pattern
 from torchtitan_cp.models.hybrid.layers import LAYERS
-from torchtitan_cp.models.mixers.attention import check_attention_cp, resolve_attention_backend
 
 # Sizes only; the layer pattern comes from config. Parameter counts are for the default
 # pattern of each flavor and the bundled tokenizer's vocabulary where it applies.
@@ -55,31 +55,6 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
     resolve_attention_backend(cfg.attention_backend, "cpu")
     check_attention_cp(cfg.attention_cp)
     return cfg
-
-
-def recipe_model_spec(recipe: Any) -> ModelSpec:
-    """The ``ModelSpec`` that ``[model]`` names: the hybrid decoder or torchtitan's Qwen3.5.
-    A key that does not apply to the chosen model is a ValueError naming it."""
-    overrides = recipe.overrides()
-    if recipe.name == "hybrid":
-        if recipe.n_layers is not None or recipe.vision:
-            key = "n_layers" if recipe.n_layers is not None else "vision"
-            raise ValueError(f"model.{key} applies to model.name = 'qwen3_5' only")
-        return model_spec(recipe.flavor, **overrides)
-    if recipe.name == "qwen3_5":
-        from torchtitan_cp.models.qwen35.model import qwen35_model_spec
-
-        allowed = ("vocab_size", "attention_backend", "attention_cp", "enable_weight_tying")
-        bad = sorted(set(overrides) - set(allowed))
-        if bad:
-            raise ValueError(
-                f"model.{bad[0]} does not apply to qwen3_5 (its flavor fixes the architecture; "
-                f"settable: n_layers, vision, {', '.join(allowed)})"
-            )
-        return qwen35_model_spec(
-            recipe.flavor, n_layers=recipe.n_layers, vision=recipe.vision, **overrides
-        )
-    raise ValueError(f"unknown model.name {recipe.name!r}; choose 'hybrid' or 'qwen3_5'")
 
 
 def model_spec(flavor: str, **overrides) -> ModelSpec:

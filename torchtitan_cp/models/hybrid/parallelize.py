@@ -1,43 +1,19 @@
-"""Apply activation checkpointing, compile and FSDP (over dp_shard × cp) to the hybrid decoder."""
+"""Apply context parallelism (flex K/V all-gather), activation checkpointing, compile and FSDP
+(over dp_shard × cp) to the hybrid decoder."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
 from torchtitan.distributed.compile import apply_compile
-from torchtitan.distributed.context_parallel import apply_cp_to_forward
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
 from torchtitan_cp import compat
-from torchtitan_cp.models.mixers.attention import SoftmaxAttention, resolve_attention_backend
-
-
-def apply_flex_context_parallel(
-    model: nn.Module, cp_mesh: DeviceMesh, layer_type: type[nn.Module] = SoftmaxAttention
-) -> int:
-    """torchtitan's CP path for flex attention: wrap every flex attention layer of
-    ``layer_type`` (a module with ``backend``, ``cp_mode``, ``flex`` and ``flex_cp``; the hybrid
-    decoder's ``SoftmaxAttention``, Qwen3.5's ``RoutedInnerAttention``) so it all-gathers K/V
-    over ``cp_mesh`` (its queries and mask stay this rank's). Returns the number of layers
-    wrapped; layers on the sdpa backend gather K/V themselves, pass-KV layers pass them."""
-    # Any: the layer types share these attributes, not a base class.
-    candidates: list[Any] = [
-        m for m in model.modules() if isinstance(m, layer_type) and m.cp_mode == "all_gather"
-    ]
-    layers = [
-        m for m in candidates if resolve_attention_backend(m.backend, cp_mesh.device_type) == "flex"
-    ]
-    if layers:
-        apply_cp_to_forward([m.flex for m in layers], cp_mesh)
-        for m in layers:
-            m.flex_cp = True
-    return len(layers)
+from torchtitan_cp.models.blocks.flex import apply_flex_context_parallel
+from torchtitan_cp.models.mixers.attention import SoftmaxAttention
 
 
 def parallelize_hybrid(
@@ -64,7 +40,7 @@ def parallelize_hybrid(
             "the hybrid recipe has no experts: expert_parallel_degree must be 1"
         )
     if parallel_dims.cp_enabled:
-        apply_flex_context_parallel(model, parallel_dims.get_mesh("cp"))
+        apply_flex_context_parallel(model, parallel_dims.get_mesh("cp"), SoftmaxAttention)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:

@@ -3,7 +3,8 @@
 Under context parallelism ``[model] attention_cp`` picks how keys/values cross ranks:
 ``all_gather`` (every rank gathers the whole stream's K/V, per backend as below) or ``pass_kv``
 (``ops.pass_kv_attention``: each rank keeps its own K/V, blocks travel point to point between
-the ranks whose documents meet, per-pair kernel math on sdpa, flex on flex).
+the ranks whose documents meet, per-pair kernel math on sdpa, flex on flex;
+``models/blocks/attention_cp.py``).
 
 Two backends, chosen by ``[model] attention_backend``:
 
@@ -19,108 +20,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from torchtitan.models.common.attention import FlexAttention
 from torchtitan.protocols.module import Module
 
+from torchtitan_cp.models.blocks.attention_cp import (
+    DEFAULT_ATTENTION_CP,
+    AttentionCP,
+    check_attention_cp,
+    routed_pass_kv,
+)
+from torchtitan_cp.models.blocks.flex import (
+    AttentionBackend,
+    DocumentFlexAttention,
+    resolve_attention_backend,
+)
 from torchtitan_cp.models.blocks.init import linear
+from torchtitan_cp.models.blocks.rope import apply_rope
 from torchtitan_cp.models.context import SequenceContext
-from torchtitan_cp.ops import context_parallel_attention, pass_kv_attention
-
-AttentionBackend = Literal["auto", "flex", "sdpa"]
-ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
-AttentionCP = Literal["all_gather", "pass_kv"]
-ATTENTION_CP_MODES = ("all_gather", "pass_kv")
-DEFAULT_ATTENTION_CP: AttentionCP = "all_gather"
-
-
-def check_attention_cp(mode: str) -> None:
-    """A ValueError naming ``model.attention_cp`` for an unknown mode."""
-    if mode not in ATTENTION_CP_MODES:
-        raise ValueError(f"model.attention_cp must be one of {ATTENTION_CP_MODES}, got {mode!r}")
-
-
-def routed_pass_kv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ctx: SequenceContext,
-    backend: Literal["flex", "sdpa"],
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Pass-KV attention of ``q [1, T, Hq, D]``, ``k``/``v [1, T, Hkv, ·]`` over ``ctx``'s
-    schedule; the per-pair kernel is flex on the flex backend, plain math on sdpa (which returns
-    no log-sum-exp)."""
-    if ctx.pass_kv is None:
-        raise ValueError(
-            "model.attention_cp = 'pass_kv' under context parallelism needs a SequenceContext "
-            "with the pass-KV schedule (SequencePreprocessor(attention_cp='pass_kv') builds one)"
-        )
-    kernel = "flex" if backend == "flex" else "math"
-    return pass_kv_attention(
-        q, k, v, routing=ctx.pass_kv, group=ctx.group, scale=scale, kernel=kernel
-    )
-
-
-def resolve_attention_backend(
-    backend: str, device_type: str | torch.device
-) -> Literal["flex", "sdpa"]:
-    """``auto`` is flex on CUDA and sdpa elsewhere; an unknown name is a ValueError."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(
-            f"model.attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}"
-        )
-    if backend == "auto":
-        return "flex" if torch.device(device_type).type == "cuda" else "sdpa"
-    return "flex" if backend == "flex" else "sdpa"
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of ``x [1, T, H, D]`` at document-relative ``positions [T]``."""
-    half = x.shape[-1] // 2
-    acc = torch.promote_types(x.dtype, torch.float32)
-    inv_freq = theta ** (-torch.arange(0, half, device=x.device, dtype=acc) / half)
-    angles = positions.to(acc)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
-    x1, x2 = x.to(acc)[..., :half], x.to(acc)[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-class DocumentFlexAttention(FlexAttention):
-    """torchtitan's ``FlexAttention`` (``[B, L, H, D]`` in and out); torchtitan's CP wrapper
-    accepts it as one. On CUDA it is torchtitan's compiled kernel; elsewhere flex runs eagerly,
-    because inductor's CPU flex template fails to compile CP-sharded masks (torch 2.14.1) and
-    CPU flex is forward-only anyway (evaluation, tests)."""
-
-    def forward(  # pyrefly: ignore[bad-override]
-        self,
-        q_BLNH: torch.Tensor,
-        k_BLNH: torch.Tensor,
-        v_BLNH: torch.Tensor,
-        *,
-        attention_masks: BlockMask,
-        enable_gqa: bool = False,
-        **kwargs,
-    ) -> torch.Tensor:
-        if q_BLNH.is_cuda:
-            return super().forward(
-                q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks,
-                enable_gqa=enable_gqa, **kwargs,
-            )  # fmt: skip
-        if kwargs:
-            raise NotImplementedError(f"eager flex attention takes no {sorted(kwargs)}")
-        out = flex_attention(
-            q_BLNH.transpose(1, 2),
-            k_BLNH.transpose(1, 2),
-            v_BLNH.transpose(1, 2),
-            block_mask=attention_masks,
-            enable_gqa=enable_gqa,
-        )
-        assert isinstance(out, torch.Tensor)
-        return out.transpose(1, 2)
+from torchtitan_cp.ops import context_parallel_attention
 
 
 class SoftmaxAttention(Module):

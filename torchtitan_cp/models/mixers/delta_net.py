@@ -20,88 +20,17 @@ import torch.nn.functional as F
 from torch import nn
 from torchtitan.protocols.module import Module
 
+from torchtitan_cp.models.blocks.conv import ShortConvolution
+from torchtitan_cp.models.blocks.dtypes import upcast
 from torchtitan_cp.models.blocks.init import linear
+from torchtitan_cp.models.blocks.norm import GatedRMSNorm
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.ops import (
     Backend,
     Kind,
-    causal_conv1d,
     chunk_delta_rule,
-    context_parallel_conv_history,
     context_parallel_delta_rule,
 )
-
-
-def upcast(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: at least float32, float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-class ShortConvolution(Module):
-    """Causal depthwise convolution over the packed stream, per document, SiLU activation.
-
-    Weight ``[D, W]``; input/output ``[1, T, D]``.
-    """
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
-        channels: int
-        width: int = 4
-
-    def __init__(self, config: Config):
-        super().__init__()
-        self.width = config.width
-        self.weight = nn.Parameter(torch.empty(config.channels, config.width))
-
-    def reset_parameters(self) -> None:
-        # nn.Conv1d's default for a depthwise kernel: fan_in = width.
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-
-    def forward(self, x: torch.Tensor, ctx: SequenceContext, backend: Backend) -> torch.Tensor:
-        routing = ctx.routing
-        history = None
-        if ctx.cp_enabled:
-            # Tokens before each continued fragment come from the ranks that own them.
-            history = context_parallel_conv_history(x, routing=routing, group=ctx.group)
-        return causal_conv1d(
-            x,
-            self.weight,
-            None,
-            cu_seqlens=routing.cu_seqlens,
-            cu_seqlens_cpu=routing.cu_seqlens_cpu,
-            chunk_indices=routing.chunk_indices,
-            initial_state=history,
-            activation="silu",
-            backend=backend,
-        )
-
-
-class GatedRMSNorm(Module):
-    """RMSNorm over the head dimension followed by an output gate: ``norm(o) * act(gate)``."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
-        dim: int
-        eps: float = 1e-5
-        activation: Literal["sigmoid", "silu"] = "silu"
-
-    def __init__(self, config: Config):
-        super().__init__()
-        self.eps = config.eps
-        self.activation = config.activation
-        self.weight = nn.Parameter(torch.empty(config.dim))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = o.dtype
-        acc = upcast(dtype)
-        o32 = o.to(acc)
-        o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
-        gate = gate.to(acc)
-        act = torch.sigmoid(gate) if self.activation == "sigmoid" else F.silu(gate)
-        return (o32 * self.weight.to(acc) * act).to(dtype)
 
 
 class DeltaNetMixer(Module):

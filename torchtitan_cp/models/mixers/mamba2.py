@@ -2,7 +2,7 @@
 ``Mamba2`` module: one input projection to ``[z | x | B | C | dt]``, a causal depthwise conv with
 SiLU over ``[x | B | C]``, ``dt = softplus(dt + dt_bias)``, a scalar per-head decay
 ``exp(dt * A)`` with ``A = -exp(A_log)``, dt-scaled inputs, the SSD recurrence
-(``ops.ssd``), a ``D`` skip, a gated RMSNorm ``rmsnorm(y * silu(z))`` (per group) and an output projection.
+(``ops/ssd``), a ``D`` skip, a gated RMSNorm ``rmsnorm(y * silu(z))`` (per group) and an output projection.
 
 Every document starts from a zero state and zero conv history; under context parallelism both
 are carried in from other ranks (the conv halo and the generic recurrence driver).
@@ -19,11 +19,14 @@ import torch.nn.functional as F
 from torch import nn
 from torchtitan.protocols.module import Module
 
+from torchtitan_cp.models.blocks.conv import ShortConvolution
+from torchtitan_cp.models.blocks.dtypes import upcast
 from torchtitan_cp.models.blocks.init import linear
+from torchtitan_cp.models.blocks.norm import GatedGroupRMSNorm
 from torchtitan_cp.models.context import SequenceContext
-from torchtitan_cp.models.mixers.delta_net import ShortConvolution, upcast
 from torchtitan_cp.ops import Backend
-from torchtitan_cp.ops.ssd.recurrence import chunk_ssd, context_parallel_ssd
+from torchtitan_cp.ops.ssd.local import chunk_ssd
+from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
 
 __all__ = ["Mamba2Mixer", "Mamba2Options"]
 
@@ -52,31 +55,6 @@ def _check_sizes(dim: int, opt: Mamba2Options) -> None:
             f"head_dim = {opt.head_dim}, and its {d_inner // opt.head_dim} heads a multiple of "
             f"n_groups = {opt.n_groups}"
         )
-
-
-class GatedGroupRMSNorm(Module):
-    """The reference's ``RMSNormGated(norm_before_gate=False)``: ``rmsnorm(y * silu(z))`` over
-    groups of ``group_size`` channels, then a weight. ``y, z [.., D]``."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
-        dim: int
-        group_size: int
-        eps: float = 1e-5
-
-    def __init__(self, config: Config):
-        super().__init__()
-        self.eps, self.group_size = config.eps, config.group_size
-        self.weight = nn.Parameter(torch.empty(config.dim))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        acc = upcast(y.dtype)
-        u = (y.to(acc) * F.silu(z.to(acc))).unflatten(-1, (-1, self.group_size))
-        u = (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        return (u * self.weight.to(acc)).to(y.dtype)
 
 
 class Mamba2Mixer(Module):

@@ -32,31 +32,26 @@ from typing import Any, Literal, cast
 
 import torch
 from torch import nn
+from torchtitan.distributed.utils import get_spmd_backend
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.qwen3_5 import qwen3_5_configs
+from torchtitan.models.qwen3_5.model import GatedDeltaNet, Qwen35Model
+from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder
+from torchtitan.protocols.module import Module
 
-from torchtitan_cp import compat
-
-# torchtitan 0.3.0's qwen3_5 package imports its FSDP code, which needs torch >= 2.14: say so
-# in one line instead of an ImportError inside torchtitan (the hybrid models need only 2.11).
-compat.require_torch(compat.TRAINER_TORCH_FLOOR, "Qwen3.5 (torchtitan 0.3.0's qwen3_5)")
-
-from torchtitan.distributed.utils import get_spmd_backend  # noqa: E402
-from torchtitan.models.common.decoder import Decoder  # noqa: E402
-from torchtitan.models.qwen3_5 import qwen3_5_configs  # noqa: E402
-from torchtitan.models.qwen3_5.model import GatedDeltaNet, Qwen35Model  # noqa: E402
-from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder  # noqa: E402
-from torchtitan.protocols.module import Module  # noqa: E402
-
-from torchtitan_cp.models.context import SequenceContext, context_from_device_positions  # noqa: E402
-from torchtitan_cp.models.mixers.attention import (  # noqa: E402
+from torchtitan_cp.models.blocks.attention_cp import (
     DEFAULT_ATTENTION_CP,
-    AttentionBackend,
     AttentionCP,
-    DocumentFlexAttention,
     check_attention_cp,
-    resolve_attention_backend,
     routed_pass_kv,
 )
-from torchtitan_cp.ops import (  # noqa: E402
+from torchtitan_cp.models.blocks.flex import (
+    AttentionBackend,
+    DocumentFlexAttention,
+    resolve_attention_backend,
+)
+from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
+from torchtitan_cp.ops import (
     causal_conv1d,
     chunk_delta_rule,
     context_parallel_attention,
@@ -451,78 +446,3 @@ def check_qwen35_parallelism(cfg: Any, parallelism: Any) -> None:
     for key in ("tensor_parallel_degree", "expert_parallel_degree", "pipeline_parallel_degree"):
         if getattr(parallelism, key, 1) > 1:
             raise ValueError(f"parallelism.{key} > 1 is not supported for qwen3_5 by this recipe")
-
-
-def parallelize_qwen35(
-    model: nn.Module,
-    *,
-    parallel_dims: Any,
-    training: Any,
-    parallelism: Any,
-    compile_config: Any,
-    ac_config: Any,
-    dump_folder: str,
-) -> nn.Module:
-    """Context parallelism, activation checkpointing, compile and FSDP for ``Qwen35TextModel``.
-
-    The GatedDeltaNet kernels and convs already read the microbatch's routing (swapped at
-    construction), so CP only adds torchtitan's K/V all-gather to flex attention layers (before
-    FSDP, as torchtitan requires). CP ranks hold the same parameters: FSDP shards and reduces
-    gradients over the flattened dp_shard x cp mesh, as for the hybrid decoder."""
-    from torchtitan.config import TORCH_DTYPE_MAP
-    from torchtitan.distributed.compile import apply_compile
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder, apply_fsdp_to_vision_encoder
-
-    from torchtitan_cp import compat
-    from torchtitan_cp.models.hybrid.parallelize import apply_flex_context_parallel
-
-    for key, on in (("tensor_parallel_degree", parallel_dims.tp_enabled),
-                    ("expert_parallel_degree", parallel_dims.ep_enabled),
-                    ("pipeline_parallel_degree", parallel_dims.pp_enabled)):  # fmt: skip
-        if on:
-            raise NotImplementedError(f"parallelism.{key} > 1 is not supported for qwen3_5")
-    vision = getattr(model, "vision_encoder", None)
-    if parallel_dims.cp_enabled:
-        if vision is not None:
-            raise NotImplementedError("Qwen3.5's vision encoder cannot run under CP")
-        apply_flex_context_parallel(model, parallel_dims.get_mesh("cp"), RoutedInnerAttention)
-    if ac_config is not None:
-        ac_config.build(dump_folder=dump_folder).apply(model)
-    if compile_config.enable and "model" in compile_config.components:
-        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
-    if parallel_dims.fsdp_enabled:
-        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-        mesh = parallel_dims.get_mesh(names)
-        common = dict(
-            param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
-            reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-            reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
-            pp_enabled=False,
-        )
-        if vision is not None:
-            apply_fsdp_to_vision_encoder(vision, mesh, **common)  # pyrefly: ignore[bad-argument-type]
-        apply_fsdp_to_decoder(
-            model,  # pyrefly: ignore[bad-argument-type]
-            mesh,
-            cpu_offload=training.enable_cpu_offload,
-            **common,  # pyrefly: ignore[bad-argument-type]
-        )
-        compat.force_sum_reduction_on_gloo(model)
-    return model
-
-
-def qwen35_model_spec(flavor: str, **kwargs: Any):
-    """``ModelSpec`` for torchtitan's Qwen3.5 ``flavor`` through this recipe (kwargs: see
-    ``qwen35_config``), with torchtitan's ``Qwen35StateDictAdapter`` for HF checkpoints."""
-    from torchtitan.models.qwen3_5 import Qwen35StateDictAdapter
-    from torchtitan.protocols.model_spec import ModelSpec
-
-    return ModelSpec(
-        name="qwen3_5",
-        flavor=flavor,
-        model=qwen35_config(flavor, **kwargs),
-        parallelize_fn=parallelize_qwen35,
-        pipelining_fn=None,
-        post_optimizer_build_fn=None,
-        state_dict_adapter=Qwen35StateDictAdapter,
-    )

@@ -1,6 +1,9 @@
-"""Host-side varlen bookkeeping shared by the pure-PyTorch kernels."""
+"""Host-side varlen bookkeeping shared by the pure-PyTorch kernels: offsets as ints, per-token
+sequence ids, and the packing of every sequence into whole chunks."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,3 +36,43 @@ def seq_ids_and_positions(cu: list[int]) -> tuple[Tensor, Tensor]:
     seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     pos = torch.arange(cu[-1], dtype=torch.int64) - offsets[:-1][seq]
     return seq, pos
+
+
+class ChunkLayout(NamedTuple):
+    """Host-side index tables that pack every sequence into whole chunks (int64 CPU tensors).
+
+    src: ``[NC*C]`` token index of every packed slot (``T`` = the zero padding row).
+    dst: ``[T]`` packed slot of every token.
+    order: sequences sorted by chunk count, descending, so the sequences still running at chunk
+        position p are a prefix of this order; inv_order undoes it.
+    steps: number of sequences still running at every chunk position (Python ints).
+    perm: ``[NC]`` packed chunk ids in loop order (position 0 of every running sequence, then
+        position 1, ...); inv_perm undoes it.
+    """
+
+    num_chunks: int
+    src: Tensor
+    dst: Tensor
+    order: Tensor
+    inv_order: Tensor
+    steps: list[int]
+    perm: Tensor
+    inv_perm: Tensor
+
+
+def chunk_layout(cu: list[int], C: int) -> ChunkLayout:
+    """The packing of the sequences of offsets ``cu`` into chunks of ``C`` tokens."""
+    T = cu[-1]
+    lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
+    nch = (lengths + C - 1) // C  # chunks per sequence (0 for an empty one)
+    first_chunk = torch.cumsum(nch, 0) - nch
+    NC = int(nch.sum())
+    seq, pos = seq_ids_and_positions(cu)
+    dst = first_chunk[seq] * C + pos
+    src = torch.full((NC * C,), T, dtype=torch.int64)
+    src[dst] = torch.arange(T)
+    order = torch.argsort(nch, descending=True, stable=True)
+    nch_sorted = nch[order]
+    steps = [int((nch_sorted > p).sum()) for p in range(int(nch.max()))]
+    perm = torch.cat([first_chunk[order[:a]] + p for p, a in enumerate(steps)])
+    return ChunkLayout(NC, src, dst, order, torch.argsort(order), steps, perm, torch.argsort(perm))

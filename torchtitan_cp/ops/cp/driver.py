@@ -1,4 +1,4 @@
-"""One context-parallel driver for every state-affine recurrence (``ops.recurrence``).
+"""One context-parallel driver for every state-affine recurrence (``ops.cp.recurrence``).
 
 Every token range maps the recurrent state affinely. Each rank computes the summary of that map
 (``Recurrence.summarize``) for the last subsequence of every local fragment that a later fragment
@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..common.dtypes import fold_dtype
 from .collectives import all_gather_autograd, check_routing_group
-from .recurrence import Recurrence, SequenceTables, fold_dtype
+from .recurrence import Recurrence, SequenceTables
 
 if TYPE_CHECKING:
     from torchtitan_cp.routing import DeviceRouting

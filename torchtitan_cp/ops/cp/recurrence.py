@@ -1,5 +1,5 @@
 """The recurrence protocol: what a chunked, state-affine token mixer provides so that one
-context-parallel driver (``ops.distributed.recurrence``) can run it over any fragment layout.
+context-parallel driver (``ops.cp.driver``) can run it over any fragment layout.
 
 A recurrence maps each packed sequence's entry state ``S_0 [HV, K, V]`` to outputs and a final
 state. Over any token range the final state is affine in the entry state, ``S_out = A(S_in)``.
@@ -18,18 +18,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["RECURRENCES", "Recurrence", "SequenceTables", "fold_dtype", "recurrence"]
-
-
-def fold_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of summaries, fold and entry states: float32, or float64 for float64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
+__all__ = ["RECURRENCES", "Recurrence", "SequenceTables", "recurrence"]
 
 
 class SequenceTables(NamedTuple):
@@ -50,7 +44,7 @@ class Recurrence(Protocol):
 
     ``inputs`` is a tuple of token-major tensors ``[1, T, ...]`` (the driver selects tokens
     with ``index_select(1, ·)``); their meaning belongs to the recurrence. ``tables`` is a
-    ``SequenceTables``. States and summaries are in ``fold_dtype`` of the inputs' dtype.
+    ``SequenceTables``. States and summaries are in ``common.dtypes.fold_dtype`` of the inputs' dtype.
     """
 
     def state_shape(self, inputs: tuple[Tensor, ...]) -> tuple[int, int, int]:

@@ -1,9 +1,10 @@
-"""Local (single-rank) delta-rule and short-convolution kernels with FLA conventions.
+"""Local (single-rank) delta-rule kernel with FLA conventions.
 
 ``backend="auto"`` picks fla-core's Triton kernels for CUDA tensors and the pure-PyTorch
-implementation (``ops.torch_backend``) otherwise. ``backend="fla"`` takes CPU tensors only while
-Triton's interpreter is on (``TRITON_INTERPRET=1``: the ``fla_interpreter`` test tier). See docs/CONTRACTS.md ("ops/ local kernels")
-for the exact contract and docs/kernels.md for the algorithm.
+implementation (``ops.delta_rule.torch_kernel``) otherwise. ``backend="fla"`` takes CPU tensors
+only while Triton's interpreter is on (``TRITON_INTERPRET=1``: the ``fla_interpreter`` test
+tier). See docs/CONTRACTS.md ("ops/ local kernels") for the exact contract and docs/kernels.md
+for the algorithm.
 """
 
 from __future__ import annotations
@@ -11,73 +12,16 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ..conv.torch_kernel import causal_conv1d_torch
+from ..common import checks
+from ..common.checks import Backend
 from . import custom_ops
-from .fla_kernel import triton_interpreter_on
 from .torch_kernel import chunk_delta_rule_torch
 
 Kind = Literal["kda", "gdn"]
-Backend = Literal["auto", "torch", "fla"]
 
-__all__ = ["causal_conv1d", "chunk_delta_rule"]
-
-_BACKENDS = ("auto", "torch", "fla")
-
-
-def _shape(t: Tensor) -> str:
-    return str(list(t.shape))
-
-
-def _resolve_backend(backend: str, x: Tensor) -> str:
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "fla" if x.is_cuda else "torch"
-    if (
-        backend == "fla"
-        and not x.is_cuda
-        and not (x.device.type == "cpu" and triton_interpreter_on())
-    ):
-        # CPU tensors only under Triton's interpreter: the test tier, never a normal CPU run.
-        raise ValueError(f"backend='fla' needs CUDA tensors (fla-core is Triton), got {x.device}")
-    return backend
-
-
-def _check_cu_seqlens(
-    total: int, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None
-) -> int | None:
-    """Validate sequence offsets; returns N (number of sequences), or None if unknown on host.
-
-    Values are only checked from a host copy, so a CUDA ``cu_seqlens`` alone costs no sync.
-    """
-    for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
-        if cu is not None and (cu.dim() != 1 or cu.numel() < 2):
-            raise ValueError(f"{name} must be 1-D with N+1 >= 2 entries, got shape {_shape(cu)}")
-        if cu is not None and cu.is_floating_point():
-            raise ValueError(f"{name} must be an integer tensor, got {cu.dtype}")
-    if cu_seqlens is None and cu_seqlens_cpu is None:
-        return 1
-    host = cu_seqlens_cpu
-    if host is None and cu_seqlens is not None and cu_seqlens.device.type == "cpu":
-        host = cu_seqlens
-    if cu_seqlens is not None and cu_seqlens_cpu is not None:
-        if cu_seqlens.numel() != cu_seqlens_cpu.numel():
-            raise ValueError(
-                f"cu_seqlens {_shape(cu_seqlens)} and cu_seqlens_cpu {_shape(cu_seqlens_cpu)} differ"
-            )
-    if host is None or torch.compiler.is_compiling():
-        # Under torch.compile the values are data, not constants: reading them would guard on
-        # every microbatch's layout. The shapes above are all a compiled graph can check.
-        return None
-    cu = host.tolist()
-    if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu[:-1], cu[1:])):
-        raise ValueError(
-            f"cu_seqlens must start at 0, end at T={total} and be non-decreasing, got {cu}"
-        )
-    return len(cu) - 1
+__all__ = ["Backend", "Kind", "chunk_delta_rule"]
 
 
 def chunk_delta_rule(
@@ -123,21 +67,23 @@ def chunk_delta_rule(
     if kind not in ("kda", "gdn"):
         raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
     if q.dim() != 4 or q.shape[0] != 1:
-        raise ValueError(f"q must be [1, T, H, K], got shape {_shape(q)}")
+        raise ValueError(f"q must be [1, T, H, K], got shape {checks.shape(q)}")
     _, T, H, K = q.shape
     if k.shape != q.shape:
-        raise ValueError(f"k must match q {_shape(q)}, got shape {_shape(k)}")
+        raise ValueError(f"k must match q {checks.shape(q)}, got shape {checks.shape(k)}")
     if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"v must be [1, T={T}, HV, V], got shape {_shape(v)}")
+        raise ValueError(f"v must be [1, T={T}, HV, V], got shape {checks.shape(v)}")
     HV, V = v.shape[2:]
     if HV % H != 0:
-        raise ValueError(f"v heads HV={HV} must be a multiple of q/k heads H={H} (v {_shape(v)})")
+        raise ValueError(
+            f"v heads HV={HV} must be a multiple of q/k heads H={H} (v {checks.shape(v)})"
+        )
     g_shape = [1, T, HV, K] if kind == "kda" else [1, T, HV]
     if list(g.shape) != g_shape:
-        raise ValueError(f"g must be {g_shape} for kind={kind!r}, got shape {_shape(g)}")
+        raise ValueError(f"g must be {g_shape} for kind={kind!r}, got shape {checks.shape(g)}")
     if list(beta.shape) != [1, T, HV]:
-        raise ValueError(f"beta must be {[1, T, HV]}, got shape {_shape(beta)}")
-    N = _check_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
+        raise ValueError(f"beta must be {[1, T, HV]}, got shape {checks.shape(beta)}")
+    N = checks.check_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
     if initial_state is not None:
         n0 = initial_state.shape[0] if initial_state.dim() == 4 else -1
         if (
@@ -146,8 +92,10 @@ def chunk_delta_rule(
             or (N is not None and n0 != N)
         ):
             want = [N if N is not None else "N", HV, K, V]
-            raise ValueError(f"initial_state must be {want}, got shape {_shape(initial_state)}")
-    resolved = _resolve_backend(backend, q)
+            raise ValueError(
+                f"initial_state must be {want}, got shape {checks.shape(initial_state)}"
+            )
+    resolved = checks.resolve_backend(backend, q)
     if torch.compiler.is_compiling():
         return _compiled_delta_rule(
             resolved, q, k, v, g, beta, kind=kind, scale=scale, initial_state=initial_state,
@@ -187,79 +135,9 @@ def chunk_delta_rule(
     )
 
 
-def causal_conv1d(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    *,
-    cu_seqlens: Tensor | None = None,
-    cu_seqlens_cpu: Tensor | None = None,
-    chunk_indices: Tensor | None = None,
-    initial_state: Tensor | None = None,
-    activation: Literal["silu"] | None = "silu",
-    backend: Backend = "auto",
-) -> Tensor:
-    """Causal depthwise conv within every sequence, optional SiLU.
-
-    Args:
-        x: ``[1, T, D]``; weight ``[D, W]`` (column W-1 multiplies the current token);
-            bias ``[D]`` or None.
-        cu_seqlens / cu_seqlens_cpu: ``[N+1]`` offsets (device / host), as for chunk_delta_rule.
-        chunk_indices: ``[NT, 2]`` int32 chunk table of cu_seqlens, as for chunk_delta_rule.
-        initial_state: ``[N, D, W-1]``, the W-1 tokens before each sequence, oldest first
-            (zeros where a sequence has no history; None = zeros everywhere).
-        activation: "silu" or None.
-        backend: "auto" (fla on CUDA, torch otherwise), "torch" or "fla".
-
-    Returns:
-        ``[1, T, D]`` in x's dtype.
-    """
-    if x.dim() != 3 or x.shape[0] != 1:
-        raise ValueError(f"x must be [1, T, D], got shape {_shape(x)}")
-    _, T, D = x.shape
-    if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
-        raise ValueError(f"weight must be [D={D}, W], got shape {_shape(weight)}")
-    W = weight.shape[1]
-    if bias is not None and list(bias.shape) != [D]:
-        raise ValueError(f"bias must be [{D}], got shape {_shape(bias)}")
-    if activation not in ("silu", "swish", None):
-        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
-    N = _check_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
-    if initial_state is not None:
-        ok = initial_state.dim() == 3 and list(initial_state.shape[1:]) == [D, W - 1]
-        if not ok or (N is not None and initial_state.shape[0] != N):
-            want = [N if N is not None else "N", D, W - 1]
-            raise ValueError(f"initial_state must be {want}, got shape {_shape(initial_state)}")
-    kwargs = dict(
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        initial_state=initial_state,
-        activation=activation,
-    )
-    resolved = _resolve_backend(backend, x)
-    if torch.compiler.is_compiling():
-        return _compiled_conv(resolved, x, weight, bias, chunk_indices=chunk_indices, **kwargs)
-    if resolved == "fla":
-        from .fla_kernel import causal_conv1d_fla
-
-        return causal_conv1d_fla(x, weight, bias, chunk_indices=chunk_indices, **kwargs)
-    return causal_conv1d_torch(x, weight, bias, **kwargs)
-
-
 # ----------------------------------------------------------------------------- torch.compile
-# While dynamo traces, the kernels run as the custom ops of ``ops.opaque`` (opaque to the
-# compiler, no graph break); eager calls above keep their plain autograd.
-
-
-def _host_offsets(cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None) -> Tensor | None:
-    if cu_seqlens_cpu is not None or cu_seqlens is None:
-        return cu_seqlens_cpu
-    if cu_seqlens.device.type != "cpu":
-        raise ValueError(
-            "under torch.compile the local kernels need cu_seqlens_cpu (the host copy of "
-            "cu_seqlens): reading device offsets back would break the graph"
-        )
-    return cu_seqlens
+# While dynamo traces, the kernel runs as the custom ops of ``delta_rule.custom_ops`` (opaque to
+# the compiler, no graph break); eager calls above keep their plain autograd.
 
 
 def _compiled_delta_rule(
@@ -279,11 +157,11 @@ def _compiled_delta_rule(
     chunk_indices: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    cu_cpu = _host_offsets(cu_seqlens, cu_seqlens_cpu)
+    cu_cpu = checks.host_offsets(cu_seqlens, cu_seqlens_cpu)
     if backend == "fla":
-        from .fla_kernel import _device_cu_seqlens
+        from ..common.fla import device_cu_seqlens
 
-        cu_dev, cu_cpu = _device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
+        cu_dev, cu_cpu = device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
         h0 = initial_state.float() if initial_state is not None else None
         o, final, *_ = custom_ops.delta_rule_fla_op(
             q, k, v, g, beta, h0, cu_dev, cu_cpu, chunk_indices, kind, scale, output_final_state
@@ -291,29 +169,3 @@ def _compiled_delta_rule(
         return o, (final if output_final_state else None)
     o, final = custom_ops.delta_rule_torch_op(q, k, v, g, beta, initial_state, cu_cpu, kind, scale)
     return o, (final if output_final_state else None)
-
-
-def _compiled_conv(
-    backend: str,
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    *,
-    cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | None,
-    initial_state: Tensor | None,
-    activation: str | None,
-    chunk_indices: Tensor | None = None,
-) -> Tensor:
-    act = "none" if activation is None else "silu"
-    cu_cpu = _host_offsets(cu_seqlens, cu_seqlens_cpu)
-    if backend == "fla":
-        from .fla_kernel import _device_cu_seqlens
-
-        cu_dev, cu_cpu = _device_cu_seqlens(cu_seqlens, cu_cpu, x.device)
-        # fla's cache layout [N, D, W]: one leading zero column (see fla_backend).
-        h0 = F.pad(initial_state.to(x.dtype), (1, 0)) if initial_state is not None else None
-        return custom_ops.causal_conv1d_fla_op(
-            x, weight, bias, h0, cu_dev, cu_cpu, chunk_indices, act
-        )
-    return custom_ops.causal_conv1d_torch_op(x, weight, bias, initial_state, cu_cpu, act)

@@ -4,7 +4,7 @@ Summary algebra: a token range maps the state affinely, ``S_out = M S_in + E`` w
 transition ``M [HV, K, K]`` and ``E [HV, K, V]``, stored as ``[HV, K, V + K] = [E | M]``. Both come
 from one final-state pass: values ``[v | 0]`` from the entry state ``[0 | I]``, since the first V
 columns follow E and the last K columns follow M (the same recurrence applied to the identity).
-The driver (``ops.distributed.recurrence``) does the rest.
+The driver (``ops.cp.driver``) does the rest.
 """
 
 from __future__ import annotations
@@ -16,21 +16,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..common import checks
+from ..common.dtypes import fold_dtype
 from ..cp.driver import context_parallel_recurrence
-from ..cp.recurrence import SequenceTables, fold_dtype
+from ..cp.recurrence import SequenceTables
+from .local import chunk_delta_rule
+from .torch_kernel import delta_rule_final_states_torch
 
 if TYPE_CHECKING:
     from torchtitan_cp.routing import DeviceRouting
 
     from .local import Backend, Kind
 
-__all__ = ["DeltaRule", "context_parallel_delta_rule", "fold_dtype"]
+__all__ = ["DeltaRule", "context_parallel_delta_rule"]
 
 
 @dataclass(frozen=True)
 class DeltaRule:
     """KDA (per-channel gate) or GDN (scalar gate); inputs ``(q, k, v, g, beta)`` with the shapes
-    of ``ops.local.chunk_delta_rule``."""
+    of ``ops.delta_rule.local.chunk_delta_rule``."""
 
     kind: Kind
     scale: float | None = None
@@ -47,8 +51,6 @@ class DeltaRule:
         initial_state: Tensor | None,
         output_final_state: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        from .local import chunk_delta_rule  # imported late: ops.local imports ops.distributed
-
         return chunk_delta_rule(
             *inputs,
             kind=self.kind,
@@ -69,17 +71,13 @@ class DeltaRule:
         return ident
 
     def summarize(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Tensor:
-        from .local import _resolve_backend, chunk_delta_rule
-
         q, k, v, g, beta = inputs
         HV, K, V = self.state_shape(inputs)
         n = tables.cu_seqlens.numel() - 1
         dt = fold_dtype(v.dtype)
         vs = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)  # [v | 0]
         h0 = self.identity((HV, K, V), dt, v.device).expand(n, -1, -1, -1).contiguous()
-        if _resolve_backend(self.backend, q) == "torch" and not torch.compiler.is_compiling():
-            from .torch_kernel import delta_rule_final_states_torch
-
+        if checks.resolve_backend(self.backend, q) == "torch" and not torch.compiler.is_compiling():
             return delta_rule_final_states_torch(
                 q, k, vs, g, beta, kind=self.kind, initial_state=h0,
                 cu_seqlens=tables.cu_seqlens, cu_seqlens_cpu=tables.cu_seqlens_cpu,

@@ -1,7 +1,7 @@
 """Chunked gated delta rule (KDA and GDN) in plain PyTorch.
 
 Runs anywhere (CPU included), differentiates through ordinary autograd, and is the reference
-implementation of ``ops.local.chunk_delta_rule(backend="torch")``.
+implementation of ``ops.delta_rule.local.chunk_delta_rule(backend="torch")``.
 
 Algorithm (per value head; see docs/kernels.md for the derivation):
 
@@ -25,32 +25,14 @@ Algorithm (per value head; see docs/kernels.md for the derivation):
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..common.varlen import host_cu_seqlens, seq_ids_and_positions
+from ..common.scores import causal_mask, gdn_scores
+from ..common.varlen import chunk_layout, host_cu_seqlens
 
 __all__ = ["chunk_delta_rule_torch", "delta_rule_final_states_torch"]
-
-
-def _causal_mask(n: int, strict: bool, device: torch.device) -> Tensor:
-    """[n, n] bool, True where column s may feed row t (s < t, or s <= t)."""
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril(-1 if strict else 0)
-
-
-def _gdn_scores(a: Tensor, b: Tensor, G: Tensor) -> Tensor:
-    """``[x, ..., t, s] = (a[x]_t · b_s) exp(G_t - G_s)`` for s <= t, zero above the diagonal.
-
-    a ``[X, ..., C, K]`` (a stack of X operands sharing the decays), b ``[..., C, K]``;
-    G ``[..., C]`` cumulative log gate (scalar per token).
-    """
-    C = a.shape[-2]
-    keep = _causal_mask(C, False, a.device)
-    # Mask before exp: above the diagonal G_t - G_s > 0 and could overflow.
-    decay = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~keep, -math.inf))
-    return (a @ b.transpose(-1, -2)) * decay
 
 
 def _kda_scores(a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
@@ -84,7 +66,7 @@ def _kda_scores(a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
     off = (left @ right.transpose(-1, -2)).reshape(*lead, C, C)  # row index i*sub + t
 
     # Diagonal blocks: pairwise decay within a block, masked before exp.
-    keep = _causal_mask(sub, False, dev)
+    keep = causal_mask(sub, False, dev)
     diff = Gb.unsqueeze(-2) - Gb.unsqueeze(-3)  # [..., n, sub(t), sub(s), K]
     decay = torch.exp(diff.masked_fill(~keep[..., None], -math.inf))
     bd = b.unflatten(-2, (n, sub)).unsqueeze(-3) * decay  # b_s exp(G_t - G_s), [..., n, t, s, K]
@@ -94,45 +76,6 @@ def _kda_scores(a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
     blocks = torch.diag_embed(diag.movedim(-3, -1))  # [X, ..., sub(t), sub(s), n, n]
     blocks = blocks.permute(*range(len(lead)), -2, -4, -1, -3).reshape(*lead, C, C)
     return off + blocks
-
-
-class _ChunkLayout(NamedTuple):
-    """Host-side index tables that pack every sequence into whole chunks (int64 CPU tensors).
-
-    src: ``[NC*C]`` token index of every packed slot (``T`` = the zero padding row).
-    dst: ``[T]`` packed slot of every token.
-    order: sequences sorted by chunk count, descending, so the sequences still running at chunk
-        position p are a prefix of this order; inv_order undoes it.
-    steps: number of sequences still running at every chunk position (Python ints).
-    perm: ``[NC]`` packed chunk ids in loop order (position 0 of every running sequence, then
-        position 1, ...); inv_perm undoes it.
-    """
-
-    num_chunks: int
-    src: Tensor
-    dst: Tensor
-    order: Tensor
-    inv_order: Tensor
-    steps: list[int]
-    perm: Tensor
-    inv_perm: Tensor
-
-
-def _chunk_layout(cu: list[int], C: int) -> _ChunkLayout:
-    T = cu[-1]
-    lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
-    nch = (lengths + C - 1) // C  # chunks per sequence (0 for an empty one)
-    first_chunk = torch.cumsum(nch, 0) - nch
-    NC = int(nch.sum())
-    seq, pos = seq_ids_and_positions(cu)
-    dst = first_chunk[seq] * C + pos
-    src = torch.full((NC * C,), T, dtype=torch.int64)
-    src[dst] = torch.arange(T)
-    order = torch.argsort(nch, descending=True, stable=True)
-    nch_sorted = nch[order]
-    steps = [int((nch_sorted > p).sum()) for p in range(int(nch.max()))]
-    perm = torch.cat([first_chunk[order[:a]] + p for p, a in enumerate(steps)])
-    return _ChunkLayout(NC, src, dst, order, torch.argsort(order), steps, perm, torch.argsort(perm))
 
 
 def chunk_delta_rule_torch(
@@ -240,7 +183,7 @@ def _delta_rule_torch(
         o = None if states_only else v.new_zeros(1, 0, HV, V)
         return o, (state0.clone() if output_final_state else None)
 
-    lay = _chunk_layout(cu, C)
+    lay = chunk_layout(cu, C)
     NC = lay.num_chunks
     src = lay.src.to(dev)
 
@@ -267,7 +210,7 @@ def _delta_rule_torch(
         Gl = G[:, :, -1]  # [NC, HV]
         decay_end = torch.exp(Gl.unsqueeze(-1) - G).unsqueeze(-1)
         eG = torch.exp(G).unsqueeze(-1)
-        *Aqk, A = _gdn_scores(ops, kc, G)
+        *Aqk, A = gdn_scores(ops, kc, G)
     kg = kc * eG
 
     # WY form: (I + beta*A) d = beta*v - beta*(k*exp(G)) S0  =>  d = U - W S0.

@@ -1,9 +1,9 @@
-"""SSD, the recurrence of Mamba2 layers: local kernel, ``Recurrence`` and CP entry point.
+"""SSD, the recurrence of Mamba2 layers, as a ``Recurrence``, and its CP entry point.
 
 Per sequence and value head: ``S_t = exp(g_t) S_{t-1} + k_t v_tᵀ``, ``o_t = S_tᵀ (scale q_t)``,
 with ``g_t = dt_t A`` (one natural-log decay per head and token), ``k = B``, ``q = C`` and
-``v = dt x`` as the Mamba2 layer feeds it (``models/mamba2.py``). Backends: pure PyTorch
-(``torch_backend.ssd``), and on CUDA fla-core 0.6.0's ``chunk_simple_gla``, which is exactly
+``v = dt x`` as the Mamba2 layer feeds it (``models/mixers/mamba2.py``). Backends: pure PyTorch
+(``ssd.torch_kernel``), and on CUDA fla-core 0.6.0's ``chunk_simple_gla``, which is exactly
 this recurrence (head-wise data-dependent gate, no delta correction). fla-core ships no separate
 Mamba2/SSD kernel (its ``fla.layers.mamba2`` calls the external mamba_ssm kernels).
 
@@ -21,87 +21,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..common import checks
+from ..common.checks import Backend
+from ..common.dtypes import fold_dtype
 from ..cp.driver import context_parallel_recurrence
-from ..cp.recurrence import SequenceTables, fold_dtype
-from ..delta_rule.local import Backend, _check_cu_seqlens, _resolve_backend, _shape
+from ..cp.recurrence import SequenceTables
+from .fla_kernel import chunk_ssd_fla
+from .local import chunk_ssd
 from .torch_kernel import chunk_ssd_torch
 
 if TYPE_CHECKING:
     from torchtitan_cp.routing import DeviceRouting
 
-__all__ = ["SSD", "chunk_ssd", "context_parallel_ssd"]
-
-
-def chunk_ssd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    *,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
-    cu_seqlens_cpu: Tensor | None = None,
-    backend: Backend = "auto",
-) -> tuple[Tensor, Tensor | None]:
-    """SSD over packed sequences.
-
-    Args:
-        q, k: ``[1, T, H, K]`` (Mamba2's C and B, H groups); v: ``[1, T, HV, V]``, HV a
-            multiple of H; g: natural-log decay ≤ 0, ``[1, T, HV]``.
-        scale: query scale, default ``K ** -0.5`` (Mamba2 uses 1.0).
-        initial_state: ``[N, HV, K, V]``, one per sequence (zeros when None).
-        cu_seqlens / cu_seqlens_cpu: ``[N+1]`` offsets on the device / host.
-        backend: "auto" (fla on CUDA, torch otherwise), "torch" or "fla".
-
-    Returns:
-        ``(o [1, T, HV, V], final_state [N, HV, K, V] float32/float64 or None)``.
-    """
-    if q.dim() != 4 or q.shape[0] != 1:
-        raise ValueError(f"q must be [1, T, H, K], got shape {_shape(q)}")
-    _, T, H, K = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must match q {_shape(q)}, got shape {_shape(k)}")
-    if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"v must be [1, T={T}, HV, V], got shape {_shape(v)}")
-    HV, V = v.shape[2:]
-    if HV % H != 0:
-        raise ValueError(f"v heads HV={HV} must be a multiple of q/k heads H={H} (v {_shape(v)})")
-    if list(g.shape) != [1, T, HV]:
-        raise ValueError(f"g must be {[1, T, HV]}, got shape {_shape(g)}")
-    N = _check_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
-    if initial_state is not None and (
-        list(initial_state.shape[1:]) != [HV, K, V]
-        or (N is not None and initial_state.shape[0] != N)
-    ):
-        want = [N if N is not None else "N", HV, K, V]
-        raise ValueError(f"initial_state must be {want}, got shape {_shape(initial_state)}")
-    if _resolve_backend(backend, q) == "fla":
-        return _chunk_ssd_fla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
-                              cu_seqlens_cpu)  # fmt: skip
-    o, fin = chunk_ssd_torch(
-        q, k, v, g, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-    )  # fmt: skip
-    assert o is not None
-    return o, fin
-
-
-def _chunk_ssd_fla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, cu_cpu):
-    from fla.ops.simple_gla import chunk_simple_gla
-
-    from ..delta_rule.fla_kernel import _device_cu_seqlens
-
-    cu_dev, cu_cpu = _device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
-    rep = v.shape[2] // q.shape[2]  # simple GLA has one q/k head per value head
-    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    h0 = initial_state.float() if initial_state is not None else None
-    return chunk_simple_gla(
-        q, k, v, g=g.float(), scale=scale, initial_state=h0,
-        output_final_state=output_final_state, cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu,
-    )  # fmt: skip
+__all__ = ["SSD", "context_parallel_ssd"]
 
 
 @dataclass(frozen=True)
@@ -135,13 +67,13 @@ class SSD:
     def summarize(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Tensor:
         q, k, v, g = inputs
         dt = fold_dtype(v.dtype)
-        if _resolve_backend(self.backend, q) == "torch":
+        if checks.resolve_backend(self.backend, q) == "torch":
             _, E = chunk_ssd_torch(
                 q, k, v, g, cu_seqlens=tables.cu_seqlens,
                 cu_seqlens_cpu=tables.cu_seqlens_cpu, states_only=True,
             )  # fmt: skip
         else:  # fla: no state-only autograd entry point; the [.., V] output is discarded
-            _, E = _chunk_ssd_fla(q, k, v, g, None, None, True, tables.cu_seqlens,
+            _, E = chunk_ssd_fla(q, k, v, g, None, None, True, tables.cu_seqlens,
                                   tables.cu_seqlens_cpu)  # fmt: skip
         assert E is not None
         # Log decay of every sequence: differences of a float64 prefix sum at the offsets

@@ -4,7 +4,7 @@ Per sequence and value head: ``S_t = exp(g_t) S_{t-1} + k_t v_tᵀ``, ``o_t = S_
 Inside a chunk, with ``G_t`` the cumulative log gate since the chunk start and ``S0`` the entry
 state: ``o_t = exp(G_t) (scale q_t)ᵀ S0 + sum_{s<=t} (scale q_t · k_s) exp(G_t - G_s) v_s`` and
 ``S_end = exp(G_C) S0 + sum_s exp(G_C - G_s) k_s v_sᵀ``. Chunks are packed as in
-``delta_rule._chunk_layout``; every exponent is masked to -inf before ``exp`` where not causal.
+``common.varlen.chunk_layout``; every exponent is masked to -inf before ``exp`` where not causal.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..common.varlen import host_cu_seqlens
-from ..delta_rule.torch_kernel import _chunk_layout, _gdn_scores
+from ..common.scores import gdn_scores
+from ..common.varlen import chunk_layout, host_cu_seqlens
 
 __all__ = ["chunk_ssd_torch"]
 
@@ -63,7 +63,7 @@ def chunk_ssd_torch(
         o = None if states_only else v.new_zeros(1, 0, HV, V)
         return o, (state0.clone() if want_final else None)
 
-    lay = _chunk_layout(cu, C)
+    lay = chunk_layout(cu, C)
     NC = lay.num_chunks
     src = lay.src.to(dev)
 
@@ -101,7 +101,7 @@ def chunk_ssd_torch(
 
     S0 = torch.cat(entry, 0)[lay.inv_perm.to(dev)]  # [NC, HV, K, V] entry state of each chunk
     qc = pack(q).repeat_interleave(rep, dim=1) * scale
-    scores = _gdn_scores(qc.unsqueeze(0), kc, G)[0]  # [NC, HV, C, C]
+    scores = gdn_scores(qc.unsqueeze(0), kc, G)[0]  # [NC, HV, C, C]
     oc = (qc * torch.exp(G).unsqueeze(-1)) @ S0 + scores @ vc  # [NC, HV, C, V]
     o = oc.movedim(1, 2).flatten(0, 1)[lay.dst.to(dev)]  # [T, HV, V]
     return o.unsqueeze(0).to(v.dtype), final

@@ -1,0 +1,209 @@
+"""The package's arrows (docs/architecture.md, "Packages and their layering"), read from the
+source: lower packages never import upper ones, families of a layer do not import each other,
+no import cycles, and ``routing/`` and ``ops/`` work without torchtitan."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import sys
+from pathlib import Path
+
+import torchtitan_cp
+
+PACKAGE = Path(torchtitan_cp.__file__).parent
+ROOT = "torchtitan_cp"
+
+# Which top-level parts of the package each part may import (its own part is always allowed).
+ARROWS: dict[str, set[str]] = {
+    "routing": set(),
+    "ops": {"routing"},
+    "compat": set(),
+    "models": {"ops", "routing", "compat"},
+    "data": {"routing"},
+    "run": set(),
+    "trainer": {"models", "ops", "routing", "compat", "data", "run"},
+    "train": {"trainer", "compat", "data", "run"},  # the entry points
+    "checkpoint": {"run"},
+    "__init__": set(),
+}
+
+# Inside a package: the layer of each sub-part (a part imports its own layer's modules of the
+# same sub-part and any lower layer; sub-parts of one layer do not import each other).
+LAYERS: dict[str, dict[str, int]] = {
+    "ops": {
+        "common": 0, "fla_compat": 1, "cp": 1,
+        "delta_rule": 2, "ssd": 2, "conv": 2, "attention": 2, "__init__": 3,
+    },
+    "models": {
+        "context": 0, "blocks": 1, "mixers": 2, "hybrid": 3, "qwen35": 3, "recipe": 4,
+        "__init__": 5,
+    },
+}  # fmt: skip
+# Lower-layer sub-parts a sub-part may not import even so (Qwen3.5 is torchtitan's own model).
+FORBIDDEN = {("models", "qwen35", "mixers")}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _type_checking_nodes(tree: ast.Module) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            ids |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return ids
+
+
+@functools.cache
+def imports(name: str) -> list[tuple[str, bool]]:
+    """``(imported module, only under TYPE_CHECKING)`` for every import anywhere in ``name``'s
+    source (module level and inside functions), relative imports resolved; ``from m import x``
+    counts as importing ``m.x`` when that is a module of the package."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text())
+    typing_only = _type_checking_nodes(tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, id(node) in typing_only) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for a in node.names:
+                sub = f"{module}.{a.name}"
+                out.append((sub if sub in MODULES else module, id(node) in typing_only))
+    return out
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _sub_part(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_packages_import_only_what_is_below_them():
+    bad = []
+    for name in MODULES:
+        for target, _ in imports(name):
+            if target.split(".")[0] != ROOT:
+                continue
+            src, dst = _part(name), _part(target)
+            if dst != src and dst not in ARROWS[src]:
+                bad.append(f"{name} imports {target} ({src} -> {dst})")
+    assert not bad, "\n".join(bad)
+
+
+def test_layers_inside_ops_and_models():
+    bad = []
+    for name in MODULES:
+        pkg = _part(name)
+        if pkg not in LAYERS:
+            continue
+        for target, _ in imports(name):
+            if _part(target) != pkg or target.split(".")[0] != ROOT:
+                continue
+            src, dst = _sub_part(name), _sub_part(target)
+            if src == dst:
+                continue
+            low, high = LAYERS[pkg][dst], LAYERS[pkg][src]
+            if low >= high or (pkg, src, dst) in FORBIDDEN:
+                bad.append(f"{name} imports {target} ({pkg}: {src} -> {dst})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    # Every import counts, inside functions too (a late import hiding a cycle is a cycle);
+    # TYPE_CHECKING imports do not run.
+    graph = {
+        name: sorted({t for t, typing_only in imports(name) if t in MODULES and not typing_only})
+        for name in MODULES
+    }
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name)
+    assert not cycles, "\n".join(cycles)
+
+
+def test_routing_and_ops_work_without_torchtitan():
+    bad = [
+        f"{name} imports {target}"
+        for name in MODULES
+        if _part(name) in ("routing", "ops")
+        for target, _ in imports(name)
+        if target.split(".")[0] == "torchtitan"
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def _module_level_imports(path):
+    tree = ast.parse(path.read_text())
+    for node in tree.body:  # module level only: lazy imports inside functions are allowed
+        if isinstance(node, ast.Import):
+            yield from (alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.module.split(".")[0]
+
+
+def test_routing_module_level_imports_are_torch_or_stdlib():
+    # routing/ depends on torch and the standard library only (matplotlib lazily, for --plot).
+    allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
+    for path in sorted((PACKAGE / "routing").glob("*.py")):
+        bad = set(_module_level_imports(path)) - allowed
+        assert not bad, f"{path.name} imports {sorted(bad)} at module level"
+
+
+def test_no_import_tricks():
+    # No module __getattr__ (lazy attributes that dodge a cycle) and no E402 blocks (code that
+    # must run between imports belongs in the entry point or a package __init__).
+    bad = []
+    for name, path in MODULES.items():
+        source = path.read_text()
+        tree = ast.parse(source)
+        if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body):
+            bad.append(f"{name}: module __getattr__")
+        if "noqa: E402" in source:
+            bad.append(f"{name}: noqa: E402")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_scan_resolves_relative_and_submodule_imports():
+    # The checks above are only as good as the import resolution: spot-check it.
+    assert ("torchtitan_cp.ops.common.checks", False) in imports("torchtitan_cp.ops.conv.local")
+    assert ("torchtitan_cp.ops.conv.custom_ops", False) in imports("torchtitan_cp.ops.conv.local")
+    assert ("torchtitan_cp.routing", True) in imports("torchtitan_cp.ops.cp.driver")
+    lazy = imports("torchtitan_cp.models.recipe")
+    assert ("torchtitan_cp.models.qwen35.spec", False) in lazy  # inside a function
