@@ -2,8 +2,8 @@
 
 torchtitan compiles every block with ``fullgraph=True``. What makes that work here:
 
-* the local kernels run as opaque custom ops while compiling (``ops.opaque``), the CP
-  collectives as torch's functional collectives (``ops.distributed.collectives``);
+* the local kernels run as opaque custom ops while compiling (``ops/<family>/custom_ops.py``),
+  the CP collectives as torch's functional collectives (``ops.cp.collectives``);
 * every routing tensor a block reads has a shape that does not depend on the microbatch's
   document layout: ``RoutingCaps`` pads them (``routing_caps`` below), so a new layout is new
   data for the same graph, never a recompile.

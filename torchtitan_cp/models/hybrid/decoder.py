@@ -1,5 +1,5 @@
 """The hybrid decoder: a stack of blocks whose mixers the layer pattern picks from the registry
-(``models.layers``: KDA, GDN, softmax attention, Mamba2)."""
+(``models.hybrid.layers``: KDA, GDN, softmax attention, Mamba2)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class HybridBlock(Module):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
-        mixer: Module.Config  # a registered kind's mixer (models.layers)
+        mixer: Module.Config  # a registered kind's mixer (models.hybrid.layers)
         dim: int
         ffn_hidden_dim: int
         norm_eps: float = 1e-5

@@ -41,7 +41,8 @@ class LayerKind:
     ``flops(cfg, seq_len)``: training FLOPs per token (forward + backward) beyond the mixer's
     parameter matmuls. ``flex_mask``: needs the document ``BlockMask`` when flex runs.
     ``compiles``: its kernels run under ``torch.compile`` without graph breaks (custom ops in
-    ``ops/opaque.py``); ``compile.enable`` with a kind that does not is a config error.
+    ``ops/<family>/custom_ops.py``); ``compile.enable`` with a kind that does not is a config
+    error.
     """
 
     name: str
