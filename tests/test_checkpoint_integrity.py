@@ -26,11 +26,14 @@ from torchtitan_cp.runs import read_rows, supersede_rows
 
 
 def make_step(folder: Path, step: int, *, sealed: bool = True, run_id: str = "run-a") -> Path:
-    """A step folder shaped like a DCP save (``.metadata`` + one shard per rank)."""
+    """A step folder holding a real (one-process) DCP save, ``.metadata`` + ``__0_0.distcp``,
+    plus a second 3000-byte file as the other rank's shard of a 2-rank save would be."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     d = folder / f"step-{step}"
     d.mkdir(parents=True)
-    (d / ".metadata").write_bytes(b"meta" * 100 + bytes([step]))
-    (d / "__0_0.distcp").write_bytes(os.urandom(4096))
+    dcp.save({"w": torch.randn(1024), "step": torch.tensor(step)}, checkpoint_id=str(d))
     (d / "__1_0.distcp").write_bytes(os.urandom(3000))
     if sealed:
         write_manifest(str(d), step=step, run_id=run_id)
@@ -83,7 +86,8 @@ def test_resume_skips_incomplete_and_corrupt_steps_and_moves_them_aside(tmp_path
     assert sorted(os.listdir(folder)) == ["step-2"]
     aside = tmp_path / "checkpoint.aside" / "run-b"
     assert sorted(os.listdir(aside)) == ["step-4", "step-6"]
-    assert (aside / "step-4" / "__0_0.distcp").stat().st_size == 4096, "moved, not deleted"
+    assert check_step(str(aside / "step-6"), sha256=False) is not None, "moved as it was"
+    assert (aside / "step-4" / "__0_0.distcp").stat().st_size > 4096, "moved, not deleted"
 
 
 def test_resume_with_no_verified_step_is_an_error(tmp_path):

@@ -11,6 +11,7 @@ errors before any process group starts.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -119,5 +120,36 @@ def check_hf_folder(path: str | Path, cfg: Any) -> None:
             raise ValueError(
                 f"{root}: missing safetensors shard(s) {', '.join(missing)} listed in {INDEX}"
             )
-    elif not any(root.glob("*.safetensors")):
-        raise ValueError(f"{root}: no *.safetensors weights (and no {INDEX})")
+    else:
+        shards = sorted(p.name for p in root.glob("*.safetensors"))
+        if not shards:
+            raise ValueError(f"{root}: no *.safetensors weights (and no {INDEX})")
+    for shard in shards:
+        problem = safetensors_problem(root / shard)
+        if problem:
+            raise ValueError(problem)
+
+
+def safetensors_problem(path: str | Path) -> str | None:
+    """None when ``path`` is as long as its safetensors header says, else what is wrong
+    (naming the file): cut inside the header, an unreadable header, or tensors past its end.
+    Reads the header only."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{path} is truncated: {size} bytes, shorter than a safetensors header"
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            return f"{path} is truncated: {size} bytes, its header alone needs {8 + n}"
+        try:
+            header = json.loads(f.read(n))
+            end = max(
+                (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                default=0,
+            )
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return f"{path} has an unreadable safetensors header: not a safetensors file"
+    if 8 + n + end > size:
+        return f"{path} is truncated: {size} bytes, its header describes {8 + n + end}"
+    return None
