@@ -96,3 +96,31 @@ def read_run_headers(dump_folder: Path, file: str = "metrics.jsonl") -> list[dic
     """The ``run_header`` lines of ``metrics.jsonl``, one per run, oldest first."""
     rows = [json.loads(line) for line in (dump_folder / file).read_text().splitlines()]
     return [r["run_header"] for r in rows if "run_header" in r]
+
+
+def train_sh(*args: str, nproc: str | None = None) -> subprocess.Popen:
+    """Start ``./scripts/train.sh ARGS`` (``NPROC`` when given) with stdout and stderr piped;
+    the caller waits (``communicate``)."""
+    env = repo_env()
+    env.pop("NPROC", None)
+    if nproc is not None:
+        env["NPROC"] = nproc
+    return subprocess.Popen([str(REPO / "scripts" / "train.sh"), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def rank_pids(marker: str) -> dict[int, int]:
+    """Local rank -> pid of the running trainer ranks whose environment holds ``marker`` (a
+    string unique to one launch, e.g. its dump folder): /proc of this machine."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"LOCAL_RANK" in env and b"TORCHELASTIC_RUN_ID" in env and marker.encode() in cmdline:
+            found[int(env[b"LOCAL_RANK"])] = int(pid)
+    return found

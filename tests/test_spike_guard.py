@@ -48,6 +48,7 @@ def test_persistent_spikes_stop_after_max_skips():
     msg = str(e.value)
     assert "4 spikes in a row (updates of steps 4-6 skipped, spike_guard.max_skips = 3)" in msg
     assert "an update before step 4 changed the model" in msg and e.value.exit_code == 1
+    assert "Resume from the last checkpoint" in msg
     assert "\n" not in msg
     # a normal loss between spikes starts the count again
     guard = SpikeGuard(SpikeGuardConfig(factor=1.5, min_history=1, action="skip", max_skips=1))

@@ -64,6 +64,11 @@ def test_context_parallel_matches_unsharded(tmp_path, pattern):
     for a, b in zip(ref, cp, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a["step"], a["grad_norm"])
+    # global_max_loss: the largest per-rank average (each CP rank's loss over its own tokens),
+    # never below the average (before: a maximum of partial sums, about half the average)
+    max_loss = "loss_metrics/global_max_loss"
+    assert all(r[max_loss] == r["loss"] for r in ref), "one rank: the average itself"
+    assert all(r[max_loss] >= r["loss"] for r in cp), [(r["loss"], r[max_loss]) for r in cp]
 
 
 def test_checkpoint_resume_continues_the_loss_curve(tmp_path):

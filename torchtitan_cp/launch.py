@@ -31,6 +31,8 @@ def one_line_failure(failures: dict[int, Any]) -> tuple[str, int] | None:
         message = message.get("message", "")
     if not isinstance(message, str) or not message.startswith(PREFIX) or "\n" in message:
         return None
+    if failure.exitcode <= 0:  # killed by a signal after writing it: not the rank's verdict
+        return None
     return message, failure.exitcode
 
 

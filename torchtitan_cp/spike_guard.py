@@ -7,9 +7,10 @@ optimizer leaves parameters and moments alone, the LR schedule advances).
 
 What ``skip`` recovers from, and what it does not: skipping drops the update of a batch whose
 loss jumped (a bad batch), and training goes on. It cannot undo an update already applied: when
-the loss stays high, the model itself changed, and skipping every later update would freeze the
-run. So at most ``max_skips`` consecutive updates are skipped; the next spike in a row stops the
-run (exit 1) naming the steps, to resume from the last checkpoint (e.g. with a lower LR).
+the loss stays high, the model itself changed (or the data is bad from there on), and skipping
+every later update would freeze the run. So at most ``max_skips`` consecutive updates are
+skipped; the next spike in a row stops the run (exit 1) naming the steps, to resume from the last
+checkpoint (e.g. with a lower LR).
 Every finite loss enters the history, skipped ones too, so a lasting change of level becomes
 the new median after ``window / 2`` steps instead of being compared against forever.
 
@@ -110,9 +111,10 @@ class SpikeGuard:
             steps = f"step {first}" if first == last else f"steps {first}-{last}"
             raise LossSpikeError(
                 f"{spike}, {len(self.in_a_row) + 1} spikes in a row (updates of {steps} "
-                f"skipped, spike_guard.max_skips = {cfg.max_skips}): the loss stays high, so an "
-                f"update before step {first} changed the model and skipping cannot undo it; "
-                "stopped before the update. Resume from the last checkpoint, e.g. with a lower LR"
+                f"skipped, spike_guard.max_skips = {cfg.max_skips}): the loss stays high, which "
+                f"skipping cannot fix (an update before step {first} changed the model, or the "
+                "data is bad from there on); stopped before the update. Resume from the last "
+                "checkpoint, e.g. with a lower LR, or check the data of these steps"
             )
         self.in_a_row.append(step)
         self.skipped += 1

@@ -15,6 +15,7 @@ import dataclasses
 import io
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -32,11 +33,6 @@ def load_config(argv: list[str]):
     from torchtitan_cp.trainer import recipe_config
 
     path, rest = split_config_file(argv, DEFAULT_CONFIG)
-    if rest and not rest[0].startswith("-"):
-        raise ConfigError(
-            f"command line: unexpected argument {rest[0]!r}; a config file is passed as "
-            f"--config_file {rest[0]}"
-        )
     config = recipe_config()
     if path:
         table = read_toml(path)
@@ -55,7 +51,14 @@ def load_config(argv: list[str]):
             )  # fmt: skip
     except SystemExit as e:
         if e.code:  # tyro's boxed error message, folded into one line
-            raise ConfigError(f"command line: {_one_line(captured.getvalue())}") from None
+            message = _one_line(captured.getvalue())
+            stray = re.fullmatch(r"Unrecognized options: ([^-\s]\S*)", message)
+            if stray:  # a positional argument: most often a config file without the flag
+                message = (
+                    f"unexpected argument {stray[1]!r}; a config file is passed as "
+                    f"--config_file {stray[1]}"
+                )
+            raise ConfigError(f"command line: {message}") from None
         sys.stderr.write(captured.getvalue())
         raise
     except (AssertionError, ValueError) as e:
