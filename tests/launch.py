@@ -41,11 +41,14 @@ def run_python(code: str, *, timeout: float = 120, check: bool = False):
     return proc
 
 
-def torchrun_cmd(args: list[str], *, nproc: int) -> tuple[list[str], dict[str, str]]:
+def torchrun_cmd(
+    args: list[str], *, nproc: int, launcher: str = "torch.distributed.run"
+) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of ``torchrun --nproc_per_node=nproc -m
-    torchtitan_cp.train ARGS`` on a free localhost port."""
+    torchtitan_cp.train ARGS`` on a free localhost port (``launcher="torchtitan_cp.launch"``:
+    the recipe's torchrun, which ./scripts/train.sh runs after its check)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", launcher,
         f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "-m", "torchtitan_cp.train", *args,

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.components.checkpoint import TRAIN_STATE, CheckpointManager
 from torchtitan.tools.logging import logger
 
@@ -570,12 +571,23 @@ def _state_bytes(state: Any) -> int:
     return 0
 
 
+def _existing(path: str) -> str:
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path or "."
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        return shutil.disk_usage(_existing(path)).free
+    except OSError:
+        return 1 << 62
+
+
 def disk_full_error(checkpoint_id: str, need_bytes: int) -> CheckpointError:
     """No space left while saving: the folder, the bytes free and about the bytes needed."""
-    probe = checkpoint_id
-    while probe and not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    free = shutil.disk_usage(probe or ".").free
+    probe = _existing(os.path.dirname(checkpoint_id))
+    free = _free_bytes(probe)
     return CheckpointError(
         f"saving checkpoint {checkpoint_id} failed: no space left on device "
         f"({probe}: {free / 2**20:.1f} MiB free; this save needs about "
@@ -673,12 +685,17 @@ class HybridCheckpointManager(CheckpointManager):
         try:
             return super().dcp_save(state_dict, checkpoint_id, *args, **kwargs)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            err = _os_error(e)
-            if err is None or err.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            # DCP reports every rank's failure on every rank: all of them stop here alike.
+            # DCP reports every rank's failure on every rank: all of them decide here alike.
+            # A full disk shows as ENOSPC, or (torch.save's zip writer swallows the OSError) as
+            # "unexpected pos" with less space left than the save needs.
             world = dist.get_world_size() if dist.is_initialized() else 1
-            raise disk_full_error(checkpoint_id, _state_bytes(state_dict) * world) from None
+            need = _state_bytes(state_dict) * world
+            err = _os_error(e)
+            if err is not None and err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise disk_full_error(checkpoint_id, need) from None
+            if isinstance(e, Exception | CheckpointException) and _free_bytes(checkpoint_id) < need:
+                raise disk_full_error(checkpoint_id, need) from None
+            raise
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
