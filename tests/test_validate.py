@@ -103,7 +103,7 @@ BAD_VALUES = [
      ["checkpoint.create_seed_checkpoint needs --checkpoint.enable and one process (NPROC=1), "
       "got 2 process(es)"]),
     (["--training.seq_len", "1000000000", "--model.max_seq_len", "1000000000"], "2",
-     ["one row of training.seq_len + 1 = 1000000001 tokens needs over 64 passes over "
+     ["one row of training.seq_len = 1000000000 tokens needs over 64 passes over "
       "data-parallel rank 0's", "use a shorter training.seq_len"]),
     (["configs/debug_cpu.toml"], "2",
      ["unexpected argument 'configs/debug_cpu.toml'", "--config_file configs/debug_cpu.toml"]),
@@ -324,8 +324,11 @@ def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
 def test_direct_torchrun_runs_the_same_validation(tmp_path):
     proc = torchrun("--validator.freq", "0", "--dump_folder", str(tmp_path))
     assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if "torchtitan_cp.train: error:" in line]
+    # Each rank's own line (torchrun's failure block repeats it as each rank's root cause).
+    lines = proc.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("torchtitan_cp.train: error:")]
     assert len(errors) == 2 and all("validator.freq must be >= 1" in e for e in errors), errors
+    assert "traceback : torchtitan_cp.train: error: validator.freq must be >= 1" in proc.stderr
     assert "ZeroDivisionError" not in proc.stderr
 
 

@@ -11,8 +11,14 @@ aside to ``<folder>.aside/<run_id>/`` (never deleted). An explicit ``load_step``
 ``initial_load_path`` that fails verification is an error naming the file. ``load_step`` below
 newer complete steps is refused unless ``discard_later_steps`` moves them aside.
 
-CLI: ``python -m torchtitan_cp.checkpoint verify|seal STEP_DIR`` checks a step folder, or writes
-a manifest for one you trust (a checkpoint written by plain torchtitan).
+A manifest of any wrong shape makes its step incomplete, like a missing one; a step must also
+load (``dcp_layout_problem``: every byte range DCP's ``.metadata`` lists lies inside its file). At
+load the manager compares the checkpoint with the model and the run's data-parallel degree
+(``fit_problem``) and turns a full disk during a save into one line (``disk_full_error``).
+
+CLI: ``python -m torchtitan_cp.checkpoint verify|seal STEP_DIR`` checks a step folder (or every
+step of a checkpoint folder), or writes a manifest for one you trust (a checkpoint written by
+plain torchtitan) once it checked that the folder loads.
 """
 
 from __future__ import annotations

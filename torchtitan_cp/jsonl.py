@@ -151,21 +151,22 @@ a few times per row; ``seq_len = 1e9`` on a 2 MB corpus would take thousands).""
 
 
 def check_row_fits(summary: JsonlSummary, dp_world_size: int, seq_len: int) -> None:
-    """One row of ``seq_len + 1`` tokens must fit in ``MAX_PASSES_PER_ROW`` passes over each
+    """One row of ``seq_len`` tokens must fit in ``MAX_PASSES_PER_ROW`` passes over each
     data-parallel rank's documents; otherwise the loader repeats them pass after pass before the
-    first step (at ``seq_len = 1e9``: for hours, with no output). Each document counts at most
-    its UTF-8 bytes plus 2 (BOS, EOS) tokens, an upper bound for byte-level tokenizers."""
+    first step (at ``seq_len = 1e9``: for hours, with no output). A document adds at most its
+    UTF-8 bytes plus 1 tokens to the packed stream (BOS and EOS, less the one the shifted labels
+    take), an upper bound for byte-level tokenizers."""
     if not summary.complete or not summary.text_bytes:
         return
     for rank in range(dp_world_size):
         share = rank_share(summary.documents, dp_world_size, rank)
-        tokens = sum(summary.text_bytes[i] for i in share) + 2 * len(share)
-        if seq_len + 1 > MAX_PASSES_PER_ROW * tokens:
+        tokens = sum(summary.text_bytes[i] for i in share) + len(share)
+        if seq_len > MAX_PASSES_PER_ROW * tokens:
             raise DataError(
-                f"{summary.path}: one row of training.seq_len + 1 = {seq_len + 1} tokens needs "
-                f"over {MAX_PASSES_PER_ROW} passes over data-parallel rank {rank}'s "
-                f"{len(share)} documents (at most {tokens} tokens): the loader would spin over "
-                "them before the first step; use a shorter training.seq_len or more data"
+                f"{summary.path}: one row of training.seq_len = {seq_len} tokens needs over "
+                f"{MAX_PASSES_PER_ROW} passes over data-parallel rank {rank}'s {len(share)} "
+                f"documents (at most {tokens} tokens): the loader would spin over them before "
+                "the first step; use a shorter training.seq_len or more data"
             )
 
 
