@@ -14,7 +14,7 @@ from .balancers import (
 from .cache import PlanCache
 from .chunks import chunk_bound, chunk_indices, chunk_offsets, chunk_tables
 from .device import DeviceRouting, RoutingCaps, RoutingCapsExceeded
-from .documents import document_block_mask, document_mask_mod, row_document_index
+from .documents import document_mask_mod, row_document_index
 from .layouts import (
     FragmentTable,
     contiguous_fragments,
@@ -37,7 +37,6 @@ __all__ = [
     "check_divisible",
     "get_balancer",
     "register",
-    "document_block_mask",
     "document_mask_mod",
     "row_document_index",
     "host_layout",
