@@ -121,17 +121,6 @@ def read_run_headers(dump_folder: Path, file: str = "metrics.jsonl") -> list[dic
     return [r["run_header"] for r in rows if "run_header" in r]
 
 
-def train_sh(*args: str, nproc: str | None = None) -> subprocess.Popen:
-    """Start ``./scripts/train.sh ARGS`` (``NPROC`` when given) with stdout and stderr piped;
-    the caller waits (``communicate``)."""
-    env = repo_env()
-    env.pop("NPROC", None)
-    if nproc is not None:
-        env["NPROC"] = nproc
-    return subprocess.Popen([str(REPO / "scripts" / "train.sh"), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-
-
 def rank_pids(marker: str) -> dict[int, int]:
     """Local rank -> pid of the running trainer ranks whose environment holds ``marker`` (a
     string unique to one launch, e.g. its dump folder): /proc of this machine."""

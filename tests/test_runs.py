@@ -316,10 +316,9 @@ def test_train_sh_refusal_inside_the_ranks_is_one_line_and_exit_2(tmp_path):
     holder = {"host": "other-host", "pid": 4242, "start_time": "2026-01-01T00:00:00Z",
               "run_id": "r-other"}  # fmt: skip
     (dump / "run.lock").write_text(json.dumps(holder) + "\n")
-    proc = train_sh(*ARGS, "--training.steps", "2", "--dump_folder", str(dump))
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2, err[-3000:]
-    line = one_line_stderr(err)
+    proc = train_sh([*ARGS, "--training.steps", "2", "--dump_folder", str(dump)], check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = one_line_stderr(proc.stderr)
     assert f"its lock {dump}/run.lock names pid 4242 on host other-host" in line
     assert "a run on another host" in line
     assert json.loads((dump / "run.lock").read_text()) == holder, "not taken over"
