@@ -36,15 +36,31 @@ def one_line_failure(failures: dict[int, Any]) -> tuple[str, int] | None:
     return message, failure.exitcode
 
 
-def _quiet_agent() -> dict[str, int]:
-    """Silence torchrun's agent loggers (each worker's failure and the SIGTERMs it sends, a few
-    lines per rank, logged before it raises); returns their levels to restore."""
-    levels = {}
-    for name, item in list(logging.root.manager.loggerDict.items()):
-        if name.startswith("torch.distributed") and isinstance(item, logging.Logger):
-            levels[name] = item.level
-            item.setLevel(logging.CRITICAL)
-    return levels
+class _HeldLogs(logging.Handler):
+    """Holds the records of torchrun's own loggers while the ranks run: its agent logs each
+    worker's failure and the SIGTERMs it sends (a few lines per rank) before it raises, which a
+    one-line error makes redundant. Any other outcome replays them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self._propagate: dict[str, bool] = {}
+        for name, item in list(logging.root.manager.loggerDict.items()):
+            if name.startswith("torch.distributed") and isinstance(item, logging.Logger):
+                self._propagate[name] = item.propagate
+                item.addHandler(self)
+                item.propagate = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def restore(self, *, replay: bool) -> None:
+        for name, propagate in self._propagate.items():
+            item = logging.getLogger(name)
+            item.removeHandler(self)
+            item.propagate = propagate
+        for record in self.records if replay else ():
+            logging.getLogger(record.name).handle(record)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,14 +71,13 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ[LAUNCHER_ENV] = "1"  # the ranks leave their one-line error to this process
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
-    levels = _quiet_agent()
+    held = _HeldLogs()
     try:
         torchrun.run(args)
     except ChildFailedError as e:
         found = one_line_failure(e.failures)
+        held.restore(replay=found is None)
         if found is None:
-            for name, level in levels.items():
-                logging.getLogger(name).setLevel(level)
             error = e
 
             @record
@@ -74,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         line, status = found
         print(line, file=sys.stderr)
         return status
+    except BaseException:
+        held.restore(replay=True)
+        raise
+    held.restore(replay=True)
     return 0
 
 
