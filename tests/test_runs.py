@@ -300,10 +300,11 @@ def test_spike_guard_skip_recovers_from_one_spike_and_stops_on_lasting_ones(tmp_
 
 def one_line_stderr(err: str) -> str:
     """The launch's own stderr (rank output, prefixed ``[rankN]:`` by train.sh's --tee, and
-    _env.sh's ``[env]`` lines left out) is exactly one error line; returns it."""
-    own = [x for x in err.splitlines() if not x.startswith(("[rank", "[env]", "[titan]"))]
+    _env.sh's ``[env]`` lines left out) is exactly one error line, with no torchrun block and no
+    traceback from rank 0; returns it."""
+    own = [x for x in err.splitlines() if not x.startswith(("[rank", "[env]"))]
     assert len(own) == 1 and own[0].startswith("torchtitan_cp.train: error: "), err[-3000:]
-    assert "ChildFailedError" not in err and "Traceback" not in err
+    assert "ChildFailedError" not in err and "[rank0]:Traceback" not in err, err[-3000:]
     return own[0]
 
 
@@ -333,6 +334,10 @@ def test_stopped_rank_is_named_in_one_line(tmp_path):
         [*ARGS, "--training.steps", "1000", "--comm.train_timeout_seconds", "5",
          "--dump_folder", str(dump)], nproc=2, launcher="torchtitan_cp.launch",
     )  # fmt: skip
+    # train.sh's console options: rank 0's output only, each line prefixed with its rank
+    at = cmd.index("--nproc_per_node=2")
+    cmd[at:at] = ["--local-ranks-filter", "0", "--tee", "3",
+                  "--log-line-prefix-template", "[rank${rank}]:"]  # fmt: skip
     out, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out.open("w") as o, err_file.open("w") as e:  # files: pipes could fill and block
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=o, stderr=e)
@@ -355,8 +360,7 @@ def test_stopped_rank_is_named_in_one_line(tmp_path):
     proc.wait(timeout=120)
     err = err_file.read_text()
     assert proc.returncode == 1, err[-3000:]
-    assert "ChildFailedError" not in err and "Traceback" not in err, err[-3000:]
-    line = err.strip().splitlines()[-1]
+    line = one_line_stderr(err)
     assert line.startswith(
         "torchtitan_cp.train: error: rank 0: no answer from rank 1 within 5 s "
         "(comm.train_timeout_seconds): it stopped, hung or died"
