@@ -14,8 +14,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def repo_env(**extra: str) -> dict[str, str]:
-    """This environment with the repository first on PYTHONPATH, wandb offline and one thread."""
+    """This environment with the repository first on PYTHONPATH, wandb offline and one thread.
+    Without Triton's interpreter (the fla_interpreter tier turns it on in the pytest process):
+    a launched run is a normal run unless ``extra`` turns it back on."""
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
@@ -42,26 +45,37 @@ def run_python(code: str, *, timeout: float = 120, check: bool = False):
 
 
 def torchrun_cmd(
-    args: list[str], *, nproc: int, launcher: str = "torch.distributed.run"
+    args: list[str],
+    *,
+    nproc: int,
+    module: str = "torchtitan_cp.train",
+    launcher: str = "torch.distributed.run",
 ) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of ``torchrun --nproc_per_node=nproc -m
-    torchtitan_cp.train ARGS`` on a free localhost port (``launcher="torchtitan_cp.launch"``:
-    the recipe's torchrun, which ./scripts/train.sh runs after its check)."""
+    """The command line and environment of ``torchrun --nproc_per_node=nproc -m MODULE ARGS``
+    on a free localhost port (MODULE: the trainer, or a tests/ runner that wraps its main;
+    ``launcher="torchtitan_cp.launch"``: the recipe's torchrun, which ./scripts/train.sh runs
+    after its check)."""
     cmd = [
         sys.executable, "-m", launcher,
         f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "-m", "torchtitan_cp.train", *args,
+        "-m", module, *args,
     ]  # fmt: skip
     return cmd, repo_env(PYTHONUNBUFFERED="1")
 
 
 def torchrun_train(
-    args: list[str], *, nproc: int, dump_folder: Path, timeout: float = 300, check: bool = True
+    args: list[str],
+    *,
+    nproc: int,
+    dump_folder: Path,
+    timeout: float = 300,
+    check: bool = True,
+    module: str = "torchtitan_cp.train",
 ) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node=nproc -m torchtitan_cp.train ARGS --dump_folder DUMP``;
-    ``check=False`` returns a failed run instead of raising."""
-    cmd, env = torchrun_cmd([*args, "--dump_folder", str(dump_folder)], nproc=nproc)
+    """``torchrun --nproc_per_node=nproc -m MODULE ARGS --dump_folder DUMP`` (MODULE: the
+    trainer by default); ``check=False`` returns a failed run instead of raising."""
+    cmd, env = torchrun_cmd([*args, "--dump_folder", str(dump_folder)], nproc=nproc, module=module)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(

@@ -120,10 +120,22 @@ if not ON_CUDA:
 @pytest.mark.parametrize(
     "args, nproc, needles", BAD_VALUES, ids=[" ".join(r[0]) or f"NPROC={r[1]}" for r in BAD_VALUES]
 )
-def test_bad_value_is_one_line_naming_the_key(capsys, tmp_path, args, nproc, needles):
+def test_bad_value_is_one_line_naming_the_key(
+    capsys, tmp_path, args, nproc, needles, interpreter_off
+):
     code, out, err = check(capsys, "--dump_folder", str(tmp_path), *args, nproc=nproc)
     assert out == ""
     assert_one_line(code, err, *needles)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="on CUDA 'fla' is the normal backend")
+def test_fla_on_cpu_passes_only_under_the_interpreter(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what the fla_interpreter tier's ranks run with
+    code, out, err = check(
+        capsys, "--dump_folder", str(tmp_path), "--linear_attention.backend", "fla"
+    )
+    assert (code, out.strip()) == (0, "2"), err
 
 
 def test_unwritable_dump_folder(capsys, tmp_path):

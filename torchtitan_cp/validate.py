@@ -209,8 +209,11 @@ def _check_seq_len(config: Any, model_cfg: Any) -> None:
 def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: int) -> None:
     backend = config.linear_attention.backend
     if backend == "fla":
+        from torchtitan_cp.ops.fla_backend import triton_interpreter_on
+
+        # On CPU only under Triton's interpreter (the fla_interpreter test tier).
         _need(
-            device_type == "cuda",
+            device_type == "cuda" or (device_type == "cpu" and triton_interpreter_on()),
             "linear_attention.backend = 'fla' needs CUDA (fla-core's "
             f"kernels are Triton) but this machine runs on {device_type}; use 'torch' or "
             "'auto'",

@@ -1,7 +1,8 @@
 """Local (single-rank) delta-rule and short-convolution kernels with FLA conventions.
 
 ``backend="auto"`` picks fla-core's Triton kernels for CUDA tensors and the pure-PyTorch
-implementation (``ops.torch_backend``) otherwise. See docs/CONTRACTS.md ("ops/ local kernels")
+implementation (``ops.torch_backend``) otherwise. ``backend="fla"`` takes CPU tensors only while
+Triton's interpreter is on (``TRITON_INTERPRET=1``: the ``fla_interpreter`` test tier). See docs/CONTRACTS.md ("ops/ local kernels")
 for the exact contract and docs/kernels.md for the algorithm.
 """
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import opaque
+from .fla_backend import triton_interpreter_on
 from .torch_backend import causal_conv1d_torch, chunk_delta_rule_torch
 
 Kind = Literal["kda", "gdn"]
@@ -33,7 +35,12 @@ def _resolve_backend(backend: str, x: Tensor) -> str:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "fla" if x.is_cuda else "torch"
-    if backend == "fla" and not x.is_cuda:
+    if (
+        backend == "fla"
+        and not x.is_cuda
+        and not (x.device.type == "cpu" and triton_interpreter_on())
+    ):
+        # CPU tensors only under Triton's interpreter: the test tier, never a normal CPU run.
         raise ValueError(f"backend='fla' needs CUDA tensors (fla-core is Triton), got {x.device}")
     return backend
 

@@ -26,6 +26,7 @@ from .layouts import (
     parse_fragments,
     ptrr_fragments_from_indices,
 )
+from .pass_kv import DevicePassKV, PassKVPairs, PassKVRound, PassKVSchedule, pass_kv_pairs
 from .plan import RoutingPlan
 from .sources import Layout, host_layout, readback_layout
 
@@ -41,8 +42,12 @@ __all__ = [
     "row_document_index",
     "host_layout",
     "readback_layout",
+    "DevicePassKV",
     "DeviceRouting",
     "FragmentTable",
+    "PassKVPairs",
+    "PassKVRound",
+    "PassKVSchedule",
     "PlanCache",
     "RoutingCaps",
     "RoutingCapsExceeded",
@@ -58,5 +63,6 @@ __all__ = [
     "fragments_from_indices",
     "headtail_fragments",
     "parse_fragments",
+    "pass_kv_pairs",
     "ptrr_fragments_from_indices",
 ]
