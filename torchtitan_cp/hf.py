@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,7 +308,7 @@ def write_hf_folder(
 def check_hf_folder(path: str | Path, cfg: Any) -> None:
     """A one-line ValueError when ``path`` cannot hold weights for ``cfg``: no config.json, a
     field that builds a different model (``config_mismatch``: the first one), or safetensors
-    shards that are missing."""
+    shards that are missing or cut short."""
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"HF folder not found: {root}")
@@ -333,10 +334,17 @@ def check_hf_folder(path: str | Path, cfg: Any) -> None:
                 f"{root}: missing safetensors shard(s) {', '.join(missing)} listed in {INDEX}"
             )
         names = list(weight_map)
+        files = [root / s for s in shards]
     else:
         files = sorted(root.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{root}: no *.safetensors weights (and no {INDEX})")
+        names = None
+    for file in files:  # a file cut short is named here, not deep inside the loader
+        problem = safetensors_problem(file)
+        if problem:
+            raise ValueError(problem)
+    if names is None:
         names = _tensor_names(files[0])
     if any(n.startswith(("model.layers.", "model.embed_tokens.")) for n in names) and not any(
         n.startswith(LANGUAGE_MODEL) for n in names
@@ -346,6 +354,31 @@ def check_hf_folder(path: str | Path, cfg: Any) -> None:
             f"the recipe loads the published Qwen3_5ForConditionalGeneration layout "
             f"{LANGUAGE_MODEL}* (torchtitan's Qwen35StateDictAdapter)"
         )
+
+
+def safetensors_problem(path: str | Path) -> str | None:
+    """None when ``path`` is as long as its safetensors header says, else what is wrong
+    (naming the file): cut inside the header, an unreadable header, or tensors past its end.
+    Reads the header only."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{path} is truncated: {size} bytes, shorter than a safetensors header"
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            return f"{path} is truncated: {size} bytes, its header alone needs {8 + n}"
+        try:
+            header = json.loads(f.read(n))
+            end = max(
+                (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                default=0,
+            )
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return f"{path} has an unreadable safetensors header: not a safetensors file"
+    if 8 + n + end > size:
+        return f"{path} is truncated: {size} bytes, its header describes {8 + n + end}"
+    return None
 
 
 def _tensor_names(file: Path) -> list[str]:

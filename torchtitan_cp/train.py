@@ -16,6 +16,7 @@ import dataclasses
 import io
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -51,7 +52,14 @@ def load_config(argv: list[str]):
             )  # fmt: skip
     except SystemExit as e:
         if e.code:  # tyro's boxed error message, folded into one line
-            raise ConfigError(f"command line: {_one_line(captured.getvalue())}") from None
+            message = _one_line(captured.getvalue())
+            stray = re.fullmatch(r"Unrecognized options: ([^-\s]\S*)", message)
+            if stray:  # a positional argument: most often a config file without the flag
+                message = (
+                    f"unexpected argument {stray[1]!r}; a config file is passed as "
+                    f"--config_file {stray[1]}"
+                )
+            raise ConfigError(f"command line: {message}") from None
         sys.stderr.write(captured.getvalue())
         raise
     except (AssertionError, ValueError) as e:
@@ -177,6 +185,19 @@ def _record_for_torchrun(line: str) -> None:
         pass
 
 
+LAUNCHER_ENV = "TORCHTITAN_CP_LAUNCHER"
+"""Set by ``python -m torchtitan_cp.launch`` (``./scripts/train.sh``): a rank's one-line error
+goes to its torchrun error file only, and the launcher prints it once."""
+
+
+def _fail(line: str) -> None:
+    """Report a one-line error of this rank: stderr (unless the launcher prints it) and the
+    torchrun error file."""
+    if not os.environ.get(LAUNCHER_ENV):
+        print(line, file=sys.stderr)
+    _record_for_torchrun(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torchtitan_cp import platform
 
@@ -214,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         # The data files were scanned by --check (or are checked by the loader when they fail).
         validate(config, world, device_type, local_world_size=local_world, scan_data=False)
     except (ConfigError, ValueError) as e:
-        print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
+        line = f"torchtitan_cp.train: error: {e}"
+        if check:
+            print(line, file=sys.stderr)
+        else:
+            _fail(line)
         return 2
     finally:
         if check:
@@ -224,14 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _single_process_defaults()
 
-    if config.checkpoint.create_seed_checkpoint:
-        if int(os.environ.get("WORLD_SIZE", "1")) != 1 or not config.checkpoint.enable:
-            print(
-                "torchtitan_cp.train: error: --checkpoint.create_seed_checkpoint needs one "
-                "process and --checkpoint.enable",
-                file=sys.stderr,
-            )
-            return 2
+    from torchtitan_cp import rank_timeout
     from torchtitan_cp.run_lock import RunError
 
     trainer = None
@@ -248,16 +266,26 @@ def main(argv: list[str] | None = None) -> int:
         # checkpoint, a loss spike: one line, no traceback.
         if trainer is not None:
             trainer.close()
-        line = f"torchtitan_cp.train: error: {e}"
-        print(line, file=sys.stderr)
-        _record_for_torchrun(line)
+        _fail(f"torchtitan_cp.train: error: {e}")
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return getattr(e, "exit_code", 2)
-    except Exception:
-        if trainer is not None:
-            trainer.close()
-        raise
+    except Exception as e:
+        if not rank_timeout.is_timeout(e) or not torch.distributed.is_initialized():
+            if trainer is not None:
+                trainer.close()
+            raise
+        # Another rank stopped answering: name it (its peers' groups are broken now, so no
+        # clean shutdown of the process group).
+        started = trainer is not None and trainer.step > 0
+        key = "comm.train_timeout_seconds" if started else "comm.init_timeout_seconds"
+        seconds = config.comm.train_timeout_seconds if started else config.comm.init_timeout_seconds
+        err = rank_timeout.timeout_error(
+            torch.distributed.get_rank(), torch.distributed.get_world_size(),
+            key=key, seconds=seconds,
+        )  # fmt: skip
+        _fail(f"torchtitan_cp.train: error: {err}")
+        return err.exit_code
     else:
         trainer.close()
         if torch.distributed.is_initialized():

@@ -21,15 +21,22 @@ platform.apply()  # before torchtitan.trainer binds device names (see platform.p
 
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import netrc  # noqa: E402
 import os  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
+from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import IO, Any, cast  # noqa: E402
+from urllib.parse import urlparse  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # noqa: E402
+from torchtitan.components.loss import (  # noqa: E402
+    IGNORE_INDEX,
+    ChunkedLossWrapper,
+    CrossEntropyLoss,
+)
 from torchtitan.components.metrics import (  # noqa: E402
     BaseLogger,
     LoggerContainer,
@@ -55,7 +62,14 @@ from torchtitan_cp.data import (  # noqa: E402
 from torchtitan_cp.models import recipe_model_spec  # noqa: E402
 from torchtitan_cp.models.recipe import ModelRecipe  # noqa: E402
 from torchtitan_cp.ops import check_flex_shape  # noqa: E402
-from torchtitan_cp.runs import RunContext, run_header, start_run, supersede_rows  # noqa: E402
+from torchtitan_cp.runs import (  # noqa: E402
+    HEADER_KEY,
+    RunContext,
+    repair_jsonl,
+    run_header,
+    start_run,
+    supersede_rows,
+)
 from torchtitan_cp.sequence import SequencePreprocessor  # noqa: E402
 from torchtitan_cp.spike_guard import SpikeGuard, SpikeGuardConfig  # noqa: E402
 
@@ -103,6 +117,9 @@ class JsonlLogger(BaseLogger):
         self._f: IO[str] | None = None
 
     def start_run(self, header: dict[str, Any], resumed_from: int) -> None:
+        repaired = repair_jsonl(self.path, header[HEADER_KEY]["run_id"])
+        if repaired:
+            logger.warning(repaired)
         moved = supersede_rows(self.path, resumed_from)
         if moved:
             logger.info(
@@ -131,6 +148,43 @@ class JsonlLogger(BaseLogger):
             self._f.close()
 
 
+def _has_wandb_credentials() -> bool:
+    """Whether wandb will find credentials: the environment, a netrc entry for its host, or an
+    api_key in wandb's settings file (the places ``wandb login`` writes)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+    home = Path("~").expanduser()
+    candidates = [os.environ.get("NETRC", ""), home / ".netrc", home / "_netrc"]
+    for path in filter(None, candidates):
+        if Path(path).is_file():
+            try:
+                if netrc.netrc(str(path)).authenticators(host):
+                    return True
+            except (netrc.NetrcParseError, OSError):
+                return True  # wandb reads it its own way: do not second-guess
+    config_dir = Path(os.environ.get("WANDB_CONFIG_DIR", home / ".config" / "wandb"))
+    try:
+        return "api_key" in (config_dir / "settings").read_text()
+    except OSError:
+        return False
+
+
+def wandb_offline_fallback(offline_runs: str) -> str | None:
+    """With wandb logging online but no credentials, set ``WANDB_MODE=offline`` (wandb would
+    otherwise prompt or fail inside the run) and return the line saying so and how to upload
+    the run later (``offline_runs``: where its offline runs land); None when nothing changes."""
+    if os.environ.get("WANDB_MODE", "online") not in ("online", "run", ""):
+        return None
+    if _has_wandb_credentials():
+        return None
+    os.environ["WANDB_MODE"] = "offline"
+    return (
+        "wandb: no credentials (WANDB_API_KEY, `wandb login` or a netrc entry): logging "
+        f"offline instead; upload the run later with `wandb sync {offline_runs}`"
+    )
+
+
 class HybridMetricsProcessor(MetricsProcessor):
     """torchtitan's metrics plus metrics.jsonl and the extra metrics the trainer supplies."""
 
@@ -144,16 +198,22 @@ class HybridMetricsProcessor(MetricsProcessor):
         the environment's setting."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
-        if config.enable_wandb and config.wandb_mode:
-            os.environ["WANDB_MODE"] = config.wandb_mode
-        super().__init__(config, **kwargs)
-        self.extra_metrics_fn = None
-        self.validation_metrics_fn = None
-        self.jsonl: JsonlLogger | None = None
         dump_folder = kwargs.get("dump_folder", "./outputs")
         rank = _get_metrics_rank(
             parallel_dims=kwargs["parallel_dims"], pp_schedule=kwargs.get("pp_schedule", "1F1B")
         )
+        if config.enable_wandb:
+            if config.wandb_mode:
+                os.environ["WANDB_MODE"] = config.wandb_mode
+            runs = os.path.join(dump_folder, config.save_tb_folder, "*", "wandb", "offline-run-*")
+            line = wandb_offline_fallback(runs)
+            if line and dist.get_rank() == rank:
+                logger.warning(line)
+        super().__init__(config, **kwargs)
+        self.extra_metrics_fn = None
+        self.validation_metrics_fn = None
+        self.max_loss_fn = None
+        self.jsonl: JsonlLogger | None = None
         if config.jsonl_file and dist.get_rank() == rank:
             container = LoggerContainer()
             container.add_logger(self.logger)
@@ -171,6 +231,8 @@ class HybridMetricsProcessor(MetricsProcessor):
         extra = dict(extra_metrics or {})
         if self.extra_metrics_fn is not None:
             extra.update(self.extra_metrics_fn())
+        if self.max_loss_fn is not None:  # every rank logs: a collective
+            global_max_loss = self.max_loss_fn()
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         if "routing/source" in extra:
             logger.info(
@@ -327,6 +389,11 @@ class HybridTrainer(Trainer):
             ckpt.on_loaded = self._start_metrics_run
         self.spike_guard = SpikeGuard(config.spike_guard) if config.spike_guard.enabled else None
         self._step_loss: torch.Tensor | None = None
+        # This rank's loss sum and valid tokens of the step (after CP sharding), for the
+        # rank-normalised global_max_loss.
+        self._rank_loss_sum: torch.Tensor | None = None
+        self._rank_tokens: torch.Tensor | None = None
+        metrics.max_loss_fn = self._global_max_loss
         if self.spike_guard is not None:
             self.optimizers.register_step_pre_hook(lambda *args, **kwargs: self._guard_step())
 
@@ -339,6 +406,7 @@ class HybridTrainer(Trainer):
             dump_folder=cfg.dump_folder,
             checkpoint=cfg.checkpoint,
             training_steps=cfg.training.steps,
+            timeout=timedelta(seconds=cfg.comm.init_timeout_seconds),
         )
         for line in self.run.lines:
             logger.warning(line)
@@ -370,6 +438,11 @@ class HybridTrainer(Trainer):
         loss = super().forward_backward_step(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
+        # loss = this rank's loss sum / the data-parallel batch's valid tokens
+        loss_sum = loss.detach() * global_valid_tokens
+        self._rank_loss_sum = (
+            loss_sum if self._rank_loss_sum is None else self._rank_loss_sum + loss_sum
+        )
         if self.spike_guard is not None:
             # local loss sum / global valid tokens; summed over the loss mesh it is the
             # global average torchtitan logs
@@ -396,12 +469,27 @@ class HybridTrainer(Trainer):
         inputs, labels, extra = _preprocess(self.sequence, input_dict, labels)
         # Count after CP sharding so ntokens reflects what this rank processes.
         self.ntokens_seen += labels.numel()
+        if torch.is_grad_enabled():  # training, not validation
+            valid = (labels != IGNORE_INDEX).sum()
+            self._rank_tokens = valid if self._rank_tokens is None else self._rank_tokens + valid
         return inputs, labels, extra
 
     def train_step(self, data_iterator):
         self.sequence.stats.take()  # counters cover this step only (not validation before it)
         self._step_loss = None
+        self._rank_loss_sum = self._rank_tokens = None
         return super().train_step(data_iterator)
+
+    def _global_max_loss(self) -> float:
+        """The largest per-rank average loss of the step: each rank's loss sum over its own
+        valid tokens (its CP shard of its data-parallel batch), maximised over the loss mesh.
+        torchtitan's own divides a CP shard's loss by the whole row's tokens, which under CP
+        falls below the average loss."""
+        assert self._rank_loss_sum is not None and self._rank_tokens is not None
+        local = self._rank_loss_sum / self._rank_tokens.clamp(min=1)
+        pd = self.parallel_dims
+        mesh = pd.get_optional_mesh("loss") if pd.dp_cp_enabled else None
+        return dist_utils.dist_max(local, mesh) if mesh is not None else float(local.item())
 
     def _routing_metrics(self, prefix: str) -> dict[str, Any]:
         """Routing counters since the last call; readbacks and build time are the worst rank's
