@@ -46,19 +46,21 @@ class CheckpointError(RunError):
 
 # ----------------------------------------------------------------------------- collectives
 
-_CONTROL_GROUP: Any = None
+_CONTROL_GROUP: tuple[Any, Any] | None = None  # (the default group it belongs to, the group)
 
 
 def control_group() -> Any:
     """A gloo group with a long timeout for checkpoint control (hashing can take minutes on a
     big checkpoint; the training groups' timeouts are short). Every rank must make the first
-    call at the same point; None without torch.distributed."""
+    call at the same point; None without torch.distributed. A new default group (a second
+    trainer in the same process, after ``destroy_process_group``) gets a new one."""
     global _CONTROL_GROUP
     if not dist.is_initialized():
         return None
-    if _CONTROL_GROUP is None:
-        _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timedelta(hours=1))
-    return _CONTROL_GROUP
+    world = dist.group.WORLD
+    if _CONTROL_GROUP is None or _CONTROL_GROUP[0] is not world:
+        _CONTROL_GROUP = (world, dist.new_group(backend="gloo", timeout=timedelta(hours=1)))
+    return _CONTROL_GROUP[1]
 
 
 def _rank(pg: Any) -> int:
