@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from torchtitan_cp import platform
 
-# A clear start-up error instead of an ImportError deep inside torchtitan on an older torch.
-platform.require_torch(platform.TRAINER_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
+# A clear start-up error instead of an ImportError deep inside torchtitan on an older torch;
+# torch 2.11-2.13 train one process through platform's shims (check_trainer_torch).
+platform.require_torch(platform.LIBRARY_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
 platform.apply()  # before torchtitan.trainer binds device names (see platform.py)
 
 import hashlib  # noqa: E402
