@@ -101,12 +101,14 @@ def timed() -> Iterator[Callable[[], float]]:
 
 def no_flex_max_autotune() -> None:
     """Compile torchtitan's flex attention without max_autotune and coordinate descent (the
-    defaults of ``FlexAttention.inductor_configs`` cost minutes of autotuning per shape)."""
+    defaults of ``FlexAttention.inductor_configs`` cost minutes of autotuning per shape). Once
+    per process (``main``), so every trainer and model of the process shares one compile."""
     from torch.nn.attention.flex_attention import flex_attention
     from torchtitan.models.common.attention import FlexAttention
 
     opts = {**FlexAttention.inductor_configs, "max_autotune": False}
     opts["coordinate_descent_tuning"] = False
+    FlexAttention.inductor_configs = opts  # also what a regional sub-compile of flex uses
     FlexAttention._compiled_flex_attn = torch.compile(flex_attention, options=opts)
 
 
@@ -255,9 +257,7 @@ def build_trainer(argv: list[str], dump_folder: str):
                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():  # fmt: skip
         os.environ[key] = value
     os.environ["MASTER_PORT"] = _free_port()
-    if platform.accelerator_available():
-        no_flex_max_autotune()
-    else:
+    if not platform.accelerator_available():
         # The dry run's device: the CPU named cpu:0, apart from the host's "cpu" (host_sync.py).
         import torchtitan.tools.utils as titan_utils
 
@@ -532,12 +532,16 @@ def fallback_model_step(args, res: Results, gen) -> None:
 def stage_tests(args, res: Results, gen) -> None:
     # pytest-xdist spreads the tests (and their autotuning) over processes where it is there.
     xdist = subprocess.run([sys.executable, "-c", "import xdist"], capture_output=True)
-    par = ["-n", "4"] if xdist.returncode == 0 and args.device == "cuda" else []
+    par = ["-n", "8"] if xdist.returncode == 0 and args.device == "cuda" else []
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "scripts"), str(ROOT), env.get("PYTHONPATH", "")]
+    )
     with timed() as t:
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *par,
-             *CUDA_TESTS],
-            cwd=ROOT, capture_output=True, text=True,
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+             "gpu_check_pytest", "-rs", *par, *CUDA_TESTS],
+            cwd=ROOT, capture_output=True, text=True, env=env,
         )  # fmt: skip
     sys.stdout.write(proc.stdout[-6000:])
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
@@ -660,8 +664,6 @@ def run_worker(args, res: Results, gen) -> None:
                                   mean_doc=args.mean_doc, **shapes)  # fmt: skip
         res.add(f"fla_vs_torch_{kind}_{out['dtype']}", out["within_tol"], t(), **out)
     elif args.worker == "model_step":
-        if args.device == "cuda":
-            no_flex_max_autotune()
         with timed() as t:
             step = Step(args, "host")
             step(*packed_batch(gen, args.batch, args.seq_len, step.vocab, args.mean_doc))
@@ -700,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gen = torch.Generator().manual_seed(0)
     res = Results(args.results, args.stage, args.device)
+    if args.device == "cuda":
+        no_flex_max_autotune()
     if args.worker:
         run_worker(args, res, gen)
         return 0 if res.ok else 1

@@ -22,6 +22,8 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Binaries only (no intermediate IR): the cache holds every autotuning candidate.
 export TRITON_CACHE_DIR="$CACHE/triton" TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor"
 export TRITON_STORE_BINARY_ONLY=1
+# The GPU machine has no network: datasets and the hub must not try it (a hang, not an error).
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_DATASETS_CACHE="$CACHE/datasets"
 
 install_wheels() {
   local dir="$1" manifest="$1/gpu_wheels.txt" want have line pin file files=()
