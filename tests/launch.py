@@ -86,6 +86,26 @@ def python_train(args: list[str], *, dump_folder: Path, timeout: float = 300, ch
     return proc
 
 
+def train_sh_cmd(args: list[str], **env: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``./scripts/train.sh ARGS`` with ``env`` added
+    (``NPROC``, ``NNODES``, ... unset unless given)."""
+    base = repo_env(PYTHONUNBUFFERED="1")
+    for key in ("NPROC", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "MASTER_ADDR", "MASTER_PORT",
+                "NPROC_PER_NODE", "RDZV_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # fmt: skip
+        base.pop(key, None)
+    return [str(REPO / "scripts" / "train.sh"), *args], {**base, **env}
+
+
+def train_sh(args: list[str], *, timeout: float = 300, check: bool = True, **env: str):
+    """``./scripts/train.sh ARGS`` with ``env``; ``check=False`` returns a failed run."""
+    cmd, full_env = train_sh_cmd(args, **env)
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.sh failed (exit {proc.returncode}):\n{proc.stderr[-8000:]}")
+    return proc
+
+
 def read_metrics(dump_folder: Path, file: str = "metrics.jsonl") -> list[dict]:
     """Training rows of ``metrics.jsonl`` (run header lines and validation rows are left out)."""
     rows = [json.loads(line) for line in (dump_folder / file).read_text().splitlines()]

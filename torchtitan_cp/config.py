@@ -45,7 +45,7 @@ class LinearAttentionConfig:
     plan_cache_size: int = 16
     """Routing plans kept in the LRU cache (>= 1)."""
     ptrr_block_size: int = 128
-    """Block size of the document block mask the ptrr load balancer schedules."""
+    """Tokens per block the ptrr load balancer schedules (blocks of the causal document mask)."""
     max_subsequences: int = 256
     """With compile.enable: most document pieces one CP rank may hold in a microbatch (capped
     at its token count). Fixes the routing shapes so a compiled model never recompiles per

@@ -2,10 +2,11 @@
 
 Precedence: command line > TOML > recipe defaults (``torchtitan_cp.trainer.recipe_config``).
 
-``--check [--nproc N]`` validates the configuration for a launch of N processes (``auto``: one
-per GPU, else 2) in this one process, prints N and exits: 0 when the launch can start, 2 with one
-line on stderr when not. ``./scripts/train.sh`` runs it before torchrun. Every rank of a real
-launch runs the same validation (``torchtitan_cp.validate``) before building the trainer.
+``--check [--nproc N] [--nnodes M]`` validates the configuration for a launch of N processes
+per node (``auto``: one per GPU, else 2) on M nodes (default 1) in this one process, prints N and
+exits: 0 when the launch can start, 2 with one line on stderr when not. ``./scripts/train.sh``
+runs it before torchrun. Every rank of a real launch runs the same validation
+(``torchtitan_cp.validate``) before building the trainer.
 """
 
 from __future__ import annotations
@@ -120,25 +121,27 @@ def _one_line(box: str) -> str:
     return message
 
 
-def _split_launch_args(argv: list[str]) -> tuple[bool, str, list[str]]:
-    """Pull ``--check`` and ``--nproc N`` (not trainer options) out of ``argv``."""
-    check, nproc, rest = False, "auto", []
+def _split_launch_args(argv: list[str]) -> tuple[bool, str, str, list[str]]:
+    """Pull ``--check``, ``--nproc N`` and ``--nnodes M`` (not trainer options) out of
+    ``argv``; returns (check, N, M, the rest)."""
+    check, values, rest = False, {"--nproc": "auto", "--nnodes": "1"}, []
     i = 0
     while i < len(argv):
         a = argv[i]
+        name = a.split("=", 1)[0]
         if a == "--check":
             check = True
-        elif a == "--nproc":
+        elif a in values:
             if i + 1 >= len(argv):
-                raise ConfigError("--nproc needs a number")
-            nproc = argv[i + 1]
+                raise ConfigError(f"{a} needs a number")
+            values[a] = argv[i + 1]
             i += 1
-        elif a.startswith("--nproc="):
-            nproc = a.split("=", 1)[1]
+        elif name in values:
+            values[name] = a.split("=", 1)[1]
         else:
             rest.append(a)
         i += 1
-    return check, nproc, rest
+    return check, values["--nproc"], values["--nnodes"], rest
 
 
 def _single_process_defaults() -> None:
@@ -185,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from torchtitan.tools.logging import init_logger, logger
 
-    from torchtitan_cp.validate import parse_nproc, validate
+    from torchtitan_cp.validate import parse_nnodes, parse_nproc, validate
 
     args = list(sys.argv[1:] if argv is None else argv)
     check = False
     try:
-        check, nproc_text, args = _split_launch_args(args)
+        check, nproc_text, nnodes_text, args = _split_launch_args(args)
+        nnodes = parse_nnodes(nnodes_text)
         if check and nproc_text not in ("", "auto"):
             parse_nproc(nproc_text, device_type="cpu")  # a bad NPROC fails before the imports
         if check:
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         device_type = platform.device_type()
         if check:
             nproc = parse_nproc(nproc_text, device_type=device_type)
-            validate(config, nproc, device_type)
+            validate(config, nproc * nnodes, device_type, local_world_size=nproc)
             print(nproc)
             return 0
         world = int(os.environ.get("WORLD_SIZE", "1"))

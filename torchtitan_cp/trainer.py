@@ -269,7 +269,8 @@ def check_model(config: Any) -> tuple[Any, bool]:
 
 def check_attention_backend(config: Any, model_cfg: Any, *, device_type: str | None = None) -> bool:
     """Whether this run's attention layers use flex; a ConfigError where flex cannot run:
-    training off CUDA (no flex backward there) or a CP shard that is not whole mask blocks.
+    training off CUDA (no flex backward there) or, on the all-gather CP path, a CP shard that
+    is not whole mask blocks.
     ``device_type`` defaults to this machine's."""
     device = device_type or platform.device_type()
     if not model_cfg.uses_flex_attention(device):
@@ -279,8 +280,11 @@ def check_attention_backend(config: Any, model_cfg: Any, *, device_type: str | N
             f"model.attention_backend = 'flex' cannot train on {device}: flex attention has no "
             "backward there; use 'sdpa' (or 'auto', which picks sdpa off CUDA)"
         )
+    cp = config.parallelism.context_parallel_degree
+    if getattr(model_cfg, "attention_cp", "all_gather") == "pass_kv" and cp > 1:
+        return True  # per-pair masks of any length: no whole-block rule
     try:
-        check_flex_shape(config.training.seq_len, config.parallelism.context_parallel_degree)
+        check_flex_shape(config.training.seq_len, cp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return True
@@ -325,6 +329,7 @@ class HybridTrainer(Trainer):
             conv_history=model_cfg.conv_width - 1,
             ptrr_block_size=config.linear_attention.ptrr_block_size,
             flex_attention=flex,
+            attention_cp=getattr(model_cfg, "attention_cp", "all_gather"),
             caps=caps,
             cap_keys=CAP_KEYS,
         )

@@ -19,7 +19,18 @@ from torchtitan_cp import jsonl
 from torchtitan_cp.config import ConfigError
 from torchtitan_cp.routing import get_balancer
 
-__all__ = ["parse_nproc", "validate"]
+__all__ = ["parse_nnodes", "parse_nproc", "validate"]
+
+
+def _whole_number(text: str, what: str, meaning: str) -> int:
+    """``text`` as a whole number >= 1, else a ConfigError naming ``what`` and its ``meaning``."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != text.strip():
+        raise ConfigError(f"{what} must be a whole number >= 1 ({meaning}), got {text!r}")
+    return n
 
 
 def parse_nproc(text: str, *, device_type: str) -> int:
@@ -31,13 +42,12 @@ def parse_nproc(text: str, *, device_type: str) -> int:
 
             return torch.cuda.device_count()
         return 2
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1 or str(n) != text.strip():
-        raise ConfigError(f"NPROC must be a whole number >= 1 (processes to start), got {text!r}")
-    return n
+    return _whole_number(text, "NPROC", "processes to start")
+
+
+def parse_nnodes(text: str) -> int:
+    """``NNODES`` as train.sh passes it: a whole number >= 1 (machines in the run)."""
+    return _whole_number(text, "NNODES", "machines in the run")
 
 
 def _need(ok: bool, message: str) -> None:
@@ -76,7 +86,7 @@ def _dp_degree(config: Any, world_size: int) -> int:
             f"parallelism.context_parallel_degree ({p.context_parallel_degree}) x "
             f"data_parallel_replicate_degree ({p.data_parallel_replicate_degree}) = {others} "
             f"does not divide the {world_size} processes; use a divisor of {world_size} or "
-            f"start a multiple of {others} processes (NPROC)",
+            f"start a multiple of {others} processes (NPROC x NNODES)",
         )
         shard = world_size // others
     else:
@@ -85,9 +95,24 @@ def _dp_degree(config: Any, world_size: int) -> int:
             f"parallelism: data_parallel_shard_degree ({shard}) x replicate "
             f"({p.data_parallel_replicate_degree}) x context_parallel_degree "
             f"({p.context_parallel_degree}) = {shard * others}, but {world_size} processes "
-            "run; make the product equal NPROC or set data_parallel_shard_degree = -1",
+            "run; make the product equal NPROC x NNODES or set data_parallel_shard_degree = -1",
         )
     return shard * p.data_parallel_replicate_degree
+
+
+def _check_cp_within_nodes(config: Any, world_size: int, per_node: int) -> None:
+    """CP is the innermost mesh axis (torchtitan orders pp, dp_replicate, dp_shard, cp, tp), so
+    ranks r..r+CP-1 form a CP group and torchrun numbers each node's processes consecutively: a
+    group stays inside a node when CP divides the processes per node, or covers whole nodes
+    when they divide CP. Anything else splits a group unevenly across nodes."""
+    cp = config.parallelism.context_parallel_degree
+    if world_size == per_node or cp <= 1 or per_node % cp == 0 or cp % per_node == 0:
+        return
+    raise ConfigError(
+        f"parallelism.context_parallel_degree ({cp}) and the {per_node} processes per node "
+        f"(NPROC_PER_NODE) divide neither way: CP groups would straddle nodes; use a CP degree "
+        f"that divides {per_node} (CP inside a node) or a multiple of it (whole nodes)"
+    )
 
 
 def _check_numbers(config: Any, dp: int) -> None:
@@ -343,6 +368,7 @@ def validate(
     except ValueError as e:
         raise ConfigError(str(e)) from None
     dp = _dp_degree(config, world_size)
+    _check_cp_within_nodes(config, world_size, local_world_size or world_size)
     _check_numbers(config, dp)
     _check_seq_len(config, model_cfg)
     _check_backends(config, model_cfg, device_type, local_world_size or world_size)

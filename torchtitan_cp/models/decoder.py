@@ -15,7 +15,12 @@ from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.module import Module, ModuleDict
 
-from torchtitan_cp.models.attention import AttentionBackend, resolve_attention_backend
+from torchtitan_cp.models.attention import (
+    DEFAULT_ATTENTION_CP,
+    AttentionBackend,
+    AttentionCP,
+    resolve_attention_backend,
+)
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
 from torchtitan_cp.models.init import linear, linear_config
 from torchtitan_cp.models.layers import LAYERS, LayerOptions, parse_layer_pattern
@@ -84,6 +89,7 @@ class HybridDecoder(BaseModel):
         enable_weight_tying: bool = False
         linear_attention_backend: Literal["auto", "torch", "fla"] = "auto"
         attention_backend: AttentionBackend = "auto"
+        attention_cp: AttentionCP = DEFAULT_ATTENTION_CP
         layer_options: LayerOptions = field(default_factory=LayerOptions)
 
         def uses_flex_attention(self, device_type: str | torch.device) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 
 from torchtitan.protocols.model_spec import ModelSpec
 
-from torchtitan_cp.models.attention import resolve_attention_backend
+from torchtitan_cp.models.attention import check_attention_cp, resolve_attention_backend
 from torchtitan_cp.models.decoder import HybridDecoder, parse_layer_pattern
 from torchtitan_cp.models.layers import LAYERS
 
@@ -53,6 +53,7 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
             f"got {cfg.linear_attention_backend!r}"
         )
     resolve_attention_backend(cfg.attention_backend, "cpu")
+    check_attention_cp(cfg.attention_cp)
     return cfg
 
 
@@ -68,7 +69,7 @@ def recipe_model_spec(recipe: Any) -> ModelSpec:
     if recipe.name == "qwen3_5":
         from torchtitan_cp.models.qwen35 import qwen35_model_spec
 
-        allowed = ("vocab_size", "attention_backend", "enable_weight_tying")
+        allowed = ("vocab_size", "attention_backend", "attention_cp", "enable_weight_tying")
         bad = sorted(set(overrides) - set(allowed))
         if bad:
             raise ValueError(

@@ -7,6 +7,7 @@ from .distributed import (
     context_parallel_conv_history,
     context_parallel_delta_rule,
     flex_document_mask,
+    pass_kv_attention,
 )
 from .local import Backend, Kind, causal_conv1d, chunk_delta_rule
 
@@ -20,4 +21,5 @@ __all__ = [
     "context_parallel_conv_history",
     "context_parallel_delta_rule",
     "flex_document_mask",
+    "pass_kv_attention",
 ]
