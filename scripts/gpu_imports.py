@@ -1,9 +1,10 @@
 """Import every module the CUDA path loads; the first failure is one line naming it (exit 2).
 
-The single list of what a GPU environment must provide below the trainer (which alone needs
-torch >= 2.14 and torchtitan's FSDP). scripts/gpu_check.sh runs this before anything else and
+The single list of what a GPU environment must provide below the trainer, and (``--trainer``)
+what the trainer adds (torchtitan's trainer, its data pipeline; torch 2.11-2.13 through
+platform.py's shims). scripts/gpu_check.sh runs this before anything else and
 scripts/gpu_image_check.sh runs it in the emulated image. Add a module here when the CUDA path
-starts importing it.
+or the trainer starts importing it.
 
 ``import fla`` alone proves nothing: fla's ``__init__`` swallows a missing dependency, so the
 entries name the exact functions the kernels adapters import (``module:attribute``).
@@ -45,6 +46,19 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
 )
 
 
+# The trainer on top (scripts/gpu_check.py's first stage runs it): the packages by name first,
+# so a missing one is named, then the recipe's trainer module (which applies platform's shims).
+TRAINER_IMPORTS: tuple[str, ...] = (
+    "datasets:load_dataset",
+    "pyarrow",
+    "torchdata.stateful_dataloader:StatefulDataLoader",
+    "tyro",
+    "tokenizers",
+    "spmd_types",
+    "torchtitan_cp.trainer:HybridTrainer",
+)
+
+
 def check(
     imports: tuple[str, ...] = CUDA_PATH_IMPORTS, torch_version: str | None = None
 ) -> str | None:
@@ -70,12 +84,15 @@ def check(
     return None
 
 
-def main() -> int:
-    error = check()
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    imports = CUDA_PATH_IMPORTS + (TRAINER_IMPORTS if "--trainer" in args else ())
+    error = check(imports)
     if error is not None:
         print(f"gpu_imports: {error}", file=sys.stderr)
         return 2
-    print(f"gpu_imports: {len(CUDA_PATH_IMPORTS)} imports of the CUDA path load")
+    what = "the CUDA path and the trainer" if "--trainer" in args else "the CUDA path"
+    print(f"gpu_imports: {len(imports)} imports of {what} load")
     return 0
 
 

@@ -56,7 +56,7 @@ class CheckpointError(RunError):
 
 # ----------------------------------------------------------------------------- collectives
 
-_CONTROL_GROUP: Any = None
+_CONTROL_GROUP: tuple[Any, Any] | None = None  # (the default group it belongs to, the group)
 CONTROL_TIMEOUT = timedelta(seconds=300)
 """The control group's timeout when the caller names none (torchtitan's default
 ``comm.init_timeout_seconds``); the trainer passes its ``comm.init_timeout_seconds``."""
@@ -66,14 +66,17 @@ def control_group(timeout: timedelta | None = None) -> Any:
     """A gloo group for checkpoint control: resume planning, verification and manifests (rank 0
     decides, the ranks hash shares). Its timeout is ``timeout`` (the run's
     ``comm.init_timeout_seconds``), so a stopped rank ends a resume within it instead of hanging
-    the others. The first call creates it (every rank must make that call at the same point);
-    later calls return it. None without torch.distributed."""
+    the others. Every rank must make the first call at the same point; later calls return it.
+    None without torch.distributed. A new default group (a second trainer in the same process,
+    after ``destroy_process_group``) gets a new one."""
     global _CONTROL_GROUP
     if not dist.is_initialized():
         return None
-    if _CONTROL_GROUP is None:
-        _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timeout or CONTROL_TIMEOUT)
-    return _CONTROL_GROUP
+    world = dist.group.WORLD
+    if _CONTROL_GROUP is None or _CONTROL_GROUP[0] is not world:
+        group = dist.new_group(backend="gloo", timeout=timeout or CONTROL_TIMEOUT)
+        _CONTROL_GROUP = (world, group)
+    return _CONTROL_GROUP[1]
 
 
 def _rank(pg: Any) -> int:

@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan_cp import platform
 
     try:  # before any torchtitan import, which fails on an older torch
-        platform.require_torch(platform.TRAINER_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
+        platform.require_torch(platform.LIBRARY_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
+        platform.apply()  # torch < 2.14: the names torchtitan imports (see platform.py)
     except platform.TorchVersionError as e:
         print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@ What changes against torchtitan 0.3.0's trainer:
 * ``post_dataloading_process`` pops the batch's ``HostMetadata`` and hands the batch to one
   ``SequencePreprocessor`` (shared with the validator) that shards it for this CP rank and builds
   the microbatch's ``SequenceContext``; the model gets ``positions`` and ``seq_ctx``.
+* ``train_step`` moves batches to the device pinned and ``non_blocking`` and takes the
+  valid-token count from the loader's host metadata: no synchronisation outside log steps.
 * ``[model]`` (a ``ModelRecipe``) is the single source of the model spec.
 * Metrics add ``routing/*`` counters, a JSONL file and optional parameter checksums.
 * Runs hold their dump folder (``runs.start_run``: lock, verified resume plan), checkpoints carry
@@ -15,12 +17,14 @@ from __future__ import annotations
 
 from torchtitan_cp import platform
 
-# A clear start-up error instead of an ImportError deep inside torchtitan on an older torch.
-platform.require_torch(platform.TRAINER_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
+# A clear start-up error instead of an ImportError deep inside torchtitan on an older torch;
+# torch 2.11-2.13 train one process through platform's shims (check_trainer_torch).
+platform.require_torch(platform.LIBRARY_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
 platform.apply()  # before torchtitan.trainer binds device names (see platform.py)
 
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import netrc  # noqa: E402
 import os  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -48,6 +52,7 @@ from torchtitan.components.validate import Validator  # noqa: E402
 from torchtitan.config import DebugConfig as _TitanDebugConfig  # noqa: E402
 from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.observability import structured_logger as sl  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
@@ -55,6 +60,8 @@ from torchtitan_cp.checkpoint import HybridCheckpointManager  # noqa: E402
 from torchtitan_cp.compile import CAP_KEYS, check_compile, compile_counters  # noqa: E402
 from torchtitan_cp.config import ConfigError, LinearAttentionConfig  # noqa: E402
 from torchtitan_cp.data import (  # noqa: E402
+    HOST_METADATA_KEY,
+    HostMetadata,
     PackedTextDataLoader,
     PackedValidationDataLoader,
     pop_host_metadata,
@@ -267,6 +274,15 @@ class HybridValidator(Validator):
         return _preprocess(self.sequence, input_dict, labels)
 
 
+def _host_valid_tokens(input_dict: dict[str, Any], labels: torch.Tensor) -> int:
+    """Labels that count in the loss: the loader's host count, else counted on the loader's
+    (host) labels, as torchtitan does."""
+    host = input_dict.get(HOST_METADATA_KEY)
+    if isinstance(host, HostMetadata) and host.valid_tokens is not None:
+        return host.valid_tokens
+    return int((labels != IGNORE_INDEX).sum())
+
+
 def _preprocess(
     sequence: SequencePreprocessor, input_dict: dict[str, Any], labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -474,11 +490,118 @@ class HybridTrainer(Trainer):
             self._rank_tokens = valid if self._rank_tokens is None else self._rank_tokens + valid
         return inputs, labels, extra
 
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A loader tensor on the device without waiting for it: copied from pinned memory (the
+        loader's own with ``[dataloader] pin_memory``, else pinned here), ``non_blocking``."""
+        if self.device.type == "cuda" and not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
     def train_step(self, data_iterator):
+        """torchtitan 0.3.0's ``Trainer.train_step`` without its two synchronisations (the step is
+        one function there, so it is restated here in its order, pipeline parallelism aside):
+
+        * inputs, labels and positions go to the device pinned and ``non_blocking``
+          (``to_device``), not with a blocking ``.to(device)`` each;
+        * the valid-token count is the batches' ``HostMetadata.valid_tokens`` (counted by the
+          loader) and reaches the device as a fill, not a blocking copy of a host tensor.
+
+        The loss, gradient norm and (with data parallelism) the global token count are still read
+        at log steps (every ``metrics.log_freq`` steps), as torchtitan does; see
+        docs/PERFORMANCE.md. ``scripts/gpu_check.py --stage path`` checks whole steps.
+        """
         self.sequence.stats.take()  # counters cover this step only (not validation before it)
         self._step_loss = None
-        self._rank_loss_sum = self._rank_tokens = None
-        return super().train_step(data_iterator)
+        pd = self.parallel_dims
+        if pd.pp_enabled:  # refused at start-up (validate.py); torchtitan's own step
+            return super().train_step(data_iterator)
+        self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
+        lr_metrics = self.lr_schedulers.get_metrics()
+        should_log = self.metrics_processor.should_log(self.step)
+
+        microbatches, local_valid_tokens = [], 0
+        for _ in range(self.gradient_accumulation_steps):
+            with sl.log_trace_span("fetching_batch"):
+                input_dict, labels = next(data_iterator)
+            local_valid_tokens += _host_valid_tokens(input_dict, labels)
+            microbatches.append((input_dict, labels))
+        sl.log_trace_scalar({"local_valid_tokens": local_valid_tokens})
+        count = torch.full((), local_valid_tokens, dtype=torch.int64, device=self.device)
+        if pd.dp_enabled:
+            count = dist_utils.dist_sum_tensor(count, pd.get_mesh("batch"))
+        global_valid_tokens = count
+
+        accumulated_loss: torch.Tensor | None = None
+        for input_dict, labels in microbatches:
+            on_device = {
+                k: self.to_device(v) if isinstance(v, torch.Tensor) else v
+                for k, v in input_dict.items()
+            }
+            loss = self.forward_backward_step(
+                input_dict=on_device,
+                labels=self.to_device(labels),
+                global_valid_tokens=global_valid_tokens,
+            )
+            if should_log:
+                loss = loss.detach()
+                accumulated_loss = loss.clone() if accumulated_loss is None else (
+                    accumulated_loss.add_(loss)
+                )  # fmt: skip
+
+        with sl.log_trace_span("optim"):
+            grad_norm = dist_utils.clip_grad_norm_(
+                [p for m in self.model_parts for p in m.parameters()],
+                self.config.training.max_norm,
+                foreach=True,
+                pp_mesh=pd.get_optional_mesh("pp"),
+                ep_enabled=pd.ep_enabled,
+            )
+            self.checkpointer.maybe_wait_for_staging()
+            self.optimizers.step()
+            self.lr_schedulers.step()
+        if should_log:
+            assert accumulated_loss is not None
+            self._log_step(accumulated_loss, global_valid_tokens, local_valid_tokens, grad_norm,
+                           lr_metrics)  # fmt: skip
+
+    def _log_step(
+        self,
+        accumulated_loss: torch.Tensor,
+        global_valid_tokens: torch.Tensor,
+        local_valid_tokens: int,
+        grad_norm: torch.Tensor,
+        lr_metrics: dict[str, Any],
+    ) -> None:
+        """torchtitan's end of a log step: global average and max loss, tokens seen, the
+        finite-loss check. These read the device (the step's only synchronisations)."""
+        pd = self.parallel_dims
+        with sl.log_trace_span("collect_dist_metrics"):
+            total = int(global_valid_tokens) if pd.dp_enabled else local_valid_tokens
+            sl.log_trace_scalar({"global_valid_tokens": total})
+            if pd.dp_cp_enabled:
+                # accumulated_loss = local loss sum / global valid tokens: summed over the loss
+                # mesh it is the global average; rescaled by the local count, the local one.
+                mesh = pd.get_optional_mesh("loss")
+                local_avg = accumulated_loss * global_valid_tokens / local_valid_tokens
+                ntokens = torch.tensor(self.ntokens_seen, dtype=torch.int64, device=self.device)
+                global_avg_loss = dist_utils.dist_sum(accumulated_loss, mesh)
+                global_max_loss = dist_utils.dist_max(local_avg, mesh)
+                global_ntokens_seen = dist_utils.dist_sum(ntokens, mesh)
+            else:
+                global_avg_loss = global_max_loss = float(accumulated_loss.item())
+                global_ntokens_seen = self.ntokens_seen
+        if not math.isfinite(global_avg_loss):
+            raise RuntimeError(
+                f"Loss is not finite (global_avg_loss={global_avg_loss}) at step {self.step}. "
+                "Stopping training."
+            )
+        self.metrics_processor.log(
+            self.step,
+            global_avg_loss,
+            global_max_loss,
+            float(grad_norm.item()),
+            extra_metrics={"n_tokens_seen": global_ntokens_seen, **lr_metrics},
+        )
 
     def _global_max_loss(self) -> float:
         """The largest per-rank average loss of the step: each rank's loss sum over its own

@@ -242,6 +242,21 @@ def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: 
     check_attention_backend(config, model_cfg, device_type=device_type)
 
 
+def _check_torch(config: Any, world_size: int) -> None:
+    """What this torch can run: torch 2.11-2.13 train one process (platform.py's shims)."""
+    from torchtitan_cp import platform
+
+    try:
+        platform.check_trainer_torch(world_size)
+    except platform.TorchVersionError as e:
+        raise ConfigError(str(e)) from None
+    _need(
+        not config.metrics.enable_tensorboard or platform.tensorboard_available(),
+        "metrics.enable_tensorboard = true needs the tensorboard package, which is not "
+        "installed here; pip install tensorboard or set it to false",
+    )
+
+
 def _probe_writable(folder: str, key: str) -> None:
     """``folder`` exists and takes a new file, or can be created (its nearest existing parent
     takes one). Probes with a real file: ``os.access`` says yes to root on read-only mounts."""
@@ -421,6 +436,7 @@ def validate(
     from torchtitan_cp.models import recipe_model_spec
 
     _need(world_size >= 1, f"the run needs at least one process, got {world_size} (NPROC)")
+    _check_torch(config, world_size)
     try:  # the hybrid decoder or torchtitan's Qwen3.5, as [model] name says
         model_cfg = recipe_model_spec(config.model).model
     except ValueError as e:
