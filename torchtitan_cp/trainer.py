@@ -512,6 +512,7 @@ class HybridTrainer(Trainer):
         """
         self.sequence.stats.take()  # counters cover this step only (not validation before it)
         self._step_loss = None
+        self._rank_loss_sum = self._rank_tokens = None  # global_max_loss counts this step only
         pd = self.parallel_dims
         if pd.pp_enabled:  # refused at start-up (validate.py); torchtitan's own step
             return super().train_step(data_iterator)
