@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch training: ./scripts/train.sh [configs/NAME.toml] [--section.key value ...]
+# Launch training: ./scripts/train.sh [CONFIG.toml] [--section.key value ...]
 # Environment: NPROC or NPROC_PER_NODE (processes per node; default: GPUs, or 2 on CPU),
 # LOG_RANK (console rank, default 0). CPU-only machines use gloo; with GPUs, one process per GPU
 # on NCCL.
@@ -11,7 +11,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 CONFIG="configs/debug_cpu.toml"
-if [ $# -gt 0 ] && [[ "$1" == *.toml ]]; then CONFIG="$1"; shift; fi
+# The first argument is the config file unless it is an option (a file of any name).
+if [ $# -gt 0 ] && [[ "$1" != -* ]]; then CONFIG="$1"; shift; fi
 for arg in "$@"; do
   if [ "$arg" == "--help" ] || [ "$arg" == "-h" ]; then
     exec python -m torchtitan_cp.train --config_file "$CONFIG" "$@"
@@ -54,6 +55,9 @@ NPROC="$(python -m torchtitan_cp.train --check --nproc "${NPROC:-auto}" --nnodes
   --config_file "$CONFIG" "$@")" || exit $?
 # Console output of local rank LOG_RANK only (torchtitan's convention); LOG_RANK=0,1 shows both.
 # Lines start with the global rank ([rank5]:), so each node's console says which ranks it runs.
-exec torchrun "${LAUNCH[@]}" --nproc_per_node="$NPROC" --local-ranks-filter "${LOG_RANK:-0}" \
-  --log-line-prefix-template '[rank${rank}]:' --role rank --tee 3 \
+# torchtitan_cp.launch is torchrun (same options) that ends a rank's one-line error with that
+# line and the rank's exit status (2 for configuration and data problems), not torchrun's block.
+exec python -m torchtitan_cp.launch "${LAUNCH[@]}" --nproc_per_node="$NPROC" \
+  --local-ranks-filter "${LOG_RANK:-0}" --log-line-prefix-template '[rank${rank}]:' \
+  --role rank --tee 3 \
   -m torchtitan_cp.train --config_file "$CONFIG" "$@"

@@ -132,8 +132,8 @@ def _group_name(args: tuple) -> str | None:
 def _control_group_name() -> str | None:
     from torchtitan_cp.run import checkpoint
 
-    pg = checkpoint._CONTROL_GROUP
-    return pg.group_name if pg is not None else None
+    entry = checkpoint._CONTROL_GROUP  # (the default group it belongs to, the group)
+    return entry[1].group_name if entry is not None else None
 
 
 _NOT_SENT = ("wait", "_wrap_tensor_autograd")  # waits and autograd wrappers send nothing

@@ -45,12 +45,18 @@ def run_python(code: str, *, timeout: float = 120, check: bool = False):
 
 
 def torchrun_cmd(
-    args: list[str], *, nproc: int, module: str = "torchtitan_cp.train"
+    args: list[str],
+    *,
+    nproc: int,
+    module: str = "torchtitan_cp.train",
+    launcher: str = "torch.distributed.run",
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of ``torchrun --nproc_per_node=nproc -m MODULE ARGS``
-    on a free localhost port (MODULE: the trainer, or a tests/ runner that wraps its main)."""
+    on a free localhost port (MODULE: the trainer, or a tests/ runner that wraps its main;
+    ``launcher="torchtitan_cp.launch"``: the recipe's torchrun, which ./scripts/train.sh runs
+    after its check)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", launcher,
         f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "-m", module, *args,
@@ -127,3 +133,20 @@ def read_run_headers(dump_folder: Path, file: str = "metrics.jsonl") -> list[dic
     """The ``run_header`` lines of ``metrics.jsonl``, one per run, oldest first."""
     rows = [json.loads(line) for line in (dump_folder / file).read_text().splitlines()]
     return [r["run_header"] for r in rows if "run_header" in r]
+
+
+def rank_pids(marker: str) -> dict[int, int]:
+    """Local rank -> pid of the running trainer ranks whose environment holds ``marker`` (a
+    string unique to one launch, e.g. its dump folder): /proc of this machine."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"LOCAL_RANK" in env and b"TORCHELASTIC_RUN_ID" in env and marker.encode() in cmdline:
+            found[int(env[b"LOCAL_RANK"])] = int(pid)
+    return found

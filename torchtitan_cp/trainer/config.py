@@ -149,13 +149,17 @@ def _same_kind(value: Any, current: Any) -> bool:
 
 def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {path} is a folder; pass a TOML file in it")
     if not p.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
         with p.open("rb") as f:
             return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot be read ({e.strerror or e})") from None
 
 
 def split_config_file(argv: list[str], default: str | None) -> tuple[str | None, list[str]]:

@@ -9,8 +9,10 @@ tokenizer) and probes folders, but builds no model and starts no process group.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import math
 import os
 import tempfile
 from typing import Any
@@ -241,6 +243,19 @@ def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: 
     check_attention_backend(config, model_cfg, device_type=device_type)
 
 
+def _check_torch(config: Any, world_size: int) -> None:
+    """What this torch can run: torch 2.11-2.13 train one process (compat.py's shims)."""
+    try:
+        compat.check_trainer_torch(world_size)
+    except compat.TorchVersionError as e:
+        raise ConfigError(str(e)) from None
+    _need(
+        not config.metrics.enable_tensorboard or compat.tensorboard_available(),
+        "metrics.enable_tensorboard = true needs the tensorboard package, which is not "
+        "installed here; pip install tensorboard or set it to false",
+    )
+
+
 def _probe_writable(folder: str, key: str) -> None:
     """``folder`` exists and takes a new file, or can be created (its nearest existing parent
     takes one). Probes with a real file: ``os.access`` says yes to root on read-only mounts."""
@@ -263,6 +278,12 @@ def _probe_writable(folder: str, key: str) -> None:
 
 def _check_paths(config: Any) -> None:
     _probe_writable(config.dump_folder, "dump_folder")
+    jsonl_file = getattr(config.metrics, "jsonl_file", "")
+    if jsonl_file:
+        path = os.path.join(config.dump_folder, jsonl_file)
+        stem = path[: -len(".jsonl")] if path.endswith(".jsonl") else path
+        for existing in (path, stem + ".superseded.jsonl"):
+            _probe_appendable(existing, "metrics.jsonl_file")
     ckpt = config.checkpoint
     if ckpt.enable:
         _probe_writable(os.path.join(config.dump_folder, ckpt.folder), "checkpoint.folder")
@@ -271,6 +292,68 @@ def _check_paths(config: Any) -> None:
                 os.path.isdir(ckpt.initial_load_path),
                 f"checkpoint.initial_load_path {ckpt.initial_load_path}: no such checkpoint folder",
             )
+
+
+def _probe_appendable(path: str, key: str) -> None:
+    """An existing ``path`` takes appended lines (opened for appending, nothing written)."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"{key} {path}: a folder, not a file; remove it or choose another name")
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"{key} {path}: cannot be appended to ({e.strerror or e}); make it writable, or "
+            "pass another --dump_folder or --metrics.jsonl_file"
+        ) from None
+
+
+def _non_finite(node: Any, path: str = "") -> tuple[str, float] | None:
+    """The first float of the config tree (dataclass fields, dict values, list items) that is
+    inf or nan, with its dotted key."""
+    if isinstance(node, float):
+        return None if math.isfinite(node) else (path, node)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        items: Any = ((f.name, getattr(node, f.name, None)) for f in dataclasses.fields(node))
+    elif isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        return None
+    for key, value in items:
+        found = _non_finite(value, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+def _check_run_options(config: Any, world_size: int) -> None:
+    """Keys whose wrong values would otherwise be ignored or fail only inside the ranks."""
+    bad = _non_finite(config)
+    if bad is not None:
+        raise ConfigError(f"{bad[0]} must be a finite number, got {bad[1]}")
+    ckpt = config.checkpoint
+    _need(
+        ckpt.load_step >= -1,
+        f"checkpoint.load_step must be -1 (the newest step) or a step number >= 0, got "
+        f"{ckpt.load_step}",
+    )
+    if ckpt.initial_load_path and not ckpt.enable:
+        raise ConfigError(
+            f"checkpoint.initial_load_path = {ckpt.initial_load_path} is ignored without "
+            "checkpointing: add --checkpoint.enable (with --checkpoint.load_only to load without "
+            "saving)"
+        )
+    if ckpt.create_seed_checkpoint:
+        _need(
+            ckpt.enable and world_size == 1,
+            "checkpoint.create_seed_checkpoint needs --checkpoint.enable and one process "
+            f"(NPROC=1), got {world_size} process(es)"
+            + ("" if ckpt.enable else " and checkpointing off"),
+        )
 
 
 def _tokenizer_vocab(path: str) -> int | None:
@@ -330,6 +413,7 @@ def _check_data(config: Any, model_cfg: Any, dp: int, *, scan: bool) -> None:
             if summary.complete:
                 jsonl.check_documents_for_ranks(path, summary.documents, dp)
                 jsonl.check_rank_shares(summary, dp)
+                jsonl.check_row_fits(summary, dp, config.training.seq_len)
         except jsonl.DataError as e:
             raise ConfigError(f"{key}.dataset_path: {e}") from None
 
@@ -349,10 +433,12 @@ def validate(
     by line (up to ``jsonl.SCAN_LIMIT_BYTES``); without it only their presence is checked (the
     loader checks the content itself)."""
     _need(world_size >= 1, f"the run needs at least one process, got {world_size} (NPROC)")
+    _check_torch(config, world_size)
     try:  # the hybrid decoder or torchtitan's Qwen3.5, as [model] name says
         model_cfg = recipe_model_spec(config.model).model
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_run_options(config, world_size)
     dp = _dp_degree(config, world_size)
     _check_cp_within_nodes(config, world_size, local_world_size or world_size)
     _check_numbers(config, dp)

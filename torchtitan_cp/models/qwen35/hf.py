@@ -307,7 +307,7 @@ def write_hf_folder(
 def check_hf_folder(path: str | Path, cfg: Any) -> None:
     """A one-line ValueError when ``path`` cannot hold weights for ``cfg``: no config.json, a
     field that builds a different model (``config_mismatch``: the first one), or safetensors
-    shards that are missing."""
+    shards that are missing or cut short."""
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"HF folder not found: {root}")
@@ -333,10 +333,19 @@ def check_hf_folder(path: str | Path, cfg: Any) -> None:
                 f"{root}: missing safetensors shard(s) {', '.join(missing)} listed in {INDEX}"
             )
         names = list(weight_map)
+        files = [root / s for s in shards]
     else:
         files = sorted(root.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{root}: no *.safetensors weights (and no {INDEX})")
+        names = None
+    from torchtitan_cp.run.checkpoint import safetensors_problem  # checkpoint files' own check
+
+    for file in files:  # a file cut short is named here, not deep inside the loader
+        problem = safetensors_problem(file)
+        if problem:
+            raise ValueError(problem)
+    if names is None:
         names = _tensor_names(files[0])
     if any(n.startswith(("model.layers.", "model.embed_tokens.")) for n in names) and not any(
         n.startswith(LANGUAGE_MODEL) for n in names
