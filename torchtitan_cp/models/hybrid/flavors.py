@@ -6,6 +6,7 @@ import dataclasses
 
 from torchtitan.protocols.model_spec import ModelSpec
 
+from torchtitan_cp.models.blocks.attention_cp import check_attention_cp
 from torchtitan_cp.models.blocks.flex import resolve_attention_backend
 from torchtitan_cp.models.hybrid.decoder import HybridDecoder, parse_layer_pattern
 from torchtitan_cp.models.hybrid.layers import LAYERS, check_backend
@@ -53,6 +54,7 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
     for letter in dict.fromkeys(cfg.layer_pattern):  # each kind checks its own sizes
         LAYERS[letter].build(cfg, 0)
     resolve_attention_backend(cfg.attention_backend, "cpu")
+    check_attention_cp(cfg.attention_cp)
     return cfg
 
 
