@@ -22,7 +22,7 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "fla.modules.causal_conv1d:causal_conv1d",
     "fla.ops.utils.index:prepare_chunk_indices",
     "fla.ops.kda.chunk_fwd:chunk_kda_fwd",  # fla_compat and the compiled path call the pieces
-    "fla.ops.simple_gla:chunk_simple_gla",  # Mamba2 (SSD) layers
+    "fla.ops.simple_gla:chunk_simple_gla",  # Mamba2 (SSD) and retention layers
     # torchtitan modules the model is built from (no torchtitan.distributed.fsdp: trainer only)
     "torchtitan.protocols.module:Module",
     "torchtitan.protocols.model_spec:ModelSpec",

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from tests.dist_utils import random_cu_seqlens, run_distributed
 from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule
+from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
 from torchtitan_cp.ops.conv import custom_ops as conv_ops
 from torchtitan_cp.ops.conv.torch_kernel import causal_conv1d_torch
 from torchtitan_cp.ops.delta_rule import custom_ops as delta_ops
@@ -115,7 +116,7 @@ def test_fla_fake_impls_give_fla_shapes(kind):
         assert (o.shape, o.dtype) == ((1, T, HV, V), bf)
         assert (fin.shape, fin.dtype) == ((3, HV, K, V), torch.float32)
         assert (g_cum.shape, g_cum.dtype) == (g.shape, torch.float32)
-        assert a1.shape == (1, T, HV, delta_ops.FLA_CHUNK)
+        assert a1.shape == (1, T, HV, FLA_CHUNK_SIZE)
         assert a2.shape == (a1.shape if kind == "kda" else (0,))
         grads = delta_ops.delta_rule_fla_bwd_op(
             q, k, v, beta, g_cum, a1, a2, h0, cu, cu, None, o, fin, kind, 0.3

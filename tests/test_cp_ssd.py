@@ -1,7 +1,9 @@
 """Context-parallel SSD (Mamba2's recurrence, through the generic recurrence driver) equals the
-unsharded local kernel: outputs, final states and the gradients of q, k, v, g, on 2, 3 and 4
+unsharded local kernel: outputs, final states and the gradients of every input, on 2, 3 and 4
 gloo ranks over contiguous, head-tail, PTRR and random fragment tables (plus one document over
-every rank), B = 2 rows per stream, float64 and float32.
+every rank), B = 2 rows per stream, float64 and float32, for every SSD case of
+tests/recurrences.py: the data-dependent gate (Mamba2) and a fixed decay per head (what
+retention runs).
 
 Tolerances (max abs difference against the unsharded run): float64 <= 1e-10, float32 <= 2e-5,
 as for the delta rule (tests/test_cp_delta_rule.py). One float64 case per world is also checked
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.dist_utils import (
     device_routing,
@@ -25,6 +26,7 @@ from tests.dist_utils import (
     run_distributed,
     span_index,
 )
+from tests.recurrences import CASES, HV, K, RecurrenceCase, V, ssd_inputs
 from torchtitan_cp.routing import (
     contiguous_fragments,
     headtail_fragments,
@@ -32,7 +34,8 @@ from torchtitan_cp.routing import (
 )
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
-H, HV, K, V = 1, 2, 8, 6  # HV = 2 H: B and C shared by two heads, as Mamba2's groups
+# The SSD family's cases (tests/recurrences.py): one spawn each covers every world and layout.
+SSD_CASES = {c.id: c for c in CASES if c.name == "ssd"}
 
 
 def ptrr_layout(cu: list[int], rows: int, row_len: int, world: int, block: int = 4):
@@ -69,40 +72,29 @@ def _layouts(world: int):
     ]
 
 
-def _inputs(total: int, dtype: torch.dtype, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    q, k, v = rnd(1, total, H, K), rnd(1, total, H, K), rnd(1, total, HV, V)
-    g = -F.softplus(rnd(1, total, HV)) * 0.3
-    return [x.to(dtype) for x in (q, k, v, g)]
-
-
-def _check_case(rank, group, case, dtype, seed) -> float:
-    from tests.reference_ssd import ssd_reference
-    from torchtitan_cp.ops.ssd.local import chunk_ssd
-    from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
+def _check_case(rank, group, rc: RecurrenceCase, case, dtype, seed) -> float:
+    from torchtitan_cp.ops.cp.driver import context_parallel_recurrence
+    from torchtitan_cp.ops.cp.recurrence import SequenceTables, recurrence
 
     name, cu, table = case
     total = cu[-1]
     cu_t = torch.tensor(cu, dtype=torch.int32)
-    full = _inputs(total, dtype, seed)
+    rec = recurrence(rc.name, backend="torch", **rc.options)
+    full = rc.inputs(total, seed, dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     d_o = torch.randn(1, total, HV, V, generator=gen, dtype=torch.float64).to(dtype)
     d_f = torch.randn(len(cu) - 1, HV, K, V, generator=gen, dtype=torch.float64).to(dtype)
 
     leaves = [x.clone().requires_grad_(True) for x in full]
-    o_ref, f_ref = chunk_ssd(*leaves, output_final_state=True, cu_seqlens=cu_t, backend="torch")
+    o_ref, f_ref = rec.local(tuple(leaves), SequenceTables(cu_t, cu_t, None, None), None, True)
     ((o_ref * d_o).sum() + (f_ref * d_f).sum()).backward()
 
     routing = device_routing(cu, table, rank)
     span = torch.tensor(span_index(table[rank]), dtype=torch.int64)
     subs = local_subsequences(cu, table[rank])
     loc = [x.index_select(1, span).clone().requires_grad_(True) for x in full]
-    o, fin = context_parallel_ssd(
-        *loc, routing=routing, group=group, output_final_state=True, backend="torch"
+    o, fin = context_parallel_recurrence(
+        rec, tuple(loc), routing=routing, group=group, output_final_state=True
     )
     term = routing.terminal.tolist()
     docs = torch.tensor([subs[j][2] if j >= 0 else 0 for j in term], dtype=torch.int64)
@@ -111,17 +103,18 @@ def _check_case(rank, group, case, dtype, seed) -> float:
 
     errs = {"o": max_abs(o, o_ref.index_select(1, span))}
     errs["final"] = max_abs(fin * live, f_ref[docs] * live)
-    for nm, x, ref in zip("q k v g".split(), loc, leaves):
-        errs["d" + nm] = max_abs(x.grad, ref.grad.index_select(1, span))
+    for i, (x, ref) in enumerate(zip(loc, leaves)):
+        errs[f"d{i}"] = max_abs(x.grad, ref.grad.index_select(1, span))
     if name.endswith("ptrr") and dtype == torch.float64:
-        o_orc, _ = ssd_reference(*full, cu_seqlens=cu)
+        o_orc, _ = rc.oracle(*full, cu_seqlens=cu)
         errs["oracle"] = max_abs(o, o_orc.index_select(1, span))
     worst = max(errs.values())
-    assert worst <= TOL[dtype], f"{name} {dtype} rank {rank}: {errs}"
+    assert worst <= TOL[dtype], f"{rc.id} {name} {dtype} rank {rank}: {errs}"
     return worst
 
 
-def _worker(rank: int, world: int) -> dict[str, float]:
+def _worker(rank: int, world: int, case_id: str) -> dict[str, float]:
+    rc = SSD_CASES[case_id]
     groups = prefix_groups(world)
     worst = {str(dt): 0.0 for dt in TOL}
     for w in (2, 3, 4):
@@ -130,14 +123,15 @@ def _worker(rank: int, world: int) -> dict[str, float]:
         for ci, case in enumerate(_layouts(w)):
             for dtype in TOL:
                 case_w = (f"W{w}/{case[0]}", *case[1:])
-                err = _check_case(rank, groups[w], case_w, dtype, ci)
+                err = _check_case(rank, groups[w], rc, case_w, dtype, ci)
                 worst[str(dtype)] = max(worst[str(dtype)], err)
     return worst
 
 
 @pytest.mark.slow
-def test_cp_ssd_matches_unsharded() -> None:
-    report_worst(TOL, run_distributed(_worker, 4, timeout=240))
+@pytest.mark.parametrize("case_id", sorted(SSD_CASES))
+def test_cp_ssd_matches_unsharded(case_id: str) -> None:
+    report_worst(TOL, run_distributed(_worker, 4, case_id, timeout=240))
 
 
 def test_single_rank_out_of_order_span() -> None:
@@ -147,7 +141,7 @@ def test_single_rank_out_of_order_span() -> None:
 
     cu, table = [0, 3, 17, 20], [[(11, 20), (0, 6), (6, 11)]]
     routing = device_routing(cu, table, 0)
-    full = _inputs(20, torch.float64, 5)
+    full = ssd_inputs(20, 5)
     cu_t = torch.tensor(cu, dtype=torch.int32)
     o_ref, _ = chunk_ssd(*full, cu_seqlens=cu_t)
     span = torch.tensor(span_index(table[0]))

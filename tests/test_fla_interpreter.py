@@ -142,6 +142,44 @@ def test_fla_matches_its_naive_recurrence(kind):
         report(f"{kind} dense d{name} vs naive", rel_err(a, b), TOL)
 
 
+def test_retention_on_fla_matches_torch_and_fla_chunk_retention():
+    """Retention (layer R: SSD with RetNet's fixed decay, ``SSD.fixed_decay``), varlen: fla's
+    ``chunk_simple_gla`` with the decay as a per-token gate against the torch backend, and
+    against fla-core's own ``chunk_retention`` (``chunk_simple_gla`` with a constant
+    ``g_gamma``), outputs, final states and the gradients of q, k, v, h0."""
+    from fla.ops.retention import chunk_retention
+
+    from torchtitan_cp.models.mixers.retention import retention_decay
+    from torchtitan_cp.ops.cp.recurrence import SequenceTables
+    from torchtitan_cp.ops.cp.recurrence import recurrence as registered
+
+    cu_t = torch.tensor(CU, dtype=torch.int32)
+    tables = SequenceTables(cu_t, cu_t, None, None)
+    q, k, v, _, h0 = _inputs("ssd", "varlen")
+
+    def run(fn):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, h0)]
+        o, fin = fn(*leaves)
+        do, dfinal = _cotangents(o, fin)
+        grads = torch.autograd.grad((o * do).sum() + (fin * dfinal).sum(), leaves)
+        return [o.detach(), fin.detach(), *grads]
+
+    def ours(backend):
+        rec = registered("ssd", backend=backend, fixed_decay=retention_decay)
+        return lambda q, k, v, h0: rec.local((q, k, v), tables, h0, True)
+
+    def fla_own(q, k, v, h0):
+        rep = HV // H
+        q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+        return chunk_retention(q, k, v, initial_state=h0, output_final_state=True,
+                               cu_seqlens=cu_t.long())  # fmt: skip
+
+    got = run(ours("fla"))
+    for ref_name, ref in (("torch", run(ours("torch"))), ("chunk_retention", run(fla_own))):
+        for name, a, b in zip(["o", "final", "dq", "dk", "dv", "dh0"], got, ref, strict=True):
+            report(f"retention varlen {name} vs {ref_name}", rel_err(a, b), TOL)
+
+
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_routing_tables_give_fla_results_bitwise(kind):
     """With the routing's host-built tables (KDA through ``fla_compat.chunk_kda_indexed``, GDN

@@ -4,9 +4,12 @@
   unknown letter lists the registered ones; the FLOPs count is the registry's sum.
 * ``[model]`` has every decoder field (no second copy): value_head_dim, conv_width, rope_theta
   and the Mamba2 options are settable from TOML and the command line.
+* A kind has only its kernels' backends: ``fla`` for a kind without it is one line naming the
+  key, the letter and what it has; ``auto`` builds it on what it has.
 * The Mamba2 mixer equals a float64 token-by-token implementation of the reference layer
   (projection split, SiLU conv, softplus dt, exp(dt A) decay, dt-scaled x, D skip,
-  rmsnorm(y * silu(z)) per group, output projection) over packed documents.
+  rmsnorm(y * silu(z)) per group, output projection) over packed documents
+  (``_check_on_documents``, the harness every layer kind's oracle test uses).
 """
 
 from __future__ import annotations
@@ -117,10 +120,22 @@ def _reference_layer(m: Mamba2Mixer, x: torch.Tensor, cu: list[int]) -> torch.Te
     return (u * m.norm.weight.double()) @ m.out_proj.weight.double().T
 
 
-@pytest.mark.parametrize("n_groups", [1, 2])
-def test_mamba2_mixer_matches_reference(n_groups: int) -> None:
+def _check_on_documents(mixer, dim: int, reference) -> None:
+    """The float64 ``mixer`` on two rows of two documents each (13 + 27 tokens) against
+    ``reference(mixer, x [1, 80, D], cu_seqlens, positions [80])`` to 1e-10."""
     from torchtitan_cp.models.context import context_from_device_positions
 
+    mixer = mixer.double()
+    x = torch.randn(2, 40, dim, dtype=torch.float64)
+    positions = torch.cat([torch.arange(13), torch.arange(27)]).expand(2, 40).contiguous()
+    ctx = context_from_device_positions(x[..., 0].long(), positions, flex_mask=False)
+    got = mixer(x, ctx, positions).reshape(1, 80, -1)
+    want = reference(mixer, x.reshape(1, 80, -1), [0, 13, 40, 53, 80], positions.reshape(-1))
+    assert (got - want).abs().max().item() <= 1e-10
+
+
+@pytest.mark.parametrize("n_groups", [1, 2])
+def test_mamba2_mixer_matches_reference(n_groups: int) -> None:
     torch.manual_seed(0)
     opts = Mamba2Options(head_dim=8, state_dim=4, n_groups=n_groups)
     mixer = Mamba2Mixer.Config(dim=16, options=opts, backend="torch").build()
@@ -131,13 +146,7 @@ def test_mamba2_mixer_matches_reference(n_groups: int) -> None:
         mixer.in_proj.weight.normal_(0, 0.3)
         mixer.out_proj.weight.normal_(0, 0.3)
         mixer.norm.weight.uniform_(0.5, 1.5)
-    mixer = mixer.double()
-    x = torch.randn(2, 40, 16, dtype=torch.float64)
-    positions = torch.cat([torch.arange(13), torch.arange(27)]).expand(2, 40).contiguous()
-    ctx = context_from_device_positions(x[..., 0].long(), positions, flex_mask=False)
-    got = mixer(x, ctx).reshape(1, 80, 16)
-    want = _reference_layer(mixer, x.reshape(1, 80, 16), [0, 13, 40, 53, 80])
-    assert (got - want).abs().max().item() <= 1e-10
+    _check_on_documents(mixer, 16, lambda m, x, cu, pos: _reference_layer(m, x, cu))
 
 
 def test_compile_with_mamba2_is_a_config_error() -> None:
@@ -147,3 +156,33 @@ def test_compile_with_mamba2_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match=r"without torch.compile custom ops: M \(Mamba2"):
         load_config(["--config_file", "configs/debug_mamba2_cpu.toml", "--compile.enable"])
+
+
+def test_a_kind_has_only_its_backends(monkeypatch) -> None:
+    # A kind declares its kernels' backends. Register one with the torch kernel only (Mamba2's
+    # mixer): backend = "fla" is refused in one line naming the key, the letter and what it has,
+    # before launch; "auto" builds it on torch, while a kind with both keeps "auto" (fla on CUDA).
+    from torchtitan_cp.models.hybrid.layers import Kernels
+    from torchtitan_cp.train import load_config
+    from torchtitan_cp.trainer.config import ConfigError
+
+    only_torch = dataclasses.replace(
+        LAYERS["M"], name="torch-only", description="SSD, torch only",
+        kernels=Kernels(("torch",), compiles=False),
+    )  # fmt: skip
+    monkeypatch.setitem(LAYERS, "T", only_torch)
+    want = (
+        r"^linear_attention.backend = 'fla': layer T \(SSD, torch only\) has no fla kernel, "
+        r"only torch; use 'auto' or one of those$"
+    )
+    with pytest.raises(ValueError, match=want):
+        model_config("debug", layer_pattern="TA", linear_attention_backend="fla")
+    with pytest.raises(ConfigError, match=want):
+        load_config(["--config_file", "configs/debug_mamba2_cpu.toml", "--model.layer_pattern",
+                     "MTA", "--linear_attention.backend", "fla"])  # fmt: skip
+    opts = LayerOptions(mamba2=Mamba2Options(head_dim=16, state_dim=8))
+    model = model_config("debug", layer_pattern="TMA", layer_options=opts).build()
+    assert model.layers["0"].mixer.backend == "torch"
+    assert model.layers["1"].mixer.backend == "auto"
+    assert LAYERS["T"].backend("auto") == "torch" and LAYERS["M"].backend("auto") == "auto"
+    assert LAYERS["A"].backend("fla") == "fla"  # attention does not read the key

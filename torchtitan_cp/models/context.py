@@ -11,6 +11,8 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from torchtitan_cp.ops import flex_document_mask
 from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
+from torchtitan_cp.ops.cp.driver import context_parallel_recurrence, local_tables
+from torchtitan_cp.ops.cp.recurrence import Recurrence
 from torchtitan_cp.routing import (
     DevicePassKV,
     DeviceRouting,
@@ -55,6 +57,16 @@ class SequenceContext:
     @property
     def cp_enabled(self) -> bool:
         return self.group is not None and dist.get_world_size(self.group) > 1
+
+    def run_recurrence(self, rec: Recurrence, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``rec`` over this rank's span (``inputs`` token-major ``[1, T_local, ...]``): through
+        the CP driver under context parallelism, else its local kernel over the span's
+        documents. Returns the output as ``rec.local`` does."""
+        if self.cp_enabled:
+            o, _ = context_parallel_recurrence(rec, inputs, routing=self.routing, group=self.group)
+        else:
+            o, _ = rec.local(inputs, local_tables(self.routing), None, False)
+        return o
 
 
 def build_sequence_context(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from torchtitan.protocols.model_spec import ModelSpec
@@ -21,56 +22,52 @@ from torchtitan_cp.models.hybrid.flavors import model_spec
 
 __all__ = ["ModelRecipe", "recipe_model_spec"]
 
-# Keys of [model] that pick the model rather than size it.
-_CHOOSERS = ("name", "flavor", "n_layers", "vision")
 # Decoder fields set elsewhere (torchtitan's own, or another config section).
 _NOT_IN_RECIPE = ("param_init", "sharding_config", "linear_attention_backend")
 
 
-def _overrides(self: Any) -> dict[str, Any]:
-    """The decoder fields this section sets: every key left unset is the flavor's."""
-    out = {}
-    for f in dataclasses.fields(self):
-        value = getattr(self, f.name)
-        if f.name in _CHOOSERS or value is None:
-            continue
-        if dataclasses.is_dataclass(value) and value == type(value)():
-            continue  # nested options left at their defaults
-        out[f.name] = value
-    return out
-
-
-def _build() -> type:
+def _with_decoder_fields(cls: type) -> type:
+    """Add every ``HybridDecoder.Config`` field (but ``_NOT_IN_RECIPE``) to the class ``cls``
+    before ``@dataclass`` reads it: optional and unset (None: the flavor's value), or, for a
+    nested options dataclass, that dataclass at its defaults."""
     hints = typing.get_type_hints(HybridDecoder.Config)
-    fields: list[tuple[str, Any, Any]] = [
-        ("name", Literal["hybrid", "qwen3_5"], dataclasses.field(default="hybrid")),
-        ("flavor", str, dataclasses.field(default="debug")),
-        ("n_layers", int | None, dataclasses.field(default=None)),
-        ("vision", bool, dataclasses.field(default=False)),
-    ]
     for f in dataclasses.fields(HybridDecoder.Config):
         if f.name in _NOT_IN_RECIPE:
             continue
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            fields.append((f.name, tp, dataclasses.field(default_factory=tp)))
+            cls.__annotations__[f.name] = tp
+            setattr(cls, f.name, dataclasses.field(default_factory=tp))
         else:
-            fields.append((f.name, typing.Optional[tp], dataclasses.field(default=None)))  # noqa: UP045
-    cls = dataclasses.make_dataclass(
-        "ModelRecipe",
-        fields,
-        namespace={"overrides": _overrides, "__module__": __name__},
-        kw_only=True,
-        slots=True,
-    )
-    cls.__doc__ = (
-        "``[model]``: which model to build (name, flavor; n_layers and vision for qwen3_5 "
-        "only) and any ``HybridDecoder.Config`` field (unset: the flavor's value)."
-    )
+            cls.__annotations__[f.name] = tp | None
+            setattr(cls, f.name, None)
     return cls
 
 
-ModelRecipe = _build()
+@dataclass(kw_only=True, slots=True)
+@_with_decoder_fields
+class ModelRecipe:
+    """``[model]``: which model to build (name, flavor; n_layers and vision for qwen3_5 only)
+    and any ``HybridDecoder.Config`` field (unset: the flavor's value)."""
+
+    name: Literal["hybrid", "qwen3_5"] = "hybrid"
+    flavor: str = "debug"
+    n_layers: int | None = None
+    vision: bool = False
+
+    def overrides(self) -> dict[str, Any]:
+        """The decoder fields this section sets: every key left unset is the flavor's (the four
+        declared here pick the model rather than size it)."""
+        decoder = {f.name for f in dataclasses.fields(HybridDecoder.Config)}
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in decoder or value is None:
+                continue
+            if dataclasses.is_dataclass(value) and value == type(value)():
+                continue  # nested options left at their defaults
+            out[f.name] = value
+        return out
 
 
 def recipe_model_spec(recipe: Any) -> ModelSpec:

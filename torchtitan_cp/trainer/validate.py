@@ -19,7 +19,8 @@ from typing import Any
 
 from torchtitan_cp import compat
 from torchtitan_cp.data import jsonl
-from torchtitan_cp.models import recipe_model_spec
+from torchtitan_cp.models import HybridDecoder, recipe_model_spec
+from torchtitan_cp.models.hybrid.layers import check_backend
 from torchtitan_cp.ops import check_flex_shape
 from torchtitan_cp.routing import get_balancer
 from torchtitan_cp.trainer.config import ConfigError
@@ -455,6 +456,11 @@ def check_model(config: Any) -> tuple[Any, bool]:
         spec = recipe_model_spec(config.model)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if isinstance(spec.model, HybridDecoder.Config):
+        try:  # every kind of the pattern has the linear-attention backend asked for
+            check_backend(spec.model.layer_pattern, config.linear_attention.backend)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if config.model.name == "qwen3_5":
         from torchtitan_cp.models.qwen35.model import check_qwen35_parallelism
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchtitan.protocols.module import Module
 
-from torchtitan_cp.models.blocks.dtypes import upcast
+from torchtitan_cp.ops.common.dtypes import compute_dtype
 
 __all__ = ["GatedGroupRMSNorm", "GatedRMSNorm"]
 
@@ -35,7 +35,7 @@ class GatedRMSNorm(Module):
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = o.dtype
-        acc = upcast(dtype)
+        acc = compute_dtype(dtype)
         o32 = o.to(acc)
         o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
         gate = gate.to(acc)
@@ -62,7 +62,7 @@ class GatedGroupRMSNorm(Module):
         nn.init.ones_(self.weight)
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        acc = upcast(y.dtype)
+        acc = compute_dtype(y.dtype)
         u = (y.to(acc) * F.silu(z.to(acc))).unflatten(-1, (-1, self.group_size))
         u = (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
         return (u * self.weight.to(acc)).to(y.dtype)

@@ -19,7 +19,12 @@ from torchtitan_cp.models.blocks.attention_cp import DEFAULT_ATTENTION_CP, Atten
 from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
 from torchtitan_cp.models.blocks.init import linear, linear_config
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
-from torchtitan_cp.models.hybrid.layers import LAYERS, LayerOptions, parse_layer_pattern
+from torchtitan_cp.models.hybrid.layers import (
+    LAYERS,
+    LayerOptions,
+    check_backend,
+    parse_layer_pattern,
+)
 
 __all__ = ["HybridBlock", "HybridDecoder", "parse_layer_pattern"]
 
@@ -104,6 +109,7 @@ class HybridDecoder(BaseModel):
                 )
             la = getattr(config, "linear_attention", None)
             if la is not None:
+                check_backend(self.layer_pattern, la.backend)
                 self.linear_attention_backend = la.backend
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
@@ -125,7 +131,7 @@ class HybridDecoder(BaseModel):
         ).build()
         self.layers = ModuleDict()
         for i, letter in enumerate(config.layer_pattern):
-            mixer = LAYERS[letter].mixer(config, i)
+            mixer = LAYERS[letter].build(config, i)
             self.layers[str(i)] = HybridBlock.Config(
                 mixer=mixer,
                 dim=config.dim,

@@ -9,7 +9,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan_cp.models.blocks.attention_cp import check_attention_cp
 from torchtitan_cp.models.blocks.flex import resolve_attention_backend
 from torchtitan_cp.models.hybrid.decoder import HybridDecoder, parse_layer_pattern
-from torchtitan_cp.models.hybrid.layers import LAYERS
+from torchtitan_cp.models.hybrid.layers import LAYERS, check_backend
 
 # Sizes only; the layer pattern comes from config. Parameter counts are for the default
 # pattern of each flavor and the bundled tokenizer's vocabulary where it applies.
@@ -45,13 +45,14 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
         raise ValueError(f"unknown model key(s) {', '.join(unknown)}")
     cfg = HybridDecoder.Config(**{**FLAVORS[flavor], **overrides})
     parse_layer_pattern(cfg.layer_pattern)
-    for letter in dict.fromkeys(cfg.layer_pattern):  # each kind checks its own sizes
-        LAYERS[letter].mixer(cfg, 0)
     if cfg.linear_attention_backend not in ("auto", "torch", "fla"):
         raise ValueError(
             "linear_attention backend must be 'auto', 'torch' or 'fla', "
             f"got {cfg.linear_attention_backend!r}"
         )
+    check_backend(cfg.layer_pattern, cfg.linear_attention_backend)
+    for letter in dict.fromkeys(cfg.layer_pattern):  # each kind checks its own sizes
+        LAYERS[letter].build(cfg, 0)
     resolve_attention_backend(cfg.attention_backend, "cpu")
     check_attention_cp(cfg.attention_cp)
     return cfg

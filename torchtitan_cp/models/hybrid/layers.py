@@ -1,28 +1,32 @@
 """The layer registry: every ``layer_pattern`` letter maps to one ``LayerKind`` here.
 
-A kind says how to build its mixer's config from the model config, how many FLOPs per token
-its mixer adds beyond its parameters' matmuls, and whether it needs the document ``BlockMask``
-of flex attention. The decoder, its FLOPs count, init and parallelize only ever ask this table.
-A layer kind's own sizes live in ``LayerOptions`` (``[model.layer_options.<name>]``), so adding
-a kind is its module plus two lines here (docs/architecture.md, "Adding a layer kind").
+A kind names its mixer class, the kernels that class runs (which backends they have, whether
+they compile) and whether it needs the document ``BlockMask`` of flex attention. The decoder, its
+FLOPs count, init, parallelize, the compile check and the backend check only ever ask this table.
+A kind's own sizes live in ``LayerOptions`` (``[model.layer_options.<name>]``); a kind that uses
+the shared model fields has none (docs/architecture.md, "Adding a layer kind").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.mixers.attention import SoftmaxAttention
-from torchtitan_cp.models.mixers.delta_net import DeltaNetMixer, GDNMixer, KDAMixer
+from torchtitan_cp.models.mixers.delta_net import GDNMixer, KDAMixer
 from torchtitan_cp.models.mixers.mamba2 import Mamba2Mixer, Mamba2Options
+from torchtitan_cp.models.mixers.retention import RetentionMixer
 
-__all__ = ["LAYERS", "LayerKind", "LayerOptions", "parse_layer_pattern"]
-
-# Chunk length of the linear-attention kernels (FLOPs of their intra-chunk work).
-_CHUNK = 64
+__all__ = [
+    "LAYERS",
+    "Kernels",
+    "LayerKind",
+    "LayerOptions",
+    "check_backend",
+    "parse_layer_pattern",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,65 +36,74 @@ class LayerOptions:
     mamba2: Mamba2Options = field(default_factory=Mamba2Options)
 
 
+class Mixer(Protocol):
+    """What a kind's mixer class offers the registry (``HybridDecoder.Config`` as ``cfg``)."""
+
+    def from_model(self, cfg: Any, layer_id: int, backend: Any, /) -> Module.Config:
+        """The mixer's config for layer ``layer_id``, running ``backend`` (already resolved by
+        the kind); the mixer's forward is ``(x [B, L, D], ctx, positions [B, L]) -> [B, L, D]``."""
+        ...
+
+    def flops(self, cfg: Any, seq_len: int, /) -> int:
+        """Training FLOPs per token (forward + backward) beyond its parameter matmuls."""
+        ...
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What one family of kernels offers the kinds that run it.
+
+    ``backends``: the ``linear_attention.backend`` values it has (besides ``auto``); empty for a
+    kind that does not read that key. ``compiles``: it has ``torch.compile`` custom ops
+    (``ops/<family>/custom_ops.py``), so its kinds run under ``compile.enable``.
+    """
+
+    backends: tuple[str, ...]
+    compiles: bool
+
+
+DELTA_RULE = Kernels(("torch", "fla"), compiles=True)  # ops/delta_rule (+ ops/conv)
+SSD = Kernels(("torch", "fla"), compiles=False)  # ops/ssd (+ ops/conv): no custom ops yet
+ATTENTION = Kernels((), compiles=True)  # its backend is model.attention_backend
+
+
 @dataclass(frozen=True)
 class LayerKind:
-    """One letter of ``layer_pattern``.
-
-    ``mixer(cfg, layer_id)`` builds the mixer's ``Module.Config`` from ``HybridDecoder.Config``;
-    the mixer's forward is ``(x [B, L, D], ctx, positions [B, L] | None) -> [B, L, D]``.
-    ``flops(cfg, seq_len)``: training FLOPs per token (forward + backward) beyond the mixer's
-    parameter matmuls. ``flex_mask``: needs the document ``BlockMask`` when flex runs.
-    ``compiles``: its kernels run under ``torch.compile`` without graph breaks (custom ops in
-    ``ops/<family>/custom_ops.py``); ``compile.enable`` with a kind that does not is a config
-    error.
-    """
+    """One letter of ``layer_pattern``: a name, a description (for errors), its mixer class,
+    the kernels it runs, and whether it needs the document ``BlockMask`` when flex runs."""
 
     name: str
     description: str
-    mixer: Callable[[Any, int], Module.Config]
-    flops: Callable[[Any, int], int]
+    mixer: Mixer
+    kernels: Kernels
     flex_mask: bool = False
-    compiles: bool = True
 
+    @property
+    def compiles(self) -> bool:
+        return self.kernels.compiles
 
-def _delta_net(mixer: type[DeltaNetMixer]) -> Callable[[Any, int], Module.Config]:
-    def build(cfg: Any, layer_id: int) -> Module.Config:
-        return mixer.Config(
-            dim=cfg.dim, n_heads=cfg.n_heads, head_dim=cfg.head_dim,
-            value_head_dim=cfg.value_head_dim, conv_width=cfg.conv_width, norm_eps=cfg.norm_eps,
-            layer_id=layer_id, backend=cfg.linear_attention_backend,
-        )  # fmt: skip
+    def backend(self, requested: str) -> str:
+        """The backend this kind runs for ``linear_attention.backend = requested``: ``auto``
+        picks only what the kind has (both: fla on CUDA, torch elsewhere; one: that one)."""
+        has = self.kernels.backends
+        if requested != "auto" or not has or set(has) >= {"torch", "fla"}:
+            return requested
+        return has[0]
 
-    return build
+    def build(self, cfg: Any, layer_id: int) -> Module.Config:
+        """The mixer config of layer ``layer_id`` of the decoder config ``cfg``."""
+        return self.mixer.from_model(cfg, layer_id, self.backend(cfg.linear_attention_backend))
 
-
-def _delta_flops(cfg: Any, seq_len: int) -> int:
-    # Per token and head: state update and readout, each ~2·K·V MACs, plus the chunked
-    # intra-chunk work (~chunk·(K+V)).
-    k, v = cfg.head_dim, cfg.value_head_dim or cfg.head_dim
-    return 6 * cfg.n_heads * (4 * k * v + _CHUNK * (k + v))
-
-
-def _attention(cfg: Any, layer_id: int) -> Module.Config:
-    return SoftmaxAttention.Config(
-        dim=cfg.dim, n_heads=cfg.attn_n_heads, n_kv_heads=cfg.attn_n_kv_heads,
-        head_dim=cfg.attn_head_dim, use_rope=cfg.use_rope, rope_theta=cfg.rope_theta,
-        layer_id=layer_id, backend=cfg.attention_backend, cp_mode=cfg.attention_cp,
-    )  # fmt: skip
-
-
-def _attention_flops(cfg: Any, seq_len: int) -> int:
-    # QK^T and PV over the (causal, un-sparsified) context.
-    return 6 * cfg.attn_n_heads * 2 * cfg.attn_head_dim * seq_len
+    def flops(self, cfg: Any, seq_len: int) -> int:
+        return self.mixer.flops(cfg, seq_len)
 
 
 LAYERS: dict[str, LayerKind] = {
-    "K": LayerKind("kda", "KDA (Kimi Delta Attention)", _delta_net(KDAMixer), _delta_flops),
-    "G": LayerKind("gdn", "GDN (Gated DeltaNet)", _delta_net(GDNMixer), _delta_flops),
-    "A": LayerKind("attention", "softmax attention", _attention, _attention_flops, True),
-    "M": LayerKind(
-        "mamba2", "Mamba2 (SSD)", Mamba2Mixer.from_model, Mamba2Mixer.flops, compiles=False
-    ),
+    "K": LayerKind("kda", "KDA (Kimi Delta Attention)", KDAMixer, DELTA_RULE),
+    "G": LayerKind("gdn", "GDN (Gated DeltaNet)", GDNMixer, DELTA_RULE),
+    "A": LayerKind("attention", "softmax attention", SoftmaxAttention, ATTENTION, flex_mask=True),
+    "M": LayerKind("mamba2", "Mamba2 (SSD)", Mamba2Mixer, SSD),
+    "R": LayerKind("retention", "RetNet retention", RetentionMixer, SSD),
 }
 
 
@@ -106,3 +119,18 @@ def parse_layer_pattern(pattern: str) -> list[str]:
             f"use {letters}"
         )
     return [LAYERS[c].name for c in pattern]
+
+
+def check_backend(pattern: str, backend: str) -> None:
+    """A ValueError naming the key, the letter and what it has when a kind of ``pattern`` has
+    no ``backend`` kernel (``auto`` fits every kind)."""
+    if backend == "auto":
+        return
+    for c in dict.fromkeys(pattern):
+        kind = LAYERS[c]
+        has = kind.kernels.backends
+        if has and backend not in has:
+            raise ValueError(
+                f"linear_attention.backend = {backend!r}: layer {c} ({kind.description}) has no "
+                f"{backend} kernel, only {' and '.join(has)}; use 'auto' or one of those"
+            )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torchtitan.protocols.module import Module
@@ -61,6 +62,22 @@ class SoftmaxAttention(Module):
         layer_id: int = 0
         backend: AttentionBackend = "auto"
         cp_mode: AttentionCP = DEFAULT_ATTENTION_CP
+
+    @staticmethod
+    def from_model(cfg: Any, layer_id: int, backend: str) -> SoftmaxAttention.Config:
+        """The attention of layer ``layer_id`` of a ``HybridDecoder.Config`` (the registry's
+        hook). Its backend is ``model.attention_backend``; ``backend`` (the linear layers') is
+        not read."""
+        return SoftmaxAttention.Config(
+            dim=cfg.dim, n_heads=cfg.attn_n_heads, n_kv_heads=cfg.attn_n_kv_heads,
+            head_dim=cfg.attn_head_dim, use_rope=cfg.use_rope, rope_theta=cfg.rope_theta,
+            layer_id=layer_id, backend=cfg.attention_backend, cp_mode=cfg.attention_cp,
+        )  # fmt: skip
+
+    @staticmethod
+    def flops(cfg: Any, seq_len: int) -> int:
+        """QK^T and PV over the (causal, un-sparsified) context, forward and backward."""
+        return 6 * cfg.attn_n_heads * 2 * cfg.attn_head_dim * seq_len
 
     def __init__(self, config: Config):
         super().__init__()

@@ -18,22 +18,18 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.blocks.conv import ShortConvolution
-from torchtitan_cp.models.blocks.dtypes import upcast
-from torchtitan_cp.models.blocks.init import linear
+from torchtitan_cp.models.blocks.heads import HeadsMixer
+from torchtitan_cp.models.blocks.init import init_decay, linear
 from torchtitan_cp.models.blocks.norm import GatedRMSNorm
 from torchtitan_cp.models.context import SequenceContext
-from torchtitan_cp.ops import (
-    Backend,
-    Kind,
-    chunk_delta_rule,
-    context_parallel_delta_rule,
-)
+from torchtitan_cp.ops import Kind
+from torchtitan_cp.ops.common.dtypes import compute_dtype
+from torchtitan_cp.ops.cp.recurrence import recurrence
 
 
-class DeltaNetMixer(Module):
+class DeltaNetMixer(HeadsMixer):
     """The shared KDA / GDN token mixer. Input/output ``[B, L, D]``; B·L is the local span.
 
     A subclass fixes the recurrence ``kind`` and supplies the decay gate (``_init_gates``,
@@ -45,22 +41,13 @@ class DeltaNetMixer(Module):
     dt_bias: nn.Parameter  # created by _init_gates: [H*K] (KDA) or [H] (GDN)
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
-        dim: int
-        n_heads: int
-        head_dim: int
-        value_head_dim: int | None = None
+    class Config(HeadsMixer.Config):
         conv_width: int = 4
-        norm_eps: float = 1e-5
-        layer_id: int = 0
-        backend: Backend = "auto"
 
     def __init__(self, config: Config):
-        super().__init__()
-        self.n_heads = h = config.n_heads
-        self.head_dim = k = config.head_dim
-        self.value_head_dim = v = config.value_head_dim or config.head_dim
-        self.backend = config.backend
+        super().__init__(config)
+        h, k, v = self.n_heads, self.head_dim, self.value_head_dim
+        self.recurrence = recurrence(self.kind, backend=config.backend)
         d = config.dim
         self.q_proj = linear(d, h * k)
         self.k_proj = linear(d, h * k)
@@ -92,18 +79,11 @@ class DeltaNetMixer(Module):
         raise NotImplementedError
 
     def reset_parameters(self) -> None:
-        # A in [1, 16] and dt in [1e-3, 1e-1] log-uniform (Mamba-2 / GDN initialisation), so the
-        # initial per-token decays span short to long memories.
-        with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-            dt = torch.exp(
-                torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1))
-            ).clamp_min(1e-4)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        init_decay(self.A_log, self.dt_bias)
 
     def _gate(self, x: torch.Tensor) -> torch.Tensor:
         f, bias, a = self._gate_logits(x)
-        acc = upcast(x.dtype)
+        acc = compute_dtype(x.dtype)
         # Gates stay in at least float32: they are summed over long ranges inside the kernel.
         return -a.to(acc) * F.softplus(f.to(acc) + bias.to(acc))
 
@@ -119,20 +99,8 @@ class DeltaNetMixer(Module):
         q, kk, vv = q.unflatten(-1, (h, k)), kk.unflatten(-1, (h, k)), vv.unflatten(-1, (h, v))
         q = F.normalize(q, p=2, dim=-1)
         kk = F.normalize(kk, p=2, dim=-1)
-        beta = torch.sigmoid(self.b_proj(xs).to(upcast(xs.dtype))).to(xs.dtype)
-        g = self._gate(xs)
-        if ctx.cp_enabled:
-            o, _ = context_parallel_delta_rule(
-                q, kk, vv, g, beta, kind=self.kind, routing=ctx.routing, group=ctx.group,
-                backend=self.backend,
-            )  # fmt: skip
-        else:
-            o, _ = chunk_delta_rule(
-                q, kk, vv, g, beta, kind=self.kind,
-                cu_seqlens=ctx.routing.cu_seqlens, cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu,
-                chunk_indices=ctx.routing.chunk_indices, chunk_offsets=ctx.routing.chunk_offsets,
-                backend=self.backend,
-            )  # fmt: skip
+        beta = torch.sigmoid(self.b_proj(xs).to(compute_dtype(xs.dtype))).to(xs.dtype)
+        o = ctx.run_recurrence(self.recurrence, (q, kk, vv, self._gate(xs), beta))
         gate = self._output_gate(xs)
         o = self.o_norm(o.to(xs.dtype), gate.unflatten(-1, (h, v)))
         return self.o_proj(o.flatten(-2)).reshape(bsz, seqlen, -1)

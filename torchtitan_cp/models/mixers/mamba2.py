@@ -20,13 +20,13 @@ from torch import nn
 from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.blocks.conv import ShortConvolution
-from torchtitan_cp.models.blocks.dtypes import upcast
-from torchtitan_cp.models.blocks.init import linear
+from torchtitan_cp.models.blocks.heads import recurrence_flops
+from torchtitan_cp.models.blocks.init import init_decay, linear
 from torchtitan_cp.models.blocks.norm import GatedGroupRMSNorm
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.ops import Backend
-from torchtitan_cp.ops.ssd.local import chunk_ssd
-from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
+from torchtitan_cp.ops.common.dtypes import compute_dtype
+from torchtitan_cp.ops.cp.recurrence import recurrence
 
 __all__ = ["Mamba2Mixer", "Mamba2Options"]
 
@@ -70,22 +70,21 @@ class Mamba2Mixer(Module):
         backend: Backend = "auto"
 
     @staticmethod
-    def from_model(cfg: Any, layer_id: int) -> Mamba2Mixer.Config:
+    def from_model(cfg: Any, layer_id: int, backend: Backend) -> Mamba2Mixer.Config:
         """The mixer of layer ``layer_id`` of a ``HybridDecoder.Config`` (the registry's hook);
         a ValueError naming the keys when the sizes do not fit together."""
         _check_sizes(cfg.dim, cfg.layer_options.mamba2)
         return Mamba2Mixer.Config(
             dim=cfg.dim, options=cfg.layer_options.mamba2, conv_width=cfg.conv_width,
-            norm_eps=cfg.norm_eps, layer_id=layer_id, backend=cfg.linear_attention_backend,
+            norm_eps=cfg.norm_eps, layer_id=layer_id, backend=backend,
         )  # fmt: skip
 
     @staticmethod
     def flops(cfg: Any, seq_len: int) -> int:
-        """Training FLOPs per token beyond the parameter matmuls: per head, state update and
-        readout ~2·N·P MACs each, plus the intra-chunk work ~64·(N+P)."""
+        """Training FLOPs per token beyond the parameter matmuls: ``recurrence_flops`` over
+        the heads, K = state_dim (N), V = head_dim (P)."""
         o = cfg.layer_options.mamba2
-        h = o.expand * cfg.dim // o.head_dim
-        return 6 * h * (4 * o.state_dim * o.head_dim + 64 * (o.state_dim + o.head_dim))
+        return recurrence_flops(o.expand * cfg.dim // o.head_dim, o.state_dim, o.head_dim)
 
     def __init__(self, config: Config):
         super().__init__()
@@ -96,6 +95,8 @@ class Mamba2Mixer(Module):
         self.head_dim, self.state_dim, self.n_groups = opt.head_dim, opt.state_dim, opt.n_groups
         self.d_inner = d_inner
         self.backend = config.backend
+        # Mamba2 reads the state unscaled (C·h, no K^-1/2).
+        self.recurrence = recurrence("ssd", scale=1.0, backend=config.backend)
         bc = 2 * opt.n_groups * opt.state_dim
         self.in_proj = linear(config.dim, 2 * d_inner + bc + h)  # [z | x | B | C | dt]
         self.conv = ShortConvolution.Config(channels=d_inner + bc, width=config.conv_width).build()
@@ -108,13 +109,8 @@ class Mamba2Mixer(Module):
         self.out_proj = linear(d_inner, config.dim, std=0.02 / math.sqrt(2 * (config.layer_id + 1)))
 
     def reset_parameters(self) -> None:
-        # As the reference: A in [1, 16], dt in [1e-3, 1e-1] log-uniform, D = 1.
+        init_decay(self.A_log, self.dt_bias)  # as the reference, and D = 1
         with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-            dt = torch.exp(
-                torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1))
-            ).clamp_min(1e-4)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
             self.D.fill_(1.0)
 
     def forward(
@@ -127,22 +123,13 @@ class Mamba2Mixer(Module):
         xbc = self.conv(xbc, ctx, self.backend)
         xx, B, C = xbc.split([self.d_inner, ng * n, ng * n], -1)
         xx = xx.unflatten(-1, (h, p))
-        acc = upcast(xs.dtype)
+        acc = compute_dtype(xs.dtype)
         # Decay and step stay in at least float32: they are summed over long ranges.
         dt = F.softplus(dt.to(acc) + self.dt_bias.to(acc))  # [1, T, h]
         g = -torch.exp(self.A_log.to(acc)) * dt  # natural-log decay dt * A <= 0
         v = (xx.to(acc) * dt.unsqueeze(-1)).to(xs.dtype)  # dt-scaled inputs
         q, k = C.unflatten(-1, (ng, n)), B.unflatten(-1, (ng, n))
-        if ctx.cp_enabled:
-            y, _ = context_parallel_ssd(
-                q, k, v, g, routing=ctx.routing, group=ctx.group, scale=1.0, backend=self.backend
-            )
-        else:
-            r = ctx.routing
-            y, _ = chunk_ssd(
-                q, k, v, g, scale=1.0, cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu,
-                backend=self.backend,
-            )  # fmt: skip
+        y = ctx.run_recurrence(self.recurrence, (q, k, v, g))
         y = y.to(acc) + self.D.to(acc).unsqueeze(-1) * xx.to(acc)  # D skip
         y = self.norm(y.flatten(-2).to(xs.dtype), z)
         return self.out_proj(y).reshape(bsz, seqlen, -1)

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from torchtitan_cp.routing.pass_kv import DevicePassKV, PassKVRound
 
+from ..common.dtypes import compute_dtype
 from ..cp.collectives import group_rank, group_size
 from .sdpa import document_causal_mask
 
@@ -80,10 +81,6 @@ class PairKernel(Protocol):
     ) -> tuple[Tensor, Tensor]: ...
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def math_pair_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: PairMask, scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -91,7 +88,7 @@ def math_pair_attention(
     queries in blocks so the mask stays bounded. Returns ``o`` and ``lse`` in that dtype."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    acc = _acc_dtype(q.dtype)
+    acc = compute_dtype(q.dtype)
     if Tq == 0 or Tk == 0:  # nothing to attend: zero output, -inf lse (still differentiable)
         dep = 0 * (q.sum() + k.sum() + v.sum()).to(acc)
         o = q.new_zeros(B, Hq, Tq, Dv, dtype=acc) + dep
@@ -317,7 +314,7 @@ def _compute(call: _Call, phase: str, peer: int) -> None:
 
 def _forward(call: _Call, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
     """Merged output ``[B, Hq, T, Dv]`` and log-sum-exp ``[B, Hq, T]`` (accumulation dtype)."""
-    acc = _acc_dtype(q.dtype)
+    acc = compute_dtype(q.dtype)
     pending = _post_kv(call, kv, 0)  # the first exchange runs during the own block
     k, v = _heads(kv, call.dk)
     if q.shape[2] == 0:  # a rank without tokens: nothing to compute (its rounds are idle)

@@ -18,7 +18,16 @@ from .fla import triton_interpreter_on
 Backend = Literal["auto", "torch", "fla"]
 BACKENDS = ("auto", "torch", "fla")
 
-__all__ = ["BACKENDS", "Backend", "check_cu_seqlens", "host_offsets", "resolve_backend", "shape"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "check_cu_seqlens",
+    "check_heads",
+    "check_initial_state",
+    "host_offsets",
+    "resolve_backend",
+    "shape",
+]
 
 
 def shape(t: Tensor) -> str:
@@ -86,3 +95,32 @@ def host_offsets(cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None) -> Te
             "cu_seqlens): reading device offsets back would break the graph"
         )
     return cu_seqlens
+
+
+def check_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int, int]:
+    """``(T, H, K, HV, V)`` of a recurrence's q, k ``[1, T, H, K]`` and v ``[1, T, HV, V]``
+    (HV a multiple of H); a ValueError naming the argument and its shape otherwise."""
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"q must be [1, T, H, K], got shape {shape(q)}")
+    _, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must match q {shape(q)}, got shape {shape(k)}")
+    if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [1, T={T}, HV, V], got shape {shape(v)}")
+    HV, V = v.shape[2:]
+    if HV % H != 0:
+        raise ValueError(f"v heads HV={HV} must be a multiple of q/k heads H={H} (v {shape(v)})")
+    return T, H, K, HV, V
+
+
+def check_initial_state(initial_state: Tensor | None, n: int | None, *state: int) -> None:
+    """``initial_state`` is None or ``[n, *state]`` (any n when None: offsets not on the host)."""
+    if initial_state is None:
+        return
+    if (
+        initial_state.dim() != 1 + len(state)
+        or list(initial_state.shape[1:]) != list(state)
+        or (n is not None and initial_state.shape[0] != n)
+    ):
+        want = [n if n is not None else "N", *state]
+        raise ValueError(f"initial_state must be {want}, got shape {shape(initial_state)}")

@@ -3,6 +3,7 @@ sequence ids, and the packing of every sequence into whole chunks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -39,8 +40,11 @@ def seq_ids_and_positions(cu: list[int]) -> tuple[Tensor, Tensor]:
 
 
 class ChunkLayout(NamedTuple):
-    """Host-side index tables that pack every sequence into whole chunks (int64 CPU tensors).
+    """Host-side index tables that pack every sequence into whole chunks (int64 CPU tensors),
+    and the three steps every chunked torch kernel takes with them: ``pack`` its inputs, ``scan``
+    the state through each sequence's chunks, ``unpack`` its outputs.
 
+    chunk_size: C tokens per chunk; num_chunks: NC over all sequences.
     src: ``[NC*C]`` token index of every packed slot (``T`` = the zero padding row).
     dst: ``[T]`` packed slot of every token.
     order: sequences sorted by chunk count, descending, so the sequences still running at chunk
@@ -50,6 +54,7 @@ class ChunkLayout(NamedTuple):
         position 1, ...); inv_perm undoes it.
     """
 
+    chunk_size: int
     num_chunks: int
     src: Tensor
     dst: Tensor
@@ -58,6 +63,46 @@ class ChunkLayout(NamedTuple):
     steps: list[int]
     perm: Tensor
     inv_perm: Tensor
+
+    def pack(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """``[1, T, Hx, ...]`` -> ``[NC, Hx, C, ...]`` in ``dtype``, padding with zeros."""
+        x = x[0].to(dtype)
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])], 0)[self.src.to(x.device)]
+        return x.unflatten(0, (self.num_chunks, self.chunk_size)).movedim(1, 2)
+
+    def unpack(self, y: Tensor) -> Tensor:
+        """``[NC, Hx, C, ...]`` per-chunk outputs -> ``[1, T, Hx, ...]`` per token."""
+        return y.movedim(1, 2).flatten(0, 1)[self.dst.to(y.device)].unsqueeze(0)
+
+    def scan(
+        self,
+        M: Tensor,
+        E: Tensor,
+        state0: Tensor,
+        apply: Callable[[Tensor, Tensor], Tensor],
+        entries: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Carry the states ``state0 [N, ...]`` through every sequence's chunks in order,
+        ``S <- apply(M_c, S) + E_c`` with chunk c's affine map ``M [NC, ...]``, ``E [NC, ...]``:
+        one step per chunk position, the sequences still running at once.
+
+        Returns ``(final [N, ...], entry [NC, ...] or None)``: every sequence's final state and,
+        with ``entries``, the entry state of every packed chunk."""
+        dev = state0.device
+        perm = self.perm.to(dev)
+        Ms, Es = M[perm], E[perm]
+        S = state0[self.order.to(dev)]
+        kept: list[Tensor] = []
+        start = 0
+        for a in self.steps:
+            S_a = S[:a]
+            if entries:
+                kept.append(S_a)
+            S_new = apply(Ms[start : start + a], S_a) + Es[start : start + a]
+            S = torch.cat([S_new, S[a:]], 0) if a < S.shape[0] else S_new
+            start += a
+        final = S[self.inv_order.to(dev)]
+        return final, (torch.cat(kept, 0)[self.inv_perm.to(dev)] if entries else None)
 
 
 def chunk_layout(cu: list[int], C: int) -> ChunkLayout:
@@ -75,4 +120,5 @@ def chunk_layout(cu: list[int], C: int) -> ChunkLayout:
     nch_sorted = nch[order]
     steps = [int((nch_sorted > p).sum()) for p in range(int(nch.max()))]
     perm = torch.cat([first_chunk[order[:a]] + p for p, a in enumerate(steps)])
-    return ChunkLayout(NC, src, dst, order, torch.argsort(order), steps, perm, torch.argsort(perm))
+    inv_order, inv_perm = torch.argsort(order), torch.argsort(perm)
+    return ChunkLayout(C, NC, src, dst, order, inv_order, steps, perm, inv_perm)

@@ -60,13 +60,7 @@ def causal_conv1d(
     if activation not in ("silu", "swish", None):
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     N = checks.check_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
-    if initial_state is not None:
-        ok = initial_state.dim() == 3 and list(initial_state.shape[1:]) == [D, W - 1]
-        if not ok or (N is not None and initial_state.shape[0] != N):
-            want = [N if N is not None else "N", D, W - 1]
-            raise ValueError(
-                f"initial_state must be {want}, got shape {checks.shape(initial_state)}"
-            )
+    checks.check_initial_state(initial_state, N, D, W - 1)
     kwargs = dict(
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..common.dtypes import compute_dtype
 from ..common.varlen import host_cu_seqlens, seq_ids_and_positions
 
 __all__ = ["causal_conv1d_torch"]
@@ -46,7 +47,7 @@ def causal_conv1d_torch(
     cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
     N = len(cu) - 1
     # Accumulate the W taps in float32 (float64 for float64 inputs), like FLA's kernel.
-    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cd = compute_dtype(x.dtype)
     seq, pos = seq_ids_and_positions(cu)
 
     # Source rows: the T tokens, then (if given) the N*(W-1) history tokens, then one zero row.

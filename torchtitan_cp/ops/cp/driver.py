@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..common.dtypes import fold_dtype
+from ..common.dtypes import compute_dtype
 from .collectives import all_gather_autograd, check_routing_group
 from .recurrence import Recurrence, SequenceTables
 
@@ -74,7 +74,7 @@ def context_parallel_recurrence(
     check_routing_group(routing, group, inputs[0].shape[1])
     shape = rec.state_shape(inputs)
     S = routing.num_slots
-    dt = fold_dtype(inputs[0].dtype)
+    dt = compute_dtype(inputs[0].dtype)
     dev = inputs[0].device
     n_seq = routing.summary_cu_seqlens.numel() - 1  # a shape: no device read
 

@@ -10,7 +10,10 @@ Its *summary* is a fixed-size encoding of that map, ``[*summary_shape]`` per ran
   ``S_out = exp(a) S_in + E`` with ``a [HV]``: its all-gather is about K times smaller.
 
 A new recurrence implements this protocol in its own module and adds one line to
-``RECURRENCES``; it never reads the driver (docs/architecture.md, "Adding a recurrence").
+``RECURRENCES``; it never reads the driver (docs/architecture.md, "Adding a recurrence"). The
+mixers find theirs by name (``recurrence("kda", ...)``) and run it through
+``SequenceContext.run_recurrence``. The driver only ever applies a summary to a state, one
+predecessor after the other in token order, so the protocol has no summary composition.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class Recurrence(Protocol):
 
     ``inputs`` is a tuple of token-major tensors ``[1, T, ...]`` (the driver selects tokens
     with ``index_select(1, ·)``); their meaning belongs to the recurrence. ``tables`` is a
-    ``SequenceTables``. States and summaries are in ``common.dtypes.fold_dtype`` of the inputs' dtype.
+    ``SequenceTables``. States and summaries are in ``common.dtypes.compute_dtype`` of the inputs' dtype.
     """
 
     def state_shape(self, inputs: tuple[Tensor, ...]) -> tuple[int, int, int]:
@@ -72,11 +75,9 @@ class Recurrence(Protocol):
         ...
 
     def apply(self, summary: Tensor, state: Tensor) -> Tensor:
-        """``summary [S, *summary_shape]`` applied to ``state [S, HV, K, V]``."""
-        ...
-
-    def compose(self, first: Tensor, then: Tensor, state_shape: tuple[int, int, int]) -> Tensor:
-        """The summary of ``first`` followed by ``then`` (both ``[S, *summary_shape]``)."""
+        """``summary [S, *summary_shape]`` applied to ``state [S, HV, K, V]``. The driver folds a
+        fragment's predecessors with it one at a time, in token order (their number is the
+        routing's predecessor depth)."""
         ...
 
 

@@ -26,19 +26,11 @@ import torch
 from torch import Tensor
 
 from ..common.custom_ops import NS, autograd_inside_op, input_grads, num_seqs
-from ..common.fla import contiguous, fla_chunk_indices
+from ..common.dtypes import compute_dtype
+from ..common.fla import FLA_CHUNK_SIZE, contiguous, fla_chunk_indices
 from .torch_kernel import chunk_delta_rule_torch
 
 __all__ = ["delta_rule_fla_op", "delta_rule_torch_op"]
-
-# fla-core's chunk size for the delta-rule kernels (BT): sizes its saved score matrices.
-FLA_CHUNK = 64
-
-
-def _state_dtype(dtype: torch.dtype) -> torch.dtype:
-    # The PyTorch kernel keeps states in float64 for float64 inputs, else float32.
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
 
 # ----------------------------------------------------------------------------- delta rule, torch
 
@@ -71,7 +63,7 @@ def delta_rule_torch_op(
 def _(q, k, v, g, beta, initial_state, cu_seqlens_cpu, kind, scale):
     HV, V = v.shape[2], v.shape[3]
     K = q.shape[3]
-    final = q.new_empty(num_seqs(cu_seqlens_cpu), HV, K, V, dtype=_state_dtype(q.dtype))
+    final = q.new_empty(num_seqs(cu_seqlens_cpu), HV, K, V, dtype=compute_dtype(q.dtype))
     return torch.empty_like(v), final
 
 
@@ -94,7 +86,7 @@ def delta_rule_torch_bwd_op(
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
     h0 = initial_state
     if h0 is None:
-        h0 = q.new_zeros(num_seqs(cu_seqlens_cpu), HV, K, V, dtype=_state_dtype(q.dtype))
+        h0 = q.new_zeros(num_seqs(cu_seqlens_cpu), HV, K, V, dtype=compute_dtype(q.dtype))
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
     with autograd_inside_op():
         o, final = chunk_delta_rule_torch(
@@ -110,7 +102,7 @@ def delta_rule_torch_bwd_op(
 def _(q, k, v, g, beta, initial_state, cu_seqlens_cpu, do, dfinal, kind, scale):
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
     if initial_state is None:
-        dh0 = q.new_empty(num_seqs(cu_seqlens_cpu), HV, K, V, dtype=_state_dtype(q.dtype))
+        dh0 = q.new_empty(num_seqs(cu_seqlens_cpu), HV, K, V, dtype=compute_dtype(q.dtype))
     else:
         dh0 = torch.empty_like(initial_state)
     return tuple(torch.empty_like(x) for x in (q, k, v, g, beta)) + (dh0,)
@@ -181,7 +173,7 @@ def delta_rule_fla_op(
     kw: dict[str, Any] = dict(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, chunk_size=FLA_CHUNK,
+        chunk_indices=chunk_indices, chunk_size=FLA_CHUNK_SIZE,
     )  # fmt: skip
     if kind == "kda":
         from fla.ops.kda.chunk_fwd import chunk_kda_fwd
@@ -207,7 +199,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices
         final = q.new_empty(num_seqs(cu_seqlens), HV, K, V, dtype=torch.float32)
     else:
         final = q.new_empty(0, dtype=torch.float32)
-    scores = q.new_empty(1, T, HV, FLA_CHUNK, dtype=k.dtype)
+    scores = q.new_empty(1, T, HV, FLA_CHUNK_SIZE, dtype=k.dtype)
     g_cum = torch.empty_like(g, dtype=torch.float32)
     a2 = torch.empty_like(scores) if kind == "kda" else q.new_empty(0)
     return q.new_empty(1, T, HV, V), final, g_cum, scores, a2
@@ -239,7 +231,7 @@ def delta_rule_fla_bwd_op(
     )
     kw: dict[str, Any] = dict(
         q=q, k=k, v=v, beta=beta, scale=scale, initial_state=initial_state, do=do, dht=dfinal,
-        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK_SIZE,
     )  # fmt: skip
     grads: tuple[Any, ...]
     if kind == "kda":

@@ -66,35 +66,14 @@ def chunk_delta_rule(
     """
     if kind not in ("kda", "gdn"):
         raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
-    if q.dim() != 4 or q.shape[0] != 1:
-        raise ValueError(f"q must be [1, T, H, K], got shape {checks.shape(q)}")
-    _, T, H, K = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must match q {checks.shape(q)}, got shape {checks.shape(k)}")
-    if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"v must be [1, T={T}, HV, V], got shape {checks.shape(v)}")
-    HV, V = v.shape[2:]
-    if HV % H != 0:
-        raise ValueError(
-            f"v heads HV={HV} must be a multiple of q/k heads H={H} (v {checks.shape(v)})"
-        )
+    T, H, K, HV, V = checks.check_heads(q, k, v)
     g_shape = [1, T, HV, K] if kind == "kda" else [1, T, HV]
     if list(g.shape) != g_shape:
         raise ValueError(f"g must be {g_shape} for kind={kind!r}, got shape {checks.shape(g)}")
     if list(beta.shape) != [1, T, HV]:
         raise ValueError(f"beta must be {[1, T, HV]}, got shape {checks.shape(beta)}")
     N = checks.check_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
-    if initial_state is not None:
-        n0 = initial_state.shape[0] if initial_state.dim() == 4 else -1
-        if (
-            initial_state.dim() != 4
-            or list(initial_state.shape[1:]) != [HV, K, V]
-            or (N is not None and n0 != N)
-        ):
-            want = [N if N is not None else "N", HV, K, V]
-            raise ValueError(
-                f"initial_state must be {want}, got shape {checks.shape(initial_state)}"
-            )
+    checks.check_initial_state(initial_state, N, HV, K, V)
     resolved = checks.resolve_backend(backend, q)
     if torch.compiler.is_compiling():
         return _compiled_delta_rule(
@@ -102,37 +81,18 @@ def chunk_delta_rule(
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
         )  # fmt: skip
+    common = dict(
+        kind=kind, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )  # fmt: skip
     if resolved == "fla":
         from .fla_kernel import chunk_delta_rule_fla
 
         return chunk_delta_rule_fla(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            kind=kind,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu,
-            chunk_indices=chunk_indices,
-            chunk_offsets=chunk_offsets,
+            q, k, v, g, beta, **common, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets
         )
-    return chunk_delta_rule_torch(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        kind=kind,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-    )
+    return chunk_delta_rule_torch(q, k, v, g, beta, **common)
 
 
 # ----------------------------------------------------------------------------- torch.compile

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..common import checks
-from ..common.dtypes import fold_dtype
+from ..common.dtypes import compute_dtype
 from ..cp.driver import context_parallel_recurrence
 from ..cp.recurrence import SequenceTables
 from .local import chunk_delta_rule
@@ -74,7 +74,7 @@ class DeltaRule:
         q, k, v, g, beta = inputs
         HV, K, V = self.state_shape(inputs)
         n = tables.cu_seqlens.numel() - 1
-        dt = fold_dtype(v.dtype)
+        dt = compute_dtype(v.dtype)
         vs = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)  # [v | 0]
         h0 = self.identity((HV, K, V), dt, v.device).expand(n, -1, -1, -1).contiguous()
         if checks.resolve_backend(self.backend, q) == "torch" and not torch.compiler.is_compiling():
@@ -97,12 +97,6 @@ class DeltaRule:
     def apply(self, summary: Tensor, state: Tensor) -> Tensor:
         V = state.shape[-1]
         return torch.matmul(summary[..., V:], state) + summary[..., :V]
-
-    def compose(self, first: Tensor, then: Tensor, state_shape: tuple[int, int, int]) -> Tensor:
-        V = state_shape[2]
-        return torch.matmul(then[..., V:], first) + torch.cat(
-            [then[..., :V], torch.zeros_like(then[..., V:])], -1
-        )
 
 
 def context_parallel_delta_rule(

@@ -29,6 +29,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..common.dtypes import compute_dtype
 from ..common.scores import causal_mask, gdn_scores
 from ..common.varlen import chunk_layout, host_cu_seqlens
 
@@ -168,7 +169,7 @@ def _delta_rule_torch(
     T, H, K = q.shape[1:]
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale
-    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cd = compute_dtype(q.dtype)
     dev = q.device
     C = chunk_size
     sub = sub_chunk_size if (sub_chunk_size and C % sub_chunk_size == 0) else C
@@ -184,21 +185,12 @@ def _delta_rule_torch(
         return o, (state0.clone() if output_final_state else None)
 
     lay = chunk_layout(cu, C)
-    NC = lay.num_chunks
-    src = lay.src.to(dev)
-
-    def pack(x: Tensor) -> Tensor:
-        """[1, T, Hx, ...] -> [NC, Hx, C, ...] in compute dtype, padding with zeros."""
-        x = x[0].to(cd)
-        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])], 0)[src]
-        return x.unflatten(0, (NC, C)).movedim(1, 2)
-
     rep = HV // H
-    qc = pack(q).repeat_interleave(rep, dim=1) * scale  # [NC, HV, C, K]
-    kc = pack(k).repeat_interleave(rep, dim=1)
-    vc = pack(v)  # [NC, HV, C, V]
-    bc = pack(beta)  # [NC, HV, C]
-    G = pack(g).cumsum(2)  # cumulative log gate inside the chunk, <= 0
+    qc = lay.pack(q, cd).repeat_interleave(rep, dim=1) * scale  # [NC, HV, C, K]
+    kc = lay.pack(k, cd).repeat_interleave(rep, dim=1)
+    vc = lay.pack(v, cd)  # [NC, HV, C, V]
+    bc = lay.pack(beta, cd)  # [NC, HV, C]
+    G = lay.pack(g, cd).cumsum(2)  # cumulative log gate inside the chunk, <= 0
     # States only: the query never enters (no q products, no Aqk scores).
     ops = kc.unsqueeze(0) if states_only else torch.stack([qc, kc])
     if kind == "kda":
@@ -229,27 +221,11 @@ def _delta_rule_torch(
         M = torch.exp(Gl)[..., None, None] * eye - khT @ W
     E = khT @ U  # [NC, HV, K, V]
 
-    # Inter-chunk recurrence: one step per chunk position, all sequences still running at once.
-    perm = lay.perm.to(dev)
-    Ms, Es = M[perm], E[perm]
-    S = state0[lay.order.to(dev)]
-    entry = []
-    start = 0
-    for a in lay.steps:
-        S_a = S[:a]
-        if not states_only:
-            entry.append(S_a)
-        S_new = Ms[start : start + a] @ S_a + Es[start : start + a]
-        S = torch.cat([S_new, S[a:]], 0) if a < N else S_new
-        start += a
-    final = S[lay.inv_order.to(dev)] if output_final_state else None
+    # Inter-chunk recurrence S <- M S + E, and every chunk's entry state S0 [NC, HV, K, V].
+    final, S0 = lay.scan(M, E, state0, torch.matmul, entries=not states_only)
     if states_only:
         return None, final
-    # [NC, HV, K, V] entry state of every packed chunk
-    S0 = torch.cat(entry, 0)[lay.inv_perm.to(dev)]
-
+    assert S0 is not None
     d = U - W @ S0
     oc = (qc * eG) @ S0 + Aqk[0] @ d  # [NC, HV, C, V]
-    o = oc.movedim(1, 2).flatten(0, 1)[lay.dst.to(dev)]  # [T, HV, V]
-    o = o.unsqueeze(0).to(v.dtype)
-    return o, final
+    return lay.unpack(oc).to(v.dtype), (final if output_final_state else None)

@@ -41,27 +41,11 @@ def chunk_ssd(
     Returns:
         ``(o [1, T, HV, V], final_state [N, HV, K, V] float32/float64 or None)``.
     """
-    if q.dim() != 4 or q.shape[0] != 1:
-        raise ValueError(f"q must be [1, T, H, K], got shape {checks.shape(q)}")
-    _, T, H, K = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must match q {checks.shape(q)}, got shape {checks.shape(k)}")
-    if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"v must be [1, T={T}, HV, V], got shape {checks.shape(v)}")
-    HV, V = v.shape[2:]
-    if HV % H != 0:
-        raise ValueError(
-            f"v heads HV={HV} must be a multiple of q/k heads H={H} (v {checks.shape(v)})"
-        )
+    T, H, K, HV, V = checks.check_heads(q, k, v)
     if list(g.shape) != [1, T, HV]:
         raise ValueError(f"g must be {[1, T, HV]}, got shape {checks.shape(g)}")
     N = checks.check_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
-    if initial_state is not None and (
-        list(initial_state.shape[1:]) != [HV, K, V]
-        or (N is not None and initial_state.shape[0] != N)
-    ):
-        want = [N if N is not None else "N", HV, K, V]
-        raise ValueError(f"initial_state must be {want}, got shape {checks.shape(initial_state)}")
+    checks.check_initial_state(initial_state, N, HV, K, V)
     if checks.resolve_backend(backend, q) == "fla":
         return chunk_ssd_fla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
                               cu_seqlens_cpu)  # fmt: skip

@@ -7,6 +7,11 @@ with ``g_t = dt_t A`` (one natural-log decay per head and token), ``k = B``, ``q
 this recurrence (head-wise data-dependent gate, no delta correction). fla-core ships no separate
 Mamba2/SSD kernel (its ``fla.layers.mamba2`` calls the external mamba_ssm kernels).
 
+A fixed decay per head (RetNet's retention, ``models/mixers/retention.py``) is the same
+recurrence with ``SSD.fixed_decay`` set: the gate is that constant at every token, so the torch
+kernel, fla's ``chunk_simple_gla`` (fla-core's own ``chunk_retention`` is ``chunk_simple_gla``
+with a constant ``g_gamma``) and the summaries serve it unchanged.
+
 Summary algebra: the transition is diagonal, ``S_out = exp(a) S_in + E`` with one log decay
 ``a`` per head, stored as ``[HV, K*V + 1] = [E | a]``; all-gathered per slot that is
 ``HV (K V + 1)`` numbers against the delta rule's ``HV K (V + K)``.
@@ -23,7 +28,7 @@ from torch import Tensor
 
 from ..common import checks
 from ..common.checks import Backend
-from ..common.dtypes import fold_dtype
+from ..common.dtypes import compute_dtype
 from ..cp.driver import context_parallel_recurrence
 from ..cp.recurrence import SequenceTables
 from .fla_kernel import chunk_ssd_fla
@@ -31,6 +36,8 @@ from .local import chunk_ssd
 from .torch_kernel import chunk_ssd_torch
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torchtitan_cp.routing import DeviceRouting
 
 __all__ = ["SSD", "context_parallel_ssd"]
@@ -38,10 +45,23 @@ __all__ = ["SSD", "context_parallel_ssd"]
 
 @dataclass(frozen=True)
 class SSD:
-    """Mamba2's SSD as a ``Recurrence``; inputs ``(q, k, v, g)`` as for ``chunk_ssd``."""
+    """Mamba2's SSD as a ``Recurrence``; inputs ``(q, k, v, g)`` as for ``chunk_ssd``, or
+    ``(q, k, v)`` with a ``fixed_decay``."""
 
     scale: float | None = None
     backend: Backend = "auto"
+    fixed_decay: Callable[[int, Tensor], Tensor] | None = None
+    """A decay per head instead of the gate input (RetNet's retention): ``fixed_decay(HV, v)``
+    is the natural-log decay ``[HV]`` of every token, on v's device in ``compute_dtype``."""
+
+    def gated(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """``(q, k, v, g)``: the inputs, the fixed decay broadcast to every token as the gate."""
+        if self.fixed_decay is None:
+            return inputs
+        q, k, v = inputs
+        T, HV = v.shape[1], v.shape[2]
+        g = self.fixed_decay(HV, v).view(1, 1, HV).expand(1, T, HV)
+        return q, k, v, g.contiguous()  # fla's kernels read the gate densely
 
     def state_shape(self, inputs: tuple[Tensor, ...]) -> tuple[int, int, int]:
         q, _, v = inputs[:3]
@@ -55,7 +75,7 @@ class SSD:
         output_final_state: bool,
     ) -> tuple[Tensor, Tensor | None]:
         return chunk_ssd(
-            *inputs, scale=self.scale, initial_state=initial_state,
+            *self.gated(inputs), scale=self.scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=tables.cu_seqlens,
             cu_seqlens_cpu=tables.cu_seqlens_cpu, backend=self.backend,
         )  # fmt: skip
@@ -65,8 +85,8 @@ class SSD:
         return torch.zeros(1, HV, K * V + 1, dtype=dtype, device=device)  # E = 0, a = 0
 
     def summarize(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Tensor:
-        q, k, v, g = inputs
-        dt = fold_dtype(v.dtype)
+        q, k, v, g = self.gated(inputs)
+        dt = compute_dtype(v.dtype)
         if checks.resolve_backend(self.backend, q) == "torch":
             _, E = chunk_ssd_torch(
                 q, k, v, g, cu_seqlens=tables.cu_seqlens,
@@ -87,11 +107,6 @@ class SSD:
     def apply(self, summary: Tensor, state: Tensor) -> Tensor:
         E = summary[..., :-1].unflatten(-1, state.shape[-2:])
         return torch.exp(summary[..., -1])[..., None, None] * state + E
-
-    def compose(self, first: Tensor, then: Tensor, state_shape: tuple[int, int, int]) -> Tensor:
-        E1 = first[..., :-1].unflatten(-1, state_shape[1:])
-        E = self.apply(then, E1).flatten(-2)
-        return torch.cat([E, (first[..., -1:] + then[..., -1:])], -1)
 
 
 def context_parallel_ssd(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..common.dtypes import compute_dtype
 from ..common.scores import gdn_scores
 from ..common.varlen import chunk_layout, host_cu_seqlens
 
@@ -49,7 +50,7 @@ def chunk_ssd_torch(
     T, H, K = q.shape[1:]
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale
-    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cd = compute_dtype(q.dtype)
     dev = q.device
     C = chunk_size
     cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
@@ -64,44 +65,20 @@ def chunk_ssd_torch(
         return o, (state0.clone() if want_final else None)
 
     lay = chunk_layout(cu, C)
-    NC = lay.num_chunks
-    src = lay.src.to(dev)
-
-    def pack(x: Tensor) -> Tensor:
-        """[1, T, Hx, ...] -> [NC, Hx, C, ...] in compute dtype, padding with zeros."""
-        x = x[0].to(cd)
-        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])], 0)[src]
-        return x.unflatten(0, (NC, C)).movedim(1, 2)
-
     rep = HV // H
-    kc = pack(k).repeat_interleave(rep, dim=1)  # [NC, HV, C, K]
-    vc = pack(v)  # [NC, HV, C, V]
-    G = pack(g).cumsum(2)  # [NC, HV, C] cumulative log gate inside the chunk, <= 0
+    kc = lay.pack(k, cd).repeat_interleave(rep, dim=1)  # [NC, HV, C, K]
+    vc = lay.pack(v, cd)  # [NC, HV, C, V]
+    G = lay.pack(g, cd).cumsum(2)  # [NC, HV, C] cumulative log gate inside the chunk, <= 0
     Gl = G[:, :, -1]  # [NC, HV]
     decay_end = torch.exp(Gl.unsqueeze(-1) - G).unsqueeze(-1)  # exp(G_C - G_t) <= 1
     E = (kc * decay_end).transpose(-1, -2) @ vc  # [NC, HV, K, V]
     dec = torch.exp(Gl)[..., None, None]  # [NC, HV, 1, 1]
-
-    # Inter-chunk recurrence: one step per chunk position, all sequences still running at once.
-    perm = lay.perm.to(dev)
-    decs, Es = dec[perm], E[perm]
-    S = state0[lay.order.to(dev)]
-    entry = []
-    start = 0
-    for a in lay.steps:
-        S_a = S[:a]
-        if not states_only:
-            entry.append(S_a)
-        S_new = decs[start : start + a] * S_a + Es[start : start + a]
-        S = torch.cat([S_new, S[a:]], 0) if a < N else S_new
-        start += a
-    final = S[lay.inv_order.to(dev)] if want_final else None
+    # Inter-chunk recurrence S <- exp(G_C) S + E, and every chunk's entry state S0.
+    final, S0 = lay.scan(dec, E, state0, torch.mul, entries=not states_only)
     if states_only:
         return None, final
-
-    S0 = torch.cat(entry, 0)[lay.inv_perm.to(dev)]  # [NC, HV, K, V] entry state of each chunk
-    qc = pack(q).repeat_interleave(rep, dim=1) * scale
+    assert S0 is not None
+    qc = lay.pack(q, cd).repeat_interleave(rep, dim=1) * scale
     scores = gdn_scores(qc.unsqueeze(0), kc, G)[0]  # [NC, HV, C, C]
     oc = (qc * torch.exp(G).unsqueeze(-1)) @ S0 + scores @ vc  # [NC, HV, C, V]
-    o = oc.movedim(1, 2).flatten(0, 1)[lay.dst.to(dev)]  # [T, HV, V]
-    return o.unsqueeze(0).to(v.dtype), final
+    return lay.unpack(oc).to(v.dtype), (final if want_final else None)

@@ -1,0 +1,66 @@
+"""What the multi-head recurrent mixers (KDA, GDN, retention) share: a config sized by the
+decoder's shared fields, the layer registry's hooks, and the FLOPs of a chunked recurrence."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan.protocols.module import Module
+
+from torchtitan_cp.ops import Backend
+from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
+
+__all__ = ["HeadsMixer", "recurrence_flops"]
+
+
+class HeadsMixer(Module):
+    """Base of a mixer with ``n_heads`` heads of ``head_dim`` (q, k) and ``value_head_dim``
+    (v; None: head_dim) channels over a model of width ``dim``, and the layer registry's hooks
+    (``models.hybrid.layers``). A field a subclass adds to its ``Config`` takes the decoder
+    field of the same name (``conv_width``, ``rope_theta``)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        dim: int
+        n_heads: int
+        head_dim: int
+        value_head_dim: int | None = None
+        norm_eps: float = 1e-5
+        layer_id: int = 0
+        backend: Backend = "auto"
+
+        @property
+        def v_dim(self) -> int:
+            """Value channels per head."""
+            return self.value_head_dim or self.head_dim
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.value_head_dim = config.v_dim
+        self.backend = config.backend
+
+    @classmethod
+    def from_model(cls, cfg: Any, layer_id: int, backend: Backend) -> HeadsMixer.Config:
+        """The mixer of layer ``layer_id`` of a ``HybridDecoder.Config`` ``cfg``, on the
+        registry's ``backend``."""
+        own = {f.name for f in dataclasses.fields(HeadsMixer.Config)}
+        added = [f.name for f in dataclasses.fields(cls.Config) if f.name not in own]
+        return cls.Config(
+            dim=cfg.dim, n_heads=cfg.n_heads, head_dim=cfg.head_dim,
+            value_head_dim=cfg.value_head_dim, norm_eps=cfg.norm_eps, layer_id=layer_id,
+            backend=backend, **{name: getattr(cfg, name) for name in added},
+        )  # fmt: skip
+
+    @staticmethod
+    def flops(cfg: Any, seq_len: int) -> int:
+        """Training FLOPs per token beyond the parameter matmuls (``recurrence_flops``)."""
+        return recurrence_flops(cfg.n_heads, cfg.head_dim, cfg.value_head_dim or cfg.head_dim)
+
+
+def recurrence_flops(heads: int, k: int, v: int) -> int:
+    """Training FLOPs per token of a chunked recurrence beyond its parameter matmuls: per head,
+    state update and readout ~2·K·V MACs each, plus the intra-chunk work ~chunk·(K+V)."""
+    return 6 * heads * (4 * k * v + FLA_CHUNK_SIZE * (k + v))
