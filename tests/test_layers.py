@@ -140,10 +140,19 @@ def test_mamba2_mixer_matches_reference(n_groups: int) -> None:
     assert (got - want).abs().max().item() <= 1e-10
 
 
-def test_compile_with_mamba2_is_a_config_error() -> None:
-    # SSD has no torch.compile custom op yet (ops/<family>/custom_ops.py): refuse before launch, naming it.
+def test_every_shipped_kind_compiles(monkeypatch) -> None:
+    # Every registered letter has torch.compile custom ops (ops/<family>/custom_ops.py), so
+    # compile.enable passes the config check with Mamba2 layers; a kind without them would be
+    # refused before launch, naming it.
+    import dataclasses
+
+    from torchtitan_cp.models.hybrid.layers import LAYERS
     from torchtitan_cp.train import load_config
     from torchtitan_cp.trainer.config import ConfigError
 
+    assert all(kind.compiles for kind in LAYERS.values())
+    args = ["--config_file", "configs/debug_mamba2_cpu.toml", "--compile.enable"]
+    assert load_config(args).compile.enable
+    monkeypatch.setitem(LAYERS, "M", dataclasses.replace(LAYERS["M"], compiles=False))
     with pytest.raises(ConfigError, match=r"without torch.compile custom ops: M \(Mamba2"):
-        load_config(["--config_file", "configs/debug_mamba2_cpu.toml", "--compile.enable"])
+        load_config(args)

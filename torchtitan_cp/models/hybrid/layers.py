@@ -41,7 +41,8 @@ class LayerKind:
     ``flops(cfg, seq_len)``: training FLOPs per token (forward + backward) beyond the mixer's
     parameter matmuls. ``flex_mask``: needs the document ``BlockMask`` when flex runs.
     ``compiles``: its kernels run under ``torch.compile`` without graph breaks (custom ops in
-    ``ops/opaque.py``); ``compile.enable`` with a kind that does not is a config error.
+    ``ops/<family>/custom_ops.py``); ``compile.enable`` with a kind that does not is a config
+    error. Every shipped kind compiles.
     """
 
     name: str
@@ -87,9 +88,7 @@ LAYERS: dict[str, LayerKind] = {
     "K": LayerKind("kda", "KDA (Kimi Delta Attention)", _delta_net(KDAMixer), _delta_flops),
     "G": LayerKind("gdn", "GDN (Gated DeltaNet)", _delta_net(GDNMixer), _delta_flops),
     "A": LayerKind("attention", "softmax attention", _attention, _attention_flops, True),
-    "M": LayerKind(
-        "mamba2", "Mamba2 (SSD)", Mamba2Mixer.from_model, Mamba2Mixer.flops, compiles=False
-    ),
+    "M": LayerKind("mamba2", "Mamba2 (SSD)", Mamba2Mixer.from_model, Mamba2Mixer.flops),
 }
 
 

@@ -141,7 +141,7 @@ class Mamba2Mixer(Module):
             r = ctx.routing
             y, _ = chunk_ssd(
                 q, k, v, g, scale=1.0, cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu,
-                backend=self.backend,
+                backend=self.backend, chunk_indices=r.chunk_indices, chunk_offsets=r.chunk_offsets,
             )  # fmt: skip
         y = y.to(acc) + self.D.to(acc).unsqueeze(-1) * xx.to(acc)  # D skip
         y = self.norm(y.flatten(-2).to(xs.dtype), z)
