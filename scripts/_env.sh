@@ -16,7 +16,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
   echo "[env] installing pinned dependencies (torch 2.14.1, torchtitan 0.3.0, fla-core 0.6.0)" >&2
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
-  echo "$WANT" > "$STAMP"
+  # A new file, renamed into place: a venv copied with hard links shares the old one.
+  echo "$WANT" > "$STAMP.tmp" && mv "$STAMP.tmp" "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -5,6 +5,11 @@ reused between repetitions; the fragment table only depends on (layout, T, W) an
 outside the timed region, as a trainer would. Prints a markdown table of medians.
 
     python scripts/bench_routing.py [--reps 5] [--pipeline] [--attention-gym]
+    python scripts/bench_routing.py --ptrr-only [--ptrr-shapes 8x16384,8x131072]
+
+``--ptrr`` (or ``--ptrr-only``) also times the PTRR balancer from the documents against the
+dense path it replaced (flex's ``create_block_mask`` + torch's ``_PTRRLoadBalancer``, the tests'
+oracle), side by side where the dense path fits ``--dense-max-pairs`` (B·L² token pairs).
 """
 
 from __future__ import annotations
@@ -180,6 +185,93 @@ def bench_host_pipeline(args: argparse.Namespace) -> None:
                     )
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+    return [(int(b), int(n)) for b, n in (s.split("x") for s in text.split(","))]
+
+
+def _timed(times: list[tuple[float, float]], fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, appending its ``(wall s, CPU s)`` to ``times``."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn(*args, **kwargs)
+    times.append((time.perf_counter() - t0, time.process_time() - c0))
+    return out
+
+
+def _cell(times: list[tuple[float, float]]) -> str:
+    """``wall min / wall median / CPU median`` in ms, or a dash when not run."""
+    if not times:
+        return "—"
+    wall, cpu = zip(*times)
+    ms = [1e3 * min(wall), 1e3 * statistics.median(wall), 1e3 * statistics.median(cpu)]
+    return " / ".join(f"{v:.3f}" for v in ms)
+
+
+def _dense_ptrr(positions: torch.Tensor, block: int, world: int) -> torch.Tensor:
+    """The path PTRR replaced: flex's dense mask, then torch's balancer (the tests' oracle)."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _PTRRLoadBalancer,
+    )
+
+    from tests.helpers import dense_document_block_mask
+
+    return _PTRRLoadBalancer(dense_document_block_mask(positions, block), world)._generate_indices()
+
+
+def bench_ptrr(args: argparse.Namespace) -> None:
+    """PTRR's rearrange index per microbatch, from the loader's ``cu_seqlens`` (host path) and
+    from the positions alone (readback path, here on the CPU), the whole host layout (index +
+    fragment table), and the dense path on the same layouts where it fits. Every repetition
+    draws new documents; ``cu_seqlens`` is derived outside the timed region (the loader does
+    it). Wall min / median and CPU-time median (``time.process_time``), ms."""
+    from torchtitan_cp.routing import cu_seqlens_tensor_from_positions, get_balancer, host_layout
+
+    rng = random.Random(args.seed)
+    block = args.ptrr_block_size
+    lb = get_balancer("ptrr", ptrr_block_size=block)
+    warm = torch.zeros(1, 2 * block, dtype=torch.int64)  # first calls set up flex's vmap
+    _dense_ptrr(warm, block, 2)
+    lb.indices(warm, 2, "cpu")
+    print(
+        f"\nPTRR, block {block}: index from the documents (host), from the positions (readback), "
+        "the host layout (index + fragments), and the dense path; wall min / median, CPU median, ms"
+        "\n\n| B x L | W | docs | host index ms (min / med / cpu) | readback index ms "
+        "(min / med / cpu) | host layout ms (min / med / cpu) | dense index ms (min / med / cpu) "
+        "| dense / host |\n| --- | ---: | ---: | --- | --- | --- | --- | ---: |"
+    )
+    for bsz, seqlen in args.ptrr_shapes:
+        total = bsz * seqlen
+        for world in args.ptrr_worlds:
+            for docs in args.ptrr_docs:
+                dense = bsz * seqlen * seqlen <= args.dense_max_pairs
+                times: dict[str, list[tuple[float, float]]] = {
+                    k: [] for k in ("host", "back", "lay", "dense")
+                }
+                for rep in range(args.reps):
+                    cu = random_cu_seqlens(total, min(docs, total), rng)
+                    cu = sorted(set(cu) | set(range(0, total + 1, seqlen)))
+                    starts = torch.zeros(total, dtype=torch.bool)
+                    starts[torch.tensor(cu[:-1])] = True
+                    col = torch.arange(total)
+                    last = torch.where(starts, col, 0).cummax(0).values
+                    positions = (col - last).view(bsz, seqlen)
+                    cu_t = cu_seqlens_tensor_from_positions(positions)  # in the loader
+                    host = _timed(times["host"], lb.indices, positions, world, "cpu",
+                                  cu_seqlens=cu_t)  # fmt: skip
+                    _timed(times["back"], lb.indices, positions, world, "cpu")
+                    _timed(times["lay"], host_layout, positions, cu_seqlens=cu_t,
+                           load_balancer=lb, world_size=world, device="cpu")  # fmt: skip
+                    if dense and rep < args.dense_reps:
+                        ref = _timed(times["dense"], _dense_ptrr, positions, block, world)
+                        assert torch.equal(ref, host)  # the same index, or nothing is compared
+                if times["dense"]:
+                    med = {k: statistics.median(w for w, _ in times[k]) for k in ("dense", "host")}
+                    speedup = f"{med['dense'] / med['host']:.0f}x"
+                else:
+                    speedup = f"— (over {args.dense_max_pairs:.2g} pairs)"
+                cells = " | ".join(_cell(t) for t in times.values())
+                print(f"| {bsz} x {seqlen} | {world} | {docs} | {cells} | {speedup} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=_ints, default=[131072, 1048576])
@@ -190,8 +282,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-gym", action="store_true")
     parser.add_argument("--gym-reps", type=int, default=3)
     parser.add_argument("--pipeline", action="store_true", help="also time the whole host path")
+    parser.add_argument("--ptrr", action="store_true", help="also time PTRR against the dense path")
+    parser.add_argument("--ptrr-only", action="store_true", help="time only PTRR")
+    parser.add_argument("--ptrr-shapes", type=_shapes,
+                        default=[(1, 4096), (1, 8192), (2, 8192), (1, 16384), (8, 16384),
+                                 (8, 131072)])  # fmt: skip
+    parser.add_argument("--ptrr-worlds", type=_ints, default=[8])
+    parser.add_argument("--ptrr-docs", type=_ints, default=[64, 1024])
+    parser.add_argument("--ptrr-block-size", type=int, default=128)
+    parser.add_argument("--dense-reps", type=int, default=3)
+    parser.add_argument("--dense-max-pairs", type=float, default=2**28,
+                        help="skip the dense path above B*L*L token pairs (~10 bytes each)")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # host-side planning runs next to the data loader, on one core
+    if args.ptrr_only:
+        bench_ptrr(args)
+        return 0
 
     rows = bench_routing(args)
     print(
@@ -208,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_host_pipeline(args)
     if args.attention_gym:
         bench_attention_gym(args)
+    if args.ptrr:
+        bench_ptrr(args)
     return 0
 
 

@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# GPU evidence for the host routing path, on one GPU whose Python (PYTHON, default python3)
-# already has torch (>= 2.11), Triton and numpy but maybe not torchtitan or FLA.
+# GPU evidence for the host routing path, one stage per call, on one GPU whose Python (PYTHON,
+# default python3) already has torch (>= 2.11), Triton and numpy but maybe not torchtitan or FLA:
+#   ./scripts/gpu_check.sh --stage path|tests|timing|compile [more scripts/gpu_check.py args]
+# (docs/gpu.md gives the sequence of device calls and their timeouts; --device cpu: dry run).
 # 1. Installs, with no network, the wheels listed in WHEEL_DIR/gpu_wheels.txt (fill WHEEL_DIR,
 #    default .whl beside the repo root, with scripts/gpu_wheels.sh on a machine with network)
-#    into SITE (default .gpu_site, git-ignored). Skipped when WHEEL_DIR is unset and step 2
-#    already passes.
-# 2. Checks torch >= 2.11 and imports everything the CUDA path loads (scripts/gpu_imports.py);
-#    an old torch or a missing module stops here with one line naming it.
-# 3. Runs the CUDA-only tests (fla kernels, the CP delta rule on fla, flex vs sdpa forward and
-#    backward; GPU_TESTS=0 skips them). A failure is reported, the measurements still run, and
-#    the exit status is 1.
-# 4. Runs scripts/gpu_check.py (well under 8 minutes on an H200 together with step 3). Extra
-#    arguments go to it, e.g. --seq-len 32768 --json out.json, or --device cpu for a dry run.
+#    into SITE (default .gpu_site, git-ignored), when WHEEL_DIR is set or the imports of the CUDA
+#    path fail (a later call on the same machine finds them installed); a missing import after
+#    that is one line naming it (exit 2). The path stage checks the trainer's imports itself.
+# 2. Keeps Triton's and inductor's caches in GPU_CACHE (default .gpu_cache, git-ignored):
+#    compiled kernels and fla's autotuning results, so a second call (or stage) reuses them.
+# 3. Runs the stage; every finished part appends a JSON line to GPU_CACHE/gpu_check.jsonl and,
+#    when OUT is set (the device tool's output folder), to OUT/gpu_check.jsonl too.
+# Exit status: 0 when every part passed, 1 when one failed, 2 when the setup failed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SITE="${SITE:-$ROOT/.gpu_site}"
+CACHE="${GPU_CACHE:-$ROOT/.gpu_cache}"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Binaries only (no intermediate IR): the cache holds every autotuning candidate.
+export TRITON_CACHE_DIR="$CACHE/triton" TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor"
+export TRITON_STORE_BINARY_ONLY=1
+# The GPU machine has no network: datasets and the hub must not try it (a hang, not an error).
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_DATASETS_CACHE="$CACHE/datasets"
 
 install_wheels() {
   local dir="$1" manifest="$1/gpu_wheels.txt" want have line pin file files=()
@@ -35,20 +42,16 @@ install_wheels() {
     --target "$SITE" "${files[@]}"
 }
 
-if [[ -n "${WHEEL_DIR:-}" ]] || ! "$PY" "$ROOT/scripts/gpu_imports.py" >/dev/null 2>&1; then
+[[ -d "$SITE" ]] && export PYTHONPATH="$SITE:$PYTHONPATH"
+if [[ -n "${WHEEL_DIR:-}" ]] || ! imports="$("$PY" "$ROOT/scripts/gpu_imports.py" 2>&1)"; then
   install_wheels "${WHEEL_DIR:-$ROOT/.whl}" || exit 2
-  export PYTHONPATH="$SITE:$PYTHONPATH"
+  [[ ":$PYTHONPATH:" == *":$SITE:"* ]] || export PYTHONPATH="$SITE:$PYTHONPATH"
+  imports="$("$PY" "$ROOT/scripts/gpu_imports.py" 2>&1)" || { echo "$imports" >&2; exit 2; }
 fi
-"$PY" "$ROOT/scripts/gpu_imports.py" || exit 2
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-tests_failed=0
-if [[ "${GPU_TESTS:-1}" != 0 ]]; then
-  (cd "$ROOT" && "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_fla.py \
-    tests/test_cp_delta_rule.py::test_fla_backend_out_of_order_span \
-    tests/test_cp_flex_attention.py::test_flex_matches_sdpa_on_cuda_forward_and_backward \
-    tests/test_compile.py::test_fla_ops_opcheck_cuda \
-    tests/test_qwen35_cuda.py) \
-    || { tests_failed=$?; echo "gpu_check: CUDA tests failed (exit $tests_failed)" >&2; }
-fi
-"$PY" "$ROOT/scripts/gpu_check.py" "$@"
-exit $((tests_failed ? 1 : 0))
+echo "$imports"
+results=(--results "$CACHE/gpu_check.jsonl")
+[[ -n "${OUT:-}" ]] && results+=(--results "$OUT/gpu_check.jsonl")
+rc=0
+"$PY" "$ROOT/scripts/gpu_check.py" "${results[@]}" "$@" || rc=$?
+du -sh "$CACHE" 2>/dev/null | sed 's/^/gpu_check: cache /' || true
+exit "$rc"

@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
 # Emulate the GPU machine's image on a CPU machine, in one command: ./scripts/gpu_image_check.sh
-# 1. A Python 3.12 venv with torch==2.11.0 (the CUDA build, ~4.7 GB; it imports without a GPU)
-#    and numpy only, built once in GPU_IMAGE_DIR (default .gpu_image/, git-ignored) and reused
-#    while its package list is unchanged. Python 3.12: PYTHON312, python3.12 on PATH, or pyenv.
+# 1. A Python 3.12 venv with torch==2.11.0 (the CUDA build, ~4.7 GB; it imports without a GPU),
+#    numpy and the few packages the GPU image is known to have that the check uses (tokenizers,
+#    huggingface_hub, safetensors, pytest, ...; scripts/gpu_wheels.sh drops the same list), built
+#    once in GPU_IMAGE_DIR (default .gpu_image/, git-ignored) and reused while that list and its
+#    package set are unchanged. Python 3.12: PYTHON312, python3.12 on PATH, or pyenv.
 # 2. scripts/gpu_wheels.sh into a fresh folder (needs PyPI).
-# 3. scripts/gpu_check.sh --device cpu with those wheels only (--no-index, a fresh site): the
-#    import gate (scripts/gpu_imports.py), the CUDA-only tests (collected, skipped on CPU), the
-#    dry run of scripts/gpu_check.py.
-# 4. The import gate rejects a site without einops (fla swallows that in `import fla`), the
-#    trainer stops with its one-line torch floor error, and `pip install --no-deps` of the
-#    project accepts the image's Python.
+# 3. scripts/gpu_check.sh --device cpu, every stage, with those wheels only (--no-index, a fresh
+#    site): the import gate (scripts/gpu_imports.py --trainer), the trainer's whole-step sync
+#    check (dry run), the CUDA-only tests (collected, skipped on CPU), the timing and compile
+#    dry runs.
+# 4. Two steps of configs/debug_cpu.toml through the trainer (torch 2.11 through compat.py's
+#    shims); the trainer refuses two processes on torch 2.11 in one line (exit 2); the import
+#    gate rejects a site without einops (fla swallows that in `import fla`); `pip install
+#    --no-deps` of the project accepts the image's Python.
 # Exits non-zero on any failure. Needs network for steps 1-2; about 6 GB of disk.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${GPU_IMAGE_DIR:-$ROOT/.gpu_image}"
 VENV="$CACHE/venv"
-IMAGE_PACKAGES=(torch==2.11.0 numpy)
+# What the GPU image has (docs/gpu.md, "The GPU image"), as far as the check uses it.
+IMAGE_PACKAGES=(torch==2.11.0 numpy tokenizers huggingface_hub safetensors pytest pytest-xdist
+                pytest-timeout hypothesis attrs rich typing-extensions)
 unset PYTHONPATH  # nothing from the calling environment leaks into the image
 step() { echo; echo "== gpu_image_check: $*"; }
 
@@ -35,21 +41,24 @@ find_python312() {
 
 step "1. image venv (Python 3.12, ${IMAGE_PACKAGES[*]}) in $VENV"
 STAMP="$VENV/.image_packages.txt"
-if [[ -f "$STAMP" ]] && [[ "$("$VENV/bin/python" -m pip freeze 2>/dev/null)" == "$(cat "$STAMP")" ]]; then
+stamp() { echo "${IMAGE_PACKAGES[*]}"; "$VENV/bin/python" -m pip freeze 2>/dev/null; }
+if [[ -f "$STAMP" ]] && [[ "$(stamp)" == "$(cat "$STAMP")" ]]; then
   echo "reusing it"
 else
-  PY312="$(find_python312)"
-  rm -rf "$VENV"
-  mkdir -p "$CACHE"
-  "$PY312" -m venv "$VENV"
-  echo "installing ${IMAGE_PACKAGES[*]} with $("$PY312" --version) (a ~4.7 GB download)"
+  if ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+    PY312="$(find_python312)"
+    rm -rf "$VENV"
+    mkdir -p "$CACHE"
+    "$PY312" -m venv "$VENV"
+  fi
+  echo "installing ${IMAGE_PACKAGES[*]} with $("$VENV/bin/python" --version) (a ~4.7 GB download the first time)"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${IMAGE_PACKAGES[@]}"
-  "$VENV/bin/python" -m pip freeze > "$STAMP"
+  stamp > "$STAMP"
 fi
 PY="$VENV/bin/python"
 "$PY" -c "import sys, torch, numpy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'numpy', numpy.__version__)"
-if "$PY" -c "import einops" 2>/dev/null || "$PY" -c "import packaging" 2>/dev/null; then
-  echo "gpu_image_check: $VENV has einops or packaging; a stock image may not (rm -r $VENV)" >&2
+if "$PY" -c "import einops" 2>/dev/null; then
+  echo "gpu_image_check: $VENV has einops; step 4c needs an image without it (rm -r $VENV)" >&2
   exit 1
 fi
 
@@ -58,12 +67,38 @@ WHEELS="$CACHE/wheels" SITE="$CACHE/site"
 rm -rf "$WHEELS" "$SITE"
 "$ROOT/scripts/gpu_wheels.sh" "$WHEELS" --python-version 3.12
 
-step "3. scripts/gpu_check.sh --device cpu with only those wheels, offline"
-PYTHON="$PY" WHEEL_DIR="$WHEELS" SITE="$SITE" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
-  "$ROOT/scripts/gpu_check.sh" --device cpu --flavor debug --pattern KGKA --seq-len 256 \
-  --mean-doc 40 --steps 2 --warmup 1 --compile-backend aot_eager
+step "3. scripts/gpu_check.sh --device cpu, every stage, with only those wheels, offline"
+rm -rf "$CACHE/gpu_cache"
+for stage in path tests timing compile; do
+  log="$CACHE/stage-$stage.log"
+  if ! PYTHON="$PY" WHEEL_DIR="$WHEELS" SITE="$SITE" GPU_CACHE="$CACHE/gpu_cache" \
+      OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$ROOT/scripts/gpu_check.sh" --stage "$stage" \
+      --device cpu --flavor debug --pattern KGKA --seq-len 256 --mean-doc 40 --steps 2 \
+      --warmup 1 --compile-backend aot_eager > "$log" 2>&1; then
+    tail -30 "$log"; echo "gpu_image_check: stage $stage failed (log: $log)" >&2; exit 1
+  fi
+  grep -a -E '^(gpu_check: |gpu_imports: |\| |[0-9]+ (passed|skipped))' "$log" || true
+done
 
-step "4a. the import gate names a missing einops"
+step "4. two steps of configs/debug_cpu.toml through the trainer, torch $("$PY" -c 'import torch; print(torch.__version__)')"
+RUN="$CACHE/run"
+rm -rf "$RUN"
+out="$(cd "$ROOT" && PYTHONPATH="$SITE:$ROOT" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PY" -m \
+  torchtitan_cp.train --config_file configs/debug_cpu.toml --training.steps 2 \
+  --metrics.no-enable_wandb --dump_folder "$RUN" 2>&1)" || { echo "$out" | tail -20; exit 1; }
+echo "$out" | grep -a -E 'step: +[0-9]+ ' | sed 's/\x1b\[[0-9;]*m//g'
+[[ "$(grep -c '"loss"' "$RUN/metrics.jsonl")" == 2 ]] || { echo "gpu_image_check: no two trainer steps in $RUN/metrics.jsonl" >&2; exit 1; }
+rm -rf "$RUN"
+
+step "4b. the trainer refuses two processes on torch 2.11, in one line"
+rc=0
+out="$(cd "$ROOT" && PYTHONPATH="$SITE:$ROOT" "$PY" -m torchtitan_cp.train --check --nproc 2 2>&1)" || rc=$?
+echo "$out" | tail -1
+if [[ $rc != 2 || "$(echo "$out" | tail -1)" != *"which needs torch >= 2.14, found torch 2.11"* ]]; then
+  echo "gpu_image_check: expected the one-line refusal and exit 2, got exit $rc" >&2; exit 1
+fi
+
+step "4c. the import gate names a missing einops"
 NO_EINOPS="$CACHE/site-no-einops"
 rm -rf "$NO_EINOPS"
 mapfile -t files < <(grep -v -E '^(#|python |einops==|\s*$)' "$WHEELS/gpu_wheels.txt" | cut -d' ' -f2)
@@ -75,15 +110,7 @@ echo "$out" | tail -1
 [[ "$(echo "$out" | tail -1)" == *"'einops'"* ]] || { echo "gpu_image_check: the error does not name einops" >&2; exit 1; }
 rm -rf "$NO_EINOPS"
 
-step "4b. the trainer states its torch floor"
-rc=0
-out="$(PYTHONPATH="$SITE:$ROOT" "$PY" -m torchtitan_cp.train --help 2>&1)" || rc=$?
-echo "$out" | tail -1
-if [[ $rc != 2 || "$(echo "$out" | tail -1)" != *"needs torch >= 2.14, found torch 2.11"* ]]; then
-  echo "gpu_image_check: expected the one-line floor error and exit 2, got exit $rc" >&2; exit 1
-fi
-
-step "4c. pip install --no-deps of the project into the image's Python"
+step "4d. pip install --no-deps of the project into the image's Python"
 PROJECT="$CACHE/project"
 rm -rf "$PROJECT"
 mkdir -p "$PROJECT/src"  # a copy: the build leaves build/ and *.egg-info beside its sources

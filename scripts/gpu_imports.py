@@ -1,9 +1,10 @@
 """Import every module the CUDA path loads; the first failure is one line naming it (exit 2).
 
-The single list of what a GPU environment must provide below the trainer (which alone needs
-torch >= 2.14 and torchtitan's FSDP). scripts/gpu_check.sh runs this before anything else and
+The single list of what a GPU environment must provide below the trainer, and (``--trainer``)
+what the trainer adds (torchtitan's trainer, its data pipeline; torch 2.11-2.13 through
+compat.py's shims). scripts/gpu_check.sh runs this before anything else and
 scripts/gpu_image_check.sh runs it in the emulated image. Add a module here when the CUDA path
-starts importing it.
+or the trainer starts importing it.
 
 ``import fla`` alone proves nothing: fla's ``__init__`` swallows a missing dependency, so the
 entries name the exact functions the kernels adapters import (``module:attribute``).
@@ -47,6 +48,21 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
 )
 
 
+# The trainer on top (scripts/gpu_check.py's first stage runs it): the packages by name first,
+# so a missing one is named, then the recipe's trainer module (after compat's shims, in the entry
+# point's order).
+TRAINER_IMPORTS: tuple[str, ...] = (
+    "datasets:load_dataset",
+    "pyarrow",
+    "torchdata.stateful_dataloader:StatefulDataLoader",
+    "tyro",
+    "tokenizers",
+    "spmd_types",
+    "torchtitan_cp.trainer.trainer:HybridTrainer",
+)
+_TRAINER_MODULE = "torchtitan_cp.trainer.trainer"
+
+
 def check(
     imports: tuple[str, ...] = CUDA_PATH_IMPORTS, torch_version: str | None = None
 ) -> str | None:
@@ -62,6 +78,8 @@ def check(
     for entry in imports:
         module_name, _, attr = entry.partition(":")
         try:
+            if module_name == _TRAINER_MODULE:
+                compat.apply()  # torch < 2.14: the names torchtitan's trainer imports
             module = importlib.import_module(module_name)
             if attr:
                 getattr(module, attr)
@@ -72,12 +90,15 @@ def check(
     return None
 
 
-def main() -> int:
-    error = check()
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    imports = CUDA_PATH_IMPORTS + (TRAINER_IMPORTS if "--trainer" in args else ())
+    error = check(imports)
     if error is not None:
         print(f"gpu_imports: {error}", file=sys.stderr)
         return 2
-    print(f"gpu_imports: {len(CUDA_PATH_IMPORTS)} imports of the CUDA path load")
+    what = "the CUDA path and the trainer" if "--trainer" in args else "the CUDA path"
+    print(f"gpu_imports: {len(imports)} imports of {what} load")
     return 0
 
 

@@ -25,13 +25,23 @@ done
 DIR="${DIR:-$ROOT/.whl}"
 MAX_MIB=64  # what one call to the GPU machine may carry
 
-# What the GPU check imports (scripts/gpu_imports.py), as distributions. torchtitan comes
-# without its declared dependencies: datasets, wandb, tensorboard, ... serve the trainer, which
-# the check does not run; of them the model's modules need only spmd_types and tyro.
-# fla-core imports packaging at module level without declaring it.
+# What the GPU check imports (scripts/gpu_imports.py) and what its first stage's trainer run
+# needs, as distributions. torchtitan comes without its declared dependencies: of them the
+# trainer imports datasets (with pyarrow and pandas), torchdata, tyro, spmd_types and tokenizers;
+# wandb and tensorboard (both off in the check; compat.py covers a missing tensorboard) and
+# pillow are left out. pyarrow is pinned to the oldest datasets accepts: 40.8 MiB against 52 for
+# the newest, which would not fit. fla-core imports packaging at module level without declaring it.
 NO_DEPS=(torchtitan==0.3.0)
-WITH_DEPS=(fla-core==0.6.0 packaging spmd_types==0.2.3 tyro pytest)
-IMAGE_HAS='^(torch|triton|numpy|nvidia-.*|cuda-.*)$'  # normalised names
+WITH_DEPS=(fla-core==0.6.0 packaging spmd_types==0.2.3 tyro pytest datasets==4.7.0
+           pyarrow==21.0.0 torchdata)
+# What the GPU image already has (docs/gpu.md, "The GPU image"; scripts/gpu_image_check.sh
+# installs the same list into its emulated image): torch with its CUDA libraries and its own
+# dependencies but fsspec (datasets caps its version), triton, numpy, and the packages below with
+# their dependencies (huggingface_hub brings hf-xet). Normalised names.
+IMAGE_HAS='^(torch|triton|numpy|nvidia-.*|cuda-.*|sympy|mpmath|networkx|jinja2|markupsafe|filelock|setuptools|typing-extensions|tokenizers|huggingface-hub|hf-xet|safetensors|pytest|pluggy|iniconfig|hypothesis|sortedcontainers|attrs|rich|pygments|markdown-it-py|mdurl)$'
+# Declared but not imported by the check: aiohttp and its stack (fsspec's http filesystem, for
+# streaming remote datasets; datasets imports it only if present). 2.9 MiB of the 64.
+NOT_NEEDED='^(aiohttp|aiohappyeyeballs|aiosignal|multidict|yarl|propcache|frozenlist)$'
 
 TARGET=(--only-binary=:all: --implementation cp --python-version "$PYVER"
         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64)
@@ -42,14 +52,14 @@ trap 'rm -rf "$TMP"' EXIT
   "${TARGET[@]}" "${WITH_DEPS[@]}"
 "$PY" -m pip install -q --dry-run --ignore-installed --no-deps --target "$TMP/t" \
   --report "$TMP/nodeps.json" "${TARGET[@]}" "${NO_DEPS[@]}"
-"$PY" - "$TMP" "$IMAGE_HAS" > "$TMP/pins.txt" <<'EOF'
+"$PY" - "$TMP" "$IMAGE_HAS|$NOT_NEEDED" > "$TMP/pins.txt" <<'EOF'
 import json, re, sys
-tmp, image_has = sys.argv[1], re.compile(sys.argv[2])
+tmp, skip = sys.argv[1], re.compile(sys.argv[2])
 seen = set()
 for report in ("nodeps", "deps"):
     for item in json.load(open(f"{tmp}/{report}.json"))["install"]:
         name = re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower()
-        if name not in seen and not image_has.match(name):
+        if name not in seen and not skip.match(name):
             seen.add(name)
             print(f"{name}=={item['metadata']['version']}")
 EOF

@@ -1,12 +1,56 @@
 """The suite's shared pytest configuration.
 
-* Markers: ``slow`` marks every test that starts a process (gloo ranks, torchrun, a subprocess);
-  ``pytest -m "not slow"`` is the fast in-process loop. The plugin ``tests.process_starts``
-  registers the marker and fails an unmarked test that starts a process.
+* Markers: ``slow`` marks every test that starts a process (gloo ranks, torchrun, a subprocess)
+  and the interpreted-kernel tests; ``pytest -m "not slow"`` is the fast in-process loop. The
+  plugin ``tests.process_starts`` registers the marker and fails an unmarked test that starts a
+  process. ``fla_interpreter`` marks the tier that runs fla-core's Triton kernels on CPU under
+  Triton's interpreter (tests/fla_interpreter.py); every test of the tier carries both marks.
+* The tier's set-up: fla's kernels must be imported after Triton's interpreter is on, and test
+  modules import fla at collection, so the interpreter is installed here, before collection,
+  whenever the ``-m`` expression can select the tier. ``-m "not slow"`` (the fast loop) and
+  ``-m "not fla_interpreter"`` leave this process untouched. Tests of a normal run's behaviour
+  take the ``interpreter_off`` fixture.
 * Shared helpers are imported one way, as ``tests.<module>`` (``tests`` is a package):
   ``tests.dist_utils`` (gloo ranks, layout cases), ``tests.launch`` (the real entry points),
   ``tests.helpers`` (batches, files), ``tests.reference`` / ``tests.reference_ssd`` (float64
-  oracles).
+  oracles), ``tests.fla_interpreter`` (the tier's interpreter set-up).
 """
 
+from __future__ import annotations
+
+import pytest
+
+from tests import fla_interpreter
+
 pytest_plugins = ["tests.process_starts"]
+
+FLA_INTERPRETER = "fla_interpreter"
+TIER_MARKS = {FLA_INTERPRETER, "slow"}  # every test of the tier carries both
+
+
+def _tier_selected(config: pytest.Config) -> bool:
+    expr = config.getoption("markexpr", "") or ""
+    if not expr:
+        return True
+    try:  # pytest's own -m evaluator (private, stable since pytest 6); unsure: select
+        from _pytest.mark.expression import Expression
+
+        return Expression.compile(expr).evaluate(lambda name, **_: name in TIER_MARKS)
+    except Exception:
+        return True
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{FLA_INTERPRETER}: fla-core's Triton kernels on CPU under Triton's interpreter "
+        "(tests/fla_interpreter.py); also slow",
+    )
+    if _tier_selected(config):
+        fla_interpreter.install()
+
+
+@pytest.fixture
+def interpreter_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A normal run's view of Triton in a process where the tier turned its interpreter on."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -184,6 +184,26 @@ def random_layout(
     return table
 
 
+def ptrr_layout(gen: Any, rows: int, row_len: int, world: int, block: int = 4) -> Layout:
+    """torch's PTRR balancer (blocks of ``block`` tokens) on random documents of 1-19 tokens:
+    (cu_seqlens, fragment table)."""
+    import torch
+
+    from tests.helpers import positions_from_lengths
+    from torchtitan_cp.routing import (
+        cu_seqlens_from_positions,
+        fragments_from_indices,
+        get_balancer,
+    )
+
+    lengths = [int(x) for x in torch.randint(1, 20, (8,), generator=gen)]
+    positions = positions_from_lengths(rows, row_len, lengths)
+    index = get_balancer("ptrr", ptrr_block_size=block).indices(positions, world, "cpu")
+    assert index is not None
+    table = fragments_from_indices(index, world, rows, row_len)
+    return cu_seqlens_from_positions(positions), table
+
+
 def explicit_layout_4() -> Layout:
     """Hand-made 4-rank case: two rows of 24 tokens; single-token documents (one at a row
     start); document [2, 20) in six pieces on ranks 0, 2, 3, 1, 0, 2 (1-token fragments
@@ -196,6 +216,15 @@ def explicit_layout_4() -> Layout:
         [(21, 30), (4, 10)],
     ]
     return cu, table
+
+
+def doc_ids_of(cu: list[int], tokens: list[int]) -> Any:
+    """int64 tensor of the document (index into ``cu``) of every global token id in ``tokens``."""
+    import bisect
+
+    import torch
+
+    return torch.tensor([bisect.bisect_right(cu, t) - 1 for t in tokens], dtype=torch.int64)
 
 
 def span_index(fragments: list[tuple[int, int]]) -> list[int]:

@@ -46,6 +46,21 @@ def random_batch(
     return tokens, positions, torch.roll(tokens, -1, dims=1)
 
 
+def dense_document_block_mask(positions: torch.Tensor, block_size: int = 128):
+    """The causal packed-document ``BlockMask`` ``[B, 1, L, L]`` of ``positions [B, L]``, built by
+    flex's eager ``create_block_mask`` over all ``L x L`` token pairs: the oracle the PTRR
+    balancer (which never builds it) is checked against, and torchtitan's ``cp_shard`` input."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from torchtitan_cp.routing import document_mask_mod, row_document_index
+
+    bsz, seqlen = positions.shape
+    return create_block_mask(
+        document_mask_mod(row_document_index(positions)), bsz, None, seqlen, seqlen,
+        device=positions.device, BLOCK_SIZE=block_size,
+    )  # fmt: skip
+
+
 def flip(path: Path, offset: int = 100, n: int = 64) -> None:
     """Invert ``n`` bytes of ``path`` from ``offset`` (a corrupted checkpoint shard)."""
     data = bytearray(path.read_bytes())

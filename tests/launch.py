@@ -14,8 +14,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def repo_env(**extra: str) -> dict[str, str]:
-    """This environment with the repository first on PYTHONPATH, wandb offline and one thread."""
+    """This environment with the repository first on PYTHONPATH, wandb offline and one thread.
+    Without Triton's interpreter (the fla_interpreter tier turns it on in the pytest process):
+    a launched run is a normal run unless ``extra`` turns it back on."""
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
@@ -41,24 +44,38 @@ def run_python(code: str, *, timeout: float = 120, check: bool = False):
     return proc
 
 
-def torchrun_cmd(args: list[str], *, nproc: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of ``torchrun --nproc_per_node=nproc -m
-    torchtitan_cp.train ARGS`` on a free localhost port."""
+def torchrun_cmd(
+    args: list[str],
+    *,
+    nproc: int,
+    module: str = "torchtitan_cp.train",
+    launcher: str = "torch.distributed.run",
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``torchrun --nproc_per_node=nproc -m MODULE ARGS``
+    on a free localhost port (MODULE: the trainer, or a tests/ runner that wraps its main;
+    ``launcher="torchtitan_cp.launch"``: the recipe's torchrun, which ./scripts/train.sh runs
+    after its check)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", launcher,
         f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "-m", "torchtitan_cp.train", *args,
+        "-m", module, *args,
     ]  # fmt: skip
     return cmd, repo_env(PYTHONUNBUFFERED="1")
 
 
 def torchrun_train(
-    args: list[str], *, nproc: int, dump_folder: Path, timeout: float = 300, check: bool = True
+    args: list[str],
+    *,
+    nproc: int,
+    dump_folder: Path,
+    timeout: float = 300,
+    check: bool = True,
+    module: str = "torchtitan_cp.train",
 ) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node=nproc -m torchtitan_cp.train ARGS --dump_folder DUMP``;
-    ``check=False`` returns a failed run instead of raising."""
-    cmd, env = torchrun_cmd([*args, "--dump_folder", str(dump_folder)], nproc=nproc)
+    """``torchrun --nproc_per_node=nproc -m MODULE ARGS --dump_folder DUMP`` (MODULE: the
+    trainer by default); ``check=False`` returns a failed run instead of raising."""
+    cmd, env = torchrun_cmd([*args, "--dump_folder", str(dump_folder)], nproc=nproc, module=module)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -86,6 +103,26 @@ def python_train(args: list[str], *, dump_folder: Path, timeout: float = 300, ch
     return proc
 
 
+def train_sh_cmd(args: list[str], **env: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``./scripts/train.sh ARGS`` with ``env`` added
+    (``NPROC``, ``NNODES``, ... unset unless given)."""
+    base = repo_env(PYTHONUNBUFFERED="1")
+    for key in ("NPROC", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "MASTER_ADDR", "MASTER_PORT",
+                "NPROC_PER_NODE", "RDZV_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # fmt: skip
+        base.pop(key, None)
+    return [str(REPO / "scripts" / "train.sh"), *args], {**base, **env}
+
+
+def train_sh(args: list[str], *, timeout: float = 300, check: bool = True, **env: str):
+    """``./scripts/train.sh ARGS`` with ``env``; ``check=False`` returns a failed run."""
+    cmd, full_env = train_sh_cmd(args, **env)
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.sh failed (exit {proc.returncode}):\n{proc.stderr[-8000:]}")
+    return proc
+
+
 def read_metrics(dump_folder: Path, file: str = "metrics.jsonl") -> list[dict]:
     """Training rows of ``metrics.jsonl`` (run header lines and validation rows are left out)."""
     rows = [json.loads(line) for line in (dump_folder / file).read_text().splitlines()]
@@ -96,3 +133,20 @@ def read_run_headers(dump_folder: Path, file: str = "metrics.jsonl") -> list[dic
     """The ``run_header`` lines of ``metrics.jsonl``, one per run, oldest first."""
     rows = [json.loads(line) for line in (dump_folder / file).read_text().splitlines()]
     return [r["run_header"] for r in rows if "run_header" in r]
+
+
+def rank_pids(marker: str) -> dict[int, int]:
+    """Local rank -> pid of the running trainer ranks whose environment holds ``marker`` (a
+    string unique to one launch, e.g. its dump folder): /proc of this machine."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"LOCAL_RANK" in env and b"TORCHELASTIC_RUN_ID" in env and marker.encode() in cmdline:
+            found[int(env[b"LOCAL_RANK"])] = int(pid)
+    return found

@@ -64,7 +64,9 @@ def _patch(owner: Any, name: str, what: str) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", f"{SLOW}: multi-process or end-to-end tests (every test that starts a process)"
+        "markers",
+        f"{SLOW}: multi-process, end-to-end or interpreted-kernel tests (every test that starts "
+        "a process carries it)",
     )
     _patch(subprocess.Popen, "__init__", "subprocess.Popen")
     _patch(multiprocessing.process.BaseProcess, "start", "multiprocessing Process.start")

@@ -5,33 +5,43 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import run_distributed
 from tests.helpers import flip
 from tests.launch import run_module, run_python
 from torchtitan_cp.run.checkpoint import (
     MANIFEST,
+    MANIFEST_FORMAT,
     CheckpointError,
     HybridCheckpointManager,
     check_step,
     check_writable,
+    fit_error,
+    fit_problem,
     list_files,
     plan_resume,
     write_manifest,
 )
+from torchtitan_cp.run.checkpoint import main as checkpoint_main
 from torchtitan_cp.run.errors import RunError
 from torchtitan_cp.run.lock import RunLock
-from torchtitan_cp.run.start import read_rows, supersede_rows
+from torchtitan_cp.run.start import read_rows, repair_jsonl, supersede_rows
 
 
 def make_step(folder: Path, step: int, *, sealed: bool = True, run_id: str = "run-a") -> Path:
-    """A step folder shaped like a DCP save (``.metadata`` + one shard per rank)."""
+    """A step folder holding a real (one-process) DCP save, ``.metadata`` + ``__0_0.distcp``,
+    plus a second 3000-byte file as the other rank's shard of a 2-rank save would be."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     d = folder / f"step-{step}"
     d.mkdir(parents=True)
-    (d / ".metadata").write_bytes(b"meta" * 100 + bytes([step]))
-    (d / "__0_0.distcp").write_bytes(os.urandom(4096))
+    dcp.save({"w": torch.randn(1024), "step": torch.tensor(step)}, checkpoint_id=str(d))
     (d / "__1_0.distcp").write_bytes(os.urandom(3000))
     if sealed:
         write_manifest(str(d), step=step, run_id=run_id)
@@ -84,7 +94,8 @@ def test_resume_skips_incomplete_and_corrupt_steps_and_moves_them_aside(tmp_path
     assert sorted(os.listdir(folder)) == ["step-2"]
     aside = tmp_path / "checkpoint.aside" / "run-b"
     assert sorted(os.listdir(aside)) == ["step-4", "step-6"]
-    assert (aside / "step-4" / "__0_0.distcp").stat().st_size == 4096, "moved, not deleted"
+    assert check_step(str(aside / "step-6"), sha256=False) is not None, "moved as it was"
+    assert (aside / "step-4" / "__0_0.distcp").stat().st_size > 4096, "moved, not deleted"
 
 
 def test_resume_with_no_verified_step_is_an_error(tmp_path):
@@ -201,6 +212,13 @@ def test_checkpoint_cli_verify_and_seal(tmp_path):
     d = make_step(tmp_path, 7, sealed=False)
     p = run_module("torchtitan_cp.checkpoint", "verify", str(d))
     assert p.returncode == 1 and "incomplete" in p.stderr
+    shard = d / "__0_0.distcp"
+    full = shard.read_bytes()
+    shard.write_bytes(full[:64])
+    p = run_module("torchtitan_cp.checkpoint", "seal", str(d))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert f"will not seal {d}: {shard} is truncated: 64 bytes" in p.stderr
+    shard.write_bytes(full)
     p = run_module("torchtitan_cp.checkpoint", "seal", str(d))
     assert p.returncode == 0, p.stderr
     p = run_module("torchtitan_cp.checkpoint", "verify", str(d))
@@ -268,3 +286,211 @@ def test_load_only_runs_name_bad_steps_but_move_nothing(tmp_path):
     assert plan.step == 2 and "step-4 skipped: incomplete" in plan.lines[0]
     assert "left in place" in plan.lines[0]
     assert sorted(os.listdir(folder)) == ["step-2", "step-4"]
+
+
+# ------------------------------------------------------------------ issue 15: never blocked
+
+MALFORMED = [
+    ({"format": MANIFEST_FORMAT, "step": 4}, 'has no "files" table'),
+    ([1, 2], "is a JSON list, not an object"),
+    ({"format": MANIFEST_FORMAT, "files": []}, '"files" is not a table'),
+    ({"format": MANIFEST_FORMAT, "files": {}}, "lists no files"),
+    ({"format": MANIFEST_FORMAT, "files": {"__0_0.distcp": 5}}, "is not a table"),
+    ({"format": MANIFEST_FORMAT, "files": {"__0_0.distcp": {"sha256": "0" * 64}}},
+     'has no valid "bytes"'),
+    ({"format": MANIFEST_FORMAT, "files": {"__0_0.distcp": {"bytes": 3, "sha256": 7}}},
+     'has no valid "sha256"'),
+    ({"format": MANIFEST_FORMAT, "files": {"../x": {"bytes": 3, "sha256": "0" * 64}}},
+     "not a file inside the step folder"),
+    ({"format": "other/1", "files": {}}, "has format 'other/1'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("manifest, why", MALFORMED, ids=[w for _, w in MALFORMED])
+def test_malformed_manifests_of_any_shape_are_an_incomplete_step(tmp_path, capsys, manifest, why):
+    """Before: valid JSON without "files" crashed every rank with KeyError (resume and verify)."""
+    folder = tmp_path / "checkpoint"
+    make_step(folder, 2)
+    d = make_step(folder, 4, sealed=False)
+    (d / MANIFEST).write_text(json.dumps(manifest))
+    plan = plan_resume(str(folder), run_id="r", training_steps=10)
+    assert plan.step == 2, "resumed from the step before"
+    assert (
+        plan.lines[0].startswith("checkpoint step-4 skipped: incomplete: ") and why in plan.lines[0]
+    )
+    assert str(d / MANIFEST) in plan.lines[0] and "moved to" in plan.lines[0]
+    assert (tmp_path / "checkpoint.aside" / "r" / "step-4").is_dir()
+    moved = tmp_path / "checkpoint.aside" / "r" / "step-4"
+    assert checkpoint_main(["verify", str(moved)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"checkpoint: error: {moved}: incomplete: ") and why in err
+    assert err.count("\n") == 1
+
+
+def test_seal_refuses_a_step_that_does_not_load(tmp_path, capsys):
+    """Before: seal wrote a manifest for a truncated shard (and "0 files" for an empty folder),
+    and the resume from it ended in a 244-line traceback."""
+    d = make_step(tmp_path, 5, sealed=False)
+    shard = d / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # cut short
+    assert checkpoint_main(["seal", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"checkpoint: error: will not seal {d}: {shard} is truncated: 100 bytes")
+    assert not (d / MANIFEST).exists()
+    (d / ".metadata").write_bytes((d / ".metadata").read_bytes()[:50])
+    assert checkpoint_main(["seal", str(d)]) == 2
+    assert f"{d}/.metadata cannot be read" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert checkpoint_main(["seal", str(empty)]) == 2
+    assert (
+        capsys.readouterr().err == f"checkpoint: error: {empty} is empty: not a checkpoint step\n"
+    )
+    assert checkpoint_main(["verify", str(empty)]) == 2, "an empty folder is not ok"
+    assert "is empty: not a checkpoint step" in capsys.readouterr().err
+    # A good step: seal says what it checked, verify agrees.
+    good = make_step(tmp_path, 6, sealed=False)
+    assert checkpoint_main(["seal", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "wrote manifest.sha256.json (3 files" in out
+    assert "checked: .metadata loads and every byte range it lists lies inside its file" in out
+    assert checkpoint_main(["verify", str(good)]) == 0
+    assert f"{good}: ok (3 files match the manifest and load" in capsys.readouterr().out
+
+
+def test_a_sealed_truncated_step_is_skipped_at_resume(tmp_path):
+    """A step sealed before seal checked (or cut after its manifest was hashed from the short
+    file) matches its manifest but cannot load: resume names the file and falls back."""
+    folder = tmp_path / "checkpoint"
+    make_step(folder, 2)
+    d = make_step(folder, 4, sealed=False)
+    shard = d / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:200])
+    write_manifest(str(d), step=4, run_id="old")
+    plan = plan_resume(str(folder), run_id="r", training_steps=10)
+    assert plan.step == 2
+    assert f"checkpoint step-4 skipped: {shard} is truncated: 200 bytes" in plan.lines[0]
+
+
+def test_verify_on_the_checkpoint_folder_verifies_each_step(tmp_path, capsys):
+    """Before: "incomplete: ... (a save that did not finish)" for the checkpoint folder itself."""
+    folder = tmp_path / "checkpoint"
+    make_step(folder, 2)
+    make_step(folder, 4)
+    flip(folder / "step-4" / "__1_0.distcp")
+    assert checkpoint_main(["verify", str(folder)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"{folder}: a checkpoint folder with 2 step(s): step-2, step-4")
+    assert f"{folder}/step-2: ok" in captured.out
+    assert captured.err.startswith(f"checkpoint: error: {folder}/step-4: {folder}/step-4/__1_0")
+    assert checkpoint_main(["seal", str(folder)]) == 2
+    assert f"is a checkpoint folder (step-2, step-4); seal one step: {folder}/step-4" in (
+        capsys.readouterr().err
+    )
+
+
+def test_checkpoint_that_does_not_fit_names_the_first_parameter(tmp_path):
+    """What a resume with another layer_pattern, CP degree or process count meets (before: a
+    220-line traceback, or AssertionError: dp_degree is inconsistent)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    saved = {"layers.0.w": torch.zeros(4, 3), "layers.1.wq": torch.zeros(2),
+             "dataloader": {"dp_rank_0": b"a", "dp_rank_1": b"b", "world_size": 2}}  # fmt: skip
+    dcp.save(saved, checkpoint_id=str(tmp_path))
+    same = {"layers.0.w": torch.ones(4, 3), "layers.1.wq": torch.ones(2), "dataloader": {}}
+    assert fit_problem(same, str(tmp_path), dp_world_size=2) is None
+    other_pattern = {"layers.0.w": torch.ones(4, 3), "layers.1.dt_bias": torch.ones(2)}
+    assert fit_problem(other_pattern, str(tmp_path)) == (
+        "this model's parameter layers.1.dt_bias is not in the checkpoint"
+    )
+    wider = {"layers.0.w": torch.ones(4, 5), "layers.1.wq": torch.ones(2)}
+    assert fit_problem(wider, str(tmp_path)) == (
+        "parameter layers.0.w is [4, 3] in the checkpoint but [4, 5] in this model"
+    )
+    fewer = {"layers.0.w": torch.ones(4, 3)}
+    assert fit_problem(fewer, str(tmp_path)) == (
+        "the checkpoint's parameter layers.1.wq is not in this model"
+    )
+    problem = fit_problem(same, str(tmp_path), dp_world_size=1)
+    assert problem is not None and "saved by 2 data-parallel rank(s) and this run has 1" in problem
+    line = str(fit_error(str(tmp_path), problem))
+    assert "--checkpoint.initial_load_model_only" in line and "NPROC" in line
+    assert "layer_pattern" in str(fit_error(str(tmp_path), "x"))
+
+
+def test_lock_of_another_host_or_a_live_process_is_refused(tmp_path):
+    """Before: taken over "because that process is gone" without checking."""
+    lock = tmp_path / "run.lock"
+
+    def holder(**kw) -> None:
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": "r-old",
+                  "start_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())} | kw  # fmt: skip
+        lock.write_text(json.dumps(record) + "\n")
+
+    holder(host="other-host")
+    with pytest.raises(RunError) as e:
+        RunLock(str(tmp_path)).acquire("run-new", "t")
+    msg = str(e.value)
+    assert "names pid" in msg and "host other-host" in msg and "a run on another host" in msg
+    assert f"delete {lock}" in msg and "\n" not in msg
+    # pid 1 runs on this host and started before "now": it may be the holder
+    holder(pid=1)
+    with pytest.raises(RunError, match="process 1 is still running on this host"):
+        RunLock(str(tmp_path)).acquire("run-new", "t")
+    assert json.loads(lock.read_text())["run_id"] == "r-old", "the record is left alone"
+    # a live pid that started after the lock was taken is a reused pid: the holder is gone
+    holder(pid=1, start_time="1971-01-01T00:00:00Z")
+    taker = RunLock(str(tmp_path))
+    line = taker.acquire("run-new", "t")
+    assert line is not None and "pid 1 now belongs to a process started after that run" in line
+    taker.release()
+
+
+def test_truncated_metrics_jsonl_is_repaired_and_the_tail_kept(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"run_header": {"run_id": "a"}}\n{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+    line = repair_jsonl(str(path), "run-b")
+    assert line is not None and "moved 1 line(s) that are not JSON (line 3" in line
+    assert str(tmp_path / "metrics.jsonl.broken-run-b") in line
+    assert path.read_text().endswith('{"step": 1, "loss": 1.0}\n')
+    assert (tmp_path / "metrics.jsonl.broken-run-b").read_text() == '{"step": 2, "lo\n'
+    assert [r["step"] for r in read_rows(str(path))] == [1]
+    assert repair_jsonl(str(path), "run-c") is None, "a clean file is left alone"
+
+
+def _resume_with_a_stopped_rank(rank: int, world: int, folder: str) -> tuple[str, float] | None:
+    """Rank 1 never joins the resume planning (stopped); rank 0 plans on a control group whose
+    timeout is the run's comm.init_timeout_seconds (2 s here)."""
+    from datetime import timedelta
+
+    from torchtitan_cp.run import checkpoint, rank_timeout
+
+    pg = checkpoint.control_group(timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(7)
+        return None
+    begin = time.monotonic()
+    try:
+        plan_resume(folder, run_id="r", training_steps=10, pg=pg)
+    except RuntimeError as e:
+        assert rank_timeout.is_timeout(e), e
+        err = rank_timeout.timeout_error(
+            0, world, key="comm.init_timeout_seconds", seconds=2, grace=2
+        )
+        return str(err), time.monotonic() - begin
+    return "planned without rank 1", time.monotonic() - begin
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_resume_within_the_comm_timeout(tmp_path):
+    """Before: the control group's timeout was an hour, and the comm timeouts did not reach it:
+    a rank stopped during resume planning hung the run with no output."""
+    make_step(tmp_path / "checkpoint", 2)
+    out, seconds = run_distributed(
+        _resume_with_a_stopped_rank, 2, str(tmp_path / "checkpoint"), timeout=60
+    )[0]
+    assert out.startswith(
+        "rank 0: no answer from rank 1 within 2 s (comm.init_timeout_seconds): it stopped"
+    ), out
+    assert seconds < 8, seconds  # 2 s timeout + 2 s for the other ranks to say they are there

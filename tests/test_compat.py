@@ -97,10 +97,83 @@ def test_torch_floor_names_found_and_needed_version():
         compat.require_torch(compat.TRAINER_TORCH_FLOOR, "the trainer", "unknown")
 
 
+def test_torch_211_trains_one_process_only():
+    # Below 2.14 the shims carry one process (FSDP and CP degree 1); more is one line.
+    for version in ("2.11.0+cu130", "2.13.1"):
+        compat.check_trainer_torch(1, version)
+        with pytest.raises(compat.TorchVersionError) as err:
+            compat.check_trainer_torch(2, version)
+        assert str(err.value).count("\n") == 0
+        assert (
+            f"runs 2 processes (FSDP, CP or replication), which needs torch >= 2.14, "
+            f"found torch {version}: torch 2.11-2.13 train one process only" in str(err.value)
+        )
+    compat.check_trainer_torch(8, "2.14.1")
+    with pytest.raises(compat.TorchVersionError, match="needs torch >= 2.11, found torch 2.10"):
+        compat.check_trainer_torch(1, "2.10.0")
+
+
+def test_pre_launch_check_refuses_two_processes_on_torch_211(monkeypatch):
+    from torchtitan_cp.train import load_config
+    from torchtitan_cp.trainer.config import ConfigError
+    from torchtitan_cp.trainer.validate import validate
+
+    config = load_config([])
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    validate(config, 1, "cpu", scan_data=False)
+    with pytest.raises(ConfigError, match="runs 2 processes .* found torch 2.11.0"):
+        validate(config, 2, "cpu", scan_data=False)
+
+
+def test_torch_211_shims_supply_what_torchtitan_imports(monkeypatch):
+    # 5 and 6: the names torchtitan 0.3.0 takes from torch 2.14, made absent as on 2.11.
+    import torch.distributed as dist
+    import torch.distributed.fsdp as fsdp
+
+    monkeypatch.delattr(fsdp, "DataParallelMeshDims")
+    monkeypatch.delattr(dist, "set_timeout")
+    compat._shim_fsdp_mesh_dims()
+    compat._shim_set_timeout()
+    assert dist.set_timeout is dist.distributed_c10d._set_pg_timeout
+    with pytest.raises(compat.TorchVersionError, match="needs torch >= 2.14"):
+        fsdp.DataParallelMeshDims(shard="fsdp")  # only FSDP over > 1 process builds one
+    compat._shim_set_timeout()  # idempotent, and a torch that has them keeps its own
+    monkeypatch.undo()
+    before = fsdp.DataParallelMeshDims
+    compat._shim_fsdp_mesh_dims()
+    assert fsdp.DataParallelMeshDims is before
+
+
+def test_missing_tensorboard_is_a_clear_error(monkeypatch):
+    # 7: torchtitan imports SummaryWriter at module level; without tensorboard only enabling it
+    # fails, before launch, in one line.
+    import sys
+
+    from torchtitan_cp.train import load_config
+    from torchtitan_cp.trainer.config import ConfigError
+    from torchtitan_cp.trainer.validate import validate
+
+    monkeypatch.setattr(compat, "tensorboard_available", lambda: False)
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    compat._shim_missing_tensorboard()
+    from torch.utils.tensorboard import SummaryWriter
+
+    with pytest.raises(RuntimeError, match="needs the tensorboard package"):
+        SummaryWriter("x")
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard")
+    config = load_config(["--metrics.enable_tensorboard"])
+    with pytest.raises(ConfigError) as err:
+        validate(config, 1, "cpu", scan_data=False)
+    assert str(err.value) == (
+        "metrics.enable_tensorboard = true needs the tensorboard package, which is not "
+        "installed here; pip install tensorboard or set it to false"
+    )
+
+
 def test_train_entry_point_states_the_floor_before_importing_torchtitan(monkeypatch, capsys):
     from torchtitan_cp import train
 
-    monkeypatch.setattr(compat, "TRAINER_TORCH_FLOOR", (99, 0))
+    monkeypatch.setattr(compat, "LIBRARY_TORCH_FLOOR", (99, 0))
     assert train.main(["--help"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0

@@ -7,8 +7,6 @@ Tolerances (max abs): float64 <= 1e-10, float32 <= 2e-5.
 
 from __future__ import annotations
 
-import bisect
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +14,7 @@ import torch.nn.functional as F
 from tests.dist_utils import (
     balanced_layouts,
     device_routing,
+    doc_ids_of,
     empty_rank_layout,
     explicit_layout_4,
     max_abs,
@@ -30,10 +29,6 @@ from torchtitan_cp.ops import context_parallel_attention
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 HQ, HKV, DK, DV = 2, 1, 8, 6  # GQA: two query heads share one key/value head
-
-
-def _doc_ids(cu: list[int], tokens: list[int]) -> torch.Tensor:
-    return torch.tensor([bisect.bisect_right(cu, t) - 1 for t in tokens], dtype=torch.int64)
 
 
 def _tensors(batch: int, total: int, dtype: torch.dtype, seed: int):
@@ -51,7 +46,7 @@ def test_unsharded_matches_sdpa_with_document_mask(dtype: torch.dtype) -> None:
     cus = [random_cu_seqlens(gen, 1, total, 12) for _ in range(batch)]  # one layout per row
     (q, k, v), d_o = _tensors(batch, total, dtype, 4)
     tok = torch.arange(total).expand(batch, total)
-    doc = torch.stack([_doc_ids(cu, list(range(total))) for cu in cus])
+    doc = torch.stack([doc_ids_of(cu, list(range(total))) for cu in cus])
 
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     o = context_parallel_attention(*leaves, token_ids=tok, doc_ids=doc, group=None)
@@ -96,14 +91,14 @@ def _check(rank, group, name, cu, table, dtype, seed) -> float:
     all_ids = list(range(total))
     ref = [x.clone().requires_grad_(True) for x in (q, k, v)]
     o_ref = context_parallel_attention(
-        *ref, token_ids=torch.arange(total), doc_ids=_doc_ids(cu, all_ids), group=None
+        *ref, token_ids=torch.arange(total), doc_ids=doc_ids_of(cu, all_ids), group=None
     )
     (o_ref * d_o).sum().backward()
 
     mine = span_index(table[rank])
     span = torch.tensor(mine, dtype=torch.int64)
     loc = [x.index_select(1, span).clone().requires_grad_(True) for x in (q, k, v)]
-    o = context_parallel_attention(*loc, token_ids=span, doc_ids=_doc_ids(cu, mine), group=group)
+    o = context_parallel_attention(*loc, token_ids=span, doc_ids=doc_ids_of(cu, mine), group=group)
     (o * d_o.index_select(1, span)).sum().backward()
     errs = {"o": max_abs(o, o_ref.index_select(1, span))}
     for nm, a, r in zip(("dq", "dk", "dv"), loc, ref):

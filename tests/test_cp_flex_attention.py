@@ -28,13 +28,13 @@ TOL = 2e-5  # float32
 BALANCERS = ("contiguous", "headtail", "ptrr")
 
 
-def _model(backend: str, pattern: str = "KA"):
+def _model(backend: str, pattern: str = "KA", **sizes: int):
     from torchtitan_cp.models import model_config
 
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = model_config(
-            "debug", layer_pattern=pattern, vocab_size=97, attention_backend=backend
+            "debug", layer_pattern=pattern, vocab_size=97, attention_backend=backend, **sizes
         ).build()
     model.init_states()
     return model
@@ -149,7 +149,8 @@ def test_flex_matches_sdpa_on_cuda_forward_and_backward() -> None:
     tokens, positions, labels = (t.cuda() for t in random_batch(4, 2, 512, 97))
     results = []
     for backend in ("sdpa", "flex"):
-        model = _model(backend, "KAGA").cuda()
+        # head_dim 64: the fla shapes of the GPU check's path stage (one autotune for both).
+        model = _model(backend, "KAGA", head_dim=64).cuda()
         seq = SequencePreprocessor(
             device="cuda", cp_group=None, load_balancer="contiguous",
             flex_attention=backend == "flex",

@@ -196,6 +196,27 @@ def test_host_metadata_and_collate_pickle():
     assert pickle.loads(pickle.dumps(collate_with_host_metadata)) is collate_with_host_metadata
 
 
+def test_collate_counts_the_labels_that_count_in_the_loss():
+    # The trainer normalises the loss by this host count instead of reading the device.
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    from torchtitan_cp import compat
+
+    compat.apply()  # before torchtitan's trainer module binds the device names
+    from torchtitan_cp.trainer.trainer import _host_valid_tokens
+
+    pos = torch.tensor([0, 1, 2, 0, 1])
+    samples = [
+        ({"input": torch.arange(5), "positions": pos}, torch.tensor([1, 2, IGNORE_INDEX, 3, 4])),
+        ({"input": torch.arange(5), "positions": pos}, torch.full((5,), IGNORE_INDEX)),
+    ]
+    input_dict, labels = collate_with_host_metadata(samples)
+    assert input_dict[HOST_METADATA_KEY].valid_tokens == 4
+    assert _host_valid_tokens(input_dict, labels) == 4
+    input_dict.pop(HOST_METADATA_KEY)  # another loader's batch: counted on its host labels
+    assert _host_valid_tokens(input_dict, labels) == 4
+
+
 def test_host_metadata_can_be_turned_off(tokenizer):
     input_dict, _ = next(iter(build(tokenizer, PackedTextDataLoader.Config(host_metadata=False))))
     assert set(input_dict) == {"input", "positions"}

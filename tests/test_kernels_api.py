@@ -1,4 +1,5 @@
-"""ops.local argument checking and backend dispatch (CPU only; fla needs CUDA)."""
+"""The local kernels' argument checking and backend dispatch (CPU only; fla needs CUDA, or
+Triton's interpreter in the fla_interpreter tier), and that tier's one-line skip reasons."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_delta_rule_shape_errors(kind, over, match):
         chunk_delta_rule(**_args(kind, **over), kind=kind)
 
 
-def test_delta_rule_argument_errors():
+def test_delta_rule_argument_errors(interpreter_off):
     with pytest.raises(ValueError, match="kind must be 'kda' or 'gdn', got 'gla'"):
         chunk_delta_rule(**_args(), kind="gla")
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -57,7 +58,7 @@ def test_delta_rule_argument_errors():
         )  # fmt: skip
 
 
-def test_conv_errors():
+def test_conv_errors(interpreter_off):
     x, w = torch.randn(1, T, 5), torch.randn(5, 4)
     with pytest.raises(ValueError, match=r"x must be \[1, T, D\], got shape \[10, 5\]"):
         causal_conv1d(x[0], w)
@@ -73,6 +74,40 @@ def test_conv_errors():
         causal_conv1d(x, w, activation="relu")
     with pytest.raises(ValueError, match="backend='fla' needs CUDA"):
         causal_conv1d(x, w, backend="fla")
+
+
+def test_fla_on_cpu_tensors_only_under_the_interpreter(monkeypatch):
+    from torchtitan_cp.ops.common.checks import resolve_backend
+
+    x = torch.zeros(1)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="backend='fla' needs CUDA tensors"):
+        resolve_backend("fla", x)
+    assert resolve_backend("auto", x) == "torch"
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("fla", x) == "fla"
+    assert resolve_backend("auto", x) == "torch"  # auto never picks the interpreter
+    with pytest.raises(ValueError, match="got meta"):  # CPU tensors only
+        resolve_backend("fla", x.to("meta"))
+
+
+def test_interpreter_tier_names_what_is_missing(monkeypatch):
+    import importlib.metadata
+
+    from tests import fla_interpreter
+
+    def version(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert fla_interpreter._unavailable() == (
+        "triton is not installed (the fla interpreter tier needs triton==3.8.0)"
+    )
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.5.1")
+    assert fla_interpreter._unavailable() == (
+        "triton 3.5.1 is installed; the fla interpreter tier is written for 3.8.0"
+    )
 
 
 @pytest.mark.slow

@@ -19,12 +19,13 @@ ARROWS: dict[str, set[str]] = {
     "routing": set(),
     "ops": {"routing"},
     "compat": set(),
-    "models": {"ops", "routing", "compat"},
+    "models": {"ops", "routing", "compat", "run"},  # run: the checkpoint files' own check
     "data": {"routing"},
     "run": set(),
     "trainer": {"models", "ops", "routing", "compat", "data", "run"},
     "train": {"trainer", "compat", "data", "run"},  # the entry points
     "checkpoint": {"run"},
+    "launch": {"run"},
     "__init__": set(),
 }
 

@@ -1,6 +1,6 @@
 """The layer registry and the Mamba2 layer.
 
-* Every ``layer_pattern`` letter resolves through ``models.layers.LAYERS``; the error for an
+* Every ``layer_pattern`` letter resolves through ``models.hybrid.layers.LAYERS``; the error for an
   unknown letter lists the registered ones; the FLOPs count is the registry's sum.
 * ``[model]`` has every decoder field (no second copy): value_head_dim, conv_width, rope_theta
   and the Mamba2 options are settable from TOML and the command line.

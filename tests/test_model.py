@@ -275,7 +275,7 @@ def test_gradients_reach_every_parameter():
 
 
 @pytest.mark.parametrize("pattern", ["K", "G"])
-def test_fla_backend_on_cpu_is_a_clear_error(pattern):
+def test_fla_backend_on_cpu_is_a_clear_error(pattern, interpreter_off):
     model = model_config(
         "debug", layer_pattern=pattern, vocab_size=VOCAB, linear_attention_backend="fla"
     ).build()

@@ -104,18 +104,18 @@ def test_config_mismatch_names_the_first_field(tmp_path):
     model = _random_model(0)
     folder = write_hf_folder(model, model.config, tmp_path / "hf", tokenizer_dir=None)
     cfg_file = folder / "config.json"
-    hf = json.loads(cfg_file.read_text())
-    hf["text_config"]["layer_types"][1] = "full_attention"
-    hf["text_config"]["linear_key_head_dim"] = 32
+    hf = json.loads(cfg_file.read_text())  # the export's flat qwen3_5_text layout
+    hf["layer_types"][1] = "full_attention"
+    hf["linear_key_head_dim"] = 32
     cfg_file.write_text(json.dumps(hf))
     with pytest.raises(ValueError) as e:
         check_hf_folder(folder, model.config)
     msg = str(e.value)
-    assert "text_config.layer_types is" in msg and "linear_key_head_dim" not in msg
+    assert ": layer_types is" in msg and "linear_key_head_dim" not in msg
     assert "\n" not in msg
-    hf["text_config"]["hidden_size"] = 1024
+    hf["hidden_size"] = 1024
     cfg_file.write_text(json.dumps(hf))
-    with pytest.raises(ValueError, match=r"text_config.hidden_size is 1024 but the model flavor"):
+    with pytest.raises(ValueError, match=r": hidden_size is 1024 but the model flavor"):
         check_hf_folder(folder, model.config)
 
 
@@ -167,6 +167,7 @@ def test_training_continues_from_an_hf_folder_and_exports_back(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file()
+    _transformers_reads_the_export(first / "checkpoint" / "step-10", hf)
 
     second = tmp_path / "second"
     torchrun_train([*base, "--training.steps", "3", "--parallelism.context_parallel_degree", "2",
@@ -181,3 +182,24 @@ def test_training_continues_from_an_hf_folder_and_exports_back(tmp_path):
     assert resumed[0]["loss"] < min(r["loss"] for r in fresh[:5]), (fresh, resumed[0])
     exported = list((second / "checkpoint" / "step-3").glob("*.safetensors"))
     assert exported, "last_save_in_hf wrote no safetensors"
+
+
+def _transformers_reads_the_export(checkpoint: Path, folder: Path) -> None:
+    """transformers' ``from_pretrained`` of export_hf.py's folder gives the checkpoint's
+    logits (float32: measured max |diff| ~2e-7; the transformers tests' LOGITS_ATOL)."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_qwen35_transformers import LOGITS_ATOL, torch_reference_kernels
+
+    model = _cfg().build()
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    model.load_state_dict(state)
+    with torch_reference_kernels():
+        theirs = AutoModelForCausalLM.from_pretrained(folder).eval()
+        tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            err = (model(tokens) - theirs(input_ids=tokens).logits).abs().max().item()
+    print(f"export_hf.py -> transformers: max |logits diff| = {err:.2e}")
+    assert err <= LOGITS_ATOL

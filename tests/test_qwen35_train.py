@@ -28,10 +28,9 @@ def test_qwen35_debug_trains_on_two_cpu_ranks(tmp_path, cp):
     assert all(r["routing/source"] == "host" and r["routing/readbacks"] == 0 for r in rows)
 
 
-def test_qwen35_cp_with_fsdp_matches_fsdp_alone(tmp_path):
-    """dp_shard=2 x cp=2 (4 ranks, head-tail) gives the dp_shard=2 loss and grad norm within
-    1e-5 over 3 AdamW steps from one seed checkpoint: FSDP shards and reduces over the
-    flattened dp_shard x cp mesh."""
+def _seeded_runs(tmp_path, extra: list[str], runs: dict[str, tuple[int, list[str]]]) -> dict:
+    """3 AdamW steps from one seed checkpoint for each ``name: (nproc, args)``; every run also
+    gets ``extra``. Returns each run's metrics rows."""
     from tests.launch import python_train
 
     seed_dir = tmp_path / "seed"
@@ -39,12 +38,34 @@ def test_qwen35_cp_with_fsdp_matches_fsdp_alone(tmp_path):
                   "--metrics.no-enable-wandb"], dump_folder=seed_dir)  # fmt: skip
     common = [*CONFIG, "--training.steps", "3", "--validator.no-enable",
               "--metrics.no-enable-wandb", "--debug.deterministic", "--checkpoint.enable",
-              "--checkpoint.initial_load_path", str(seed_dir / "checkpoint" / "step-0"),
-              "--parallelism.data_parallel_shard_degree", "2"]  # fmt: skip
-    runs = {}
-    for name, nproc, extra in (("dp2", 2, []), ("dp2cp2", 4, ["--parallelism.context_parallel_degree", "2"])):  # fmt: skip
-        torchrun_train([*common, *extra], nproc=nproc, dump_folder=tmp_path / name)
-        runs[name] = read_metrics(tmp_path / name)
-    for a, b in zip(runs["dp2"], runs["dp2cp2"], strict=True):
+              "--checkpoint.initial_load_path", str(seed_dir / "checkpoint" / "step-0"), *extra]  # fmt: skip
+    rows = {}
+    for name, (nproc, args) in runs.items():
+        torchrun_train([*common, *args], nproc=nproc, dump_folder=tmp_path / name)
+        rows[name] = read_metrics(tmp_path / name)
+    return rows
+
+
+def _assert_same_curve(ref: list[dict], other: list[dict]) -> None:
+    for a, b in zip(ref, other, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a["step"], a["grad_norm"])
+
+
+def test_qwen35_cp_with_fsdp_matches_fsdp_alone(tmp_path):
+    """dp_shard=2 x cp=2 (4 ranks, head-tail) gives the dp_shard=2 loss and grad norm within
+    1e-5 over 3 AdamW steps from one seed checkpoint: FSDP shards and reduces over the
+    flattened dp_shard x cp mesh."""
+    cp2 = ["--parallelism.context_parallel_degree", "2"]
+    runs = _seeded_runs(tmp_path, ["--parallelism.data_parallel_shard_degree", "2"],
+                        {"dp2": (2, []), "dp2cp2": (4, cp2)})  # fmt: skip
+    _assert_same_curve(runs["dp2"], runs["dp2cp2"])
+
+
+def test_qwen35_pass_kv_matches_unsharded(tmp_path):
+    """Qwen3.5's debug flavor with pass-KV attention at CP=2 (head-tail) gives the CP=1 loss
+    and grad norm within 1e-5 over 3 AdamW steps from one seed checkpoint."""
+    cp2 = ["--parallelism.context_parallel_degree", "2"]
+    runs = _seeded_runs(tmp_path, ["--model.attention_cp", "pass_kv"],
+                        {"cp1": (1, []), "cp2": (2, cp2)})  # fmt: skip
+    _assert_same_curve(runs["cp1"], runs["cp2"])

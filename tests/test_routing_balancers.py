@@ -25,12 +25,11 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
     _PTRRLoadBalancer,
 )
 
-from tests.helpers import positions_from_lengths
+from tests.helpers import dense_document_block_mask, positions_from_lengths
 from torchtitan_cp.routing import (
     LoadBalancer,
     balancer_names,
     check_divisible,
-    document_block_mask,
     get_balancer,
     host_layout,
     readback_layout,
@@ -73,7 +72,7 @@ def test_orders_equal_torchs_own_balancers(world):
     assert get_balancer("contiguous").indices(positions, world, "cpu") is None
     ht = get_balancer("headtail").indices(positions, world, "cpu")
     assert torch.equal(ht, _HeadTailLoadBalancer(seqlen, world, "cpu")._generate_indices())
-    mask = document_block_mask(positions, block)
+    mask = dense_document_block_mask(positions, block)
     ptrr = get_balancer("ptrr", ptrr_block_size=block).indices(positions, world, "cpu")
     assert torch.equal(ptrr, _PTRRLoadBalancer(mask, world)._generate_indices())
     for name in balancer_names()[:3]:  # one rank: nobody reorders
@@ -146,7 +145,7 @@ class _Reversed(LoadBalancer):
     name: ClassVar[str] = "reversed"
     depends_on_documents: ClassVar[bool] = False
 
-    def _indices(self, positions, world, device):
+    def _indices(self, positions, world, device, *, cu_seqlens=None):
         seqlen = positions.shape[1]
         return torch.arange(seqlen, device=device).view(world, -1).flip(0).reshape(1, seqlen)
 

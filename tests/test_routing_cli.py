@@ -28,13 +28,19 @@ def test_json(capsys):
         "predecessors": [[[0, 0]], [[0, 0], [1, 0]]],
         "successors": [[[1, 1]], [[0, 1]]],
         "terminal": [1],
-    }
+        "pass_kv": {
+            "shifts": [1],
+            "rounds": [{"shift": 1, "recv_from": 0, "recv_rows": [40, 96],
+                        "query_rows": [0, 136], "send_to": 0, "send_rows": [136, 192]}],
+        },
+    }  # fmt: skip
 
 
 def test_table(capsys):
     assert main(ARGS) == 0
     out = capsys.readouterr().out
     assert "rank 1 of 2" in out and "r0f0 r1f0" in out and "[192, 232)" in out
+    assert "round 1: recv rows [40, 96) of rank 0 for queries [0, 136)" in out
 
 
 def test_plot(tmp_path, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -18,10 +19,14 @@ from tests.launch import (
     REPO,
     python_train,
     python_train_cmd,
+    rank_pids,
     read_metrics,
     read_run_headers,
+    torchrun_cmd,
     torchrun_train,
+    train_sh,
 )
+from torchtitan_cp.run.start import read_rows
 
 pytestmark = pytest.mark.slow
 
@@ -76,15 +81,25 @@ def test_flipped_bytes_are_named_and_resume_falls_back(base_run, tmp_path):
     assert len(list((dump / "checkpoint.aside").glob("*/step-4/__0_0.distcp"))) == 1
 
 
-def test_killed_save_is_skipped_with_a_message(base_run, tmp_path):
+def test_malformed_manifest_and_cut_metrics_are_set_aside(base_run, tmp_path):
+    """A manifest that is valid JSON without "files" (before: KeyError on every rank, the step
+    not moved) is an incomplete step like a killed save's; a metrics.jsonl cut mid-line (before:
+    the new header was glued onto the broken row and read_rows crashed) is repaired first, its
+    broken tail kept aside and named."""
     dump = copy_of(base_run, tmp_path)
-    (dump / "checkpoint" / "step-4" / "manifest.sha256.json").unlink()  # killed before the end
+    manifest = dump / "checkpoint" / "step-4" / "manifest.sha256.json"
+    manifest.write_text(json.dumps({"format": json.loads(manifest.read_text())["format"]}))
+    metrics = dump / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes()[:-40])  # row 4 cut short, no line end
     proc = python_train([*ARGS, "--training.steps", "4"], dump_folder=dump)
-    assert "checkpoint step-4 skipped: incomplete" in log(proc)
+    assert f'checkpoint step-4 skipped: incomplete: {manifest} has no "files" table' in log(proc)
     assert (dump / "checkpoint" / "step-4" / "manifest.sha256.json").is_file(), "saved anew"
-    # metrics.jsonl: one header per run, no step row twice; the replaced rows moved aside
-    assert [r["step"] for r in read_metrics(dump)] == [1, 2, 3, 4]
-    assert [r["step"] for r in read_metrics(dump, "metrics.superseded.jsonl")] == [3, 4]
+    broken = list(dump.glob("metrics.jsonl.broken-*"))
+    assert len(broken) == 1 and f"to {broken[0]}" in log(proc)
+    assert broken[0].read_text().startswith('{"step": 4')
+    # metrics.jsonl: one header per run, no step row twice, every line whole
+    assert [r["step"] for r in read_rows(str(metrics)) if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(dump, "metrics.superseded.jsonl")] == [3]
     headers = read_run_headers(dump)
     assert [h["resumed_from_step"] for h in headers] == [0, 2]
     assert headers[0]["run_id"] != headers[1]["run_id"]
@@ -128,13 +143,56 @@ def test_folder_past_training_steps_is_refused(base_run, tmp_path):
 
 def test_refusal_under_torchrun_is_one_line(base_run, tmp_path):
     """All ranks stop on the same decision; torchrun's root cause shows the one line, not a
-    traceback through the recipe."""
+    traceback through the recipe. Here: resuming a 1-process checkpoint on 2 processes (before:
+    AssertionError: dp_degree is inconsistent, deep in torchtitan's data loader)."""
     dump = copy_of(base_run, tmp_path)
-    proc = torchrun_train([*ARGS, "--training.steps", "2"], nproc=2, dump_folder=dump, check=False)
+    proc = torchrun_train([*ARGS, "--training.steps", "6"], nproc=2, dump_folder=dump, check=False)
     assert proc.returncode != 0
     out = log(proc)
-    assert "traceback : torchtitan_cp.train: error: checkpoint folder" in out, out[-3000:]
-    assert "torchtitan_cp/run/start.py" not in out, "no traceback through the recipe"
+    want = (
+        f"traceback : torchtitan_cp.train: error: checkpoint {dump}/checkpoint/step-4 does not "
+        "fit this run: it was saved by 1 data-parallel rank(s) and this run has 2"
+    )
+    assert want in out and "--checkpoint.initial_load_model_only" in out, out[-3000:]
+    assert "dp_degree is inconsistent" not in out
+    assert "torchtitan_cp/run/checkpoint.py" not in out, "no traceback through the recipe"
+
+
+def test_resume_with_another_layer_pattern_names_the_parameter(base_run, tmp_path):
+    """Before: a 220-line traceback from DCP."""
+    dump = copy_of(base_run, tmp_path)
+    args = [*ARGS, "--training.steps", "6", "--model.layer_pattern", "KGKK"]
+    line = error_line(python_train(args, dump_folder=dump, check=False))
+    assert (
+        f"checkpoint {dump}/checkpoint/step-4 does not fit this run: this model's parameter "
+        "layers.3.mixer.dt_bias is not in the checkpoint"
+    ) in line
+    assert "saved with other [model] settings (layer_pattern" in line
+
+
+def test_disk_full_during_a_save_names_the_folder_and_the_bytes(tmp_path):
+    """A checkpoint folder on a 2 MiB tmpfs (a mount in a user namespace) and a ~10 MiB save.
+    Before: 269 lines, "No space left on device" once in the middle."""
+    small = tmp_path / "small"
+    small.mkdir()
+    unshare = ["unshare", "--user", "--map-root-user", "--mount"]
+    if shutil.which("unshare") is None or subprocess.run([*unshare, "true"]).returncode:
+        pytest.skip("no user namespaces here to mount a small tmpfs in")
+    cmd, env = python_train_cmd(
+        [*ARGS, "--training.steps", "2", "--checkpoint.folder", str(small / "ckpt")],
+        dump_folder=tmp_path / "run",
+    )
+    mount = f'mount -t tmpfs -o size=2m tmpfs {small} && exec "$@"'
+    proc = subprocess.run([*unshare, "sh", "-c", mount, "sh", *cmd], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    line = error_line(proc)
+    assert (
+        f"saving checkpoint {small}/ckpt/step-2 failed: no space left on device ({small}/ckpt: "
+        in line
+    )
+    needed = float(line.split("this save needs about ")[1].split(" MiB")[0])
+    assert 5 < needed < 40, line  # the debug model with AdamW state: ~10 MiB
+    assert "--checkpoint.folder on a larger disk" in line
 
 
 def test_load_step_below_newest_needs_discard_later_steps(base_run, tmp_path):
@@ -161,8 +219,9 @@ def test_unwritable_checkpoint_folder_is_found_at_start(tmp_path):
     assert "Training starts" not in log(proc) + proc.stdout
 
 
-GUARD = ["--config_file", "configs/debug_cpu.toml", "--validator.no-enable",
-         "--metrics.no-enable-wandb", "--training.steps", "4", "--debug.param_checksums",
+GUARD_BASE = ["--config_file", "configs/debug_cpu.toml", "--validator.no-enable",
+              "--metrics.no-enable-wandb", "--debug.param_checksums"]  # fmt: skip
+GUARD = [*GUARD_BASE, "--training.steps", "4",
          # lr 10 makes step 2's loss jump from 8.8 to ~600
          "--optimizer.param-groups.0.optimizer-kwargs.lr", "10",
          "--spike_guard.factor", "3", "--spike_guard.min_history", "1"]  # fmt: skip
@@ -173,11 +232,145 @@ def test_spike_guard_stops_before_the_update(tmp_path):
     assert "loss spike at step 2" in line and "stopped before the update" in line
 
 
-def test_spike_guard_skips_the_update(tmp_path):
+def spike_corpus(path: Path, plan: str, *, seq_len: int, batch: int) -> None:
+    """A JSONL file whose step k (1-based, ``batch`` rows of ``seq_len`` tokens on one rank)
+    holds only the kind ``plan[k - 1]``: ``n`` three sentences of the bundled corpus over and
+    over (learnt within a few steps), ``J`` random characters (a loss near ln(vocab)). Documents
+    fill each step exactly (``" the"`` filler: one token a word), so no step mixes the kinds."""
+    import random
+    import string
+
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    tok = HuggingFaceTokenizer(tokenizer_path=str(REPO / "torchtitan_cp/assets/tokenizer"))
+
+    def positions(text: str) -> int:  # what one document adds to the packed stream
+        return len(tok.encode(text, add_bos=True, add_eos=True)) - 1
+
+    words = (REPO / "torchtitan_cp/assets/corpus/train.jsonl").read_text().split()[:60]
+    normal = [" ".join(words[i : i + 12]) for i in (12, 24, 36)]
+    rng = random.Random(0)
+    chars = string.ascii_letters + string.digits + string.punctuation + "  "
+    docs, turn = [], 0
+    for kind in plan:
+        left = batch * seq_len
+        while True:
+            if kind == "n":
+                text, turn = normal[turn % 3], turn + 1
+            else:
+                text = "".join(rng.choice(chars) for _ in range(rng.randint(10, 40)))
+            if positions(text) > left - 2:
+                break
+            docs.append(text)
+            left -= positions(text)
+        docs.append(" the" * (left - 1))
+        assert positions(docs[-1]) == left
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+
+
+def test_spike_guard_skip_recovers_from_one_spike_and_stops_on_lasting_ones(tmp_path):
+    """One bad batch (step 13) is skipped and training goes on (the next updates apply, the
+    loss keeps falling); from step 20 every batch spikes: 3 updates are skipped
+    (spike_guard.max_skips), the 4th spike in a row stops the run (exit 1) before its update.
+    Before: every update after a spike was skipped to the end of the run, exit 0."""
+    data = tmp_path / "spikes.jsonl"
+    spike_corpus(data, "n" * 12 + "J" + "n" * 6 + "J" * 6, seq_len=128, batch=2)
+    args = [*GUARD_BASE, "--training.steps", "25", "--training.seq_len", "128",
+            "--dataloader.dataset", "jsonl", "--dataloader.dataset_path", str(data),
+            "--spike_guard.factor", "1.5", "--spike_guard.window", "8",
+            "--spike_guard.min_history", "3", "--spike_guard.action", "skip"]  # fmt: skip
     dump = tmp_path / "run"
-    proc = python_train([*GUARD, "--spike_guard.action", "skip"], dump_folder=dump)
-    assert "loss spike at step 2" in log(proc) and "update skipped" in log(proc)
-    rows = read_metrics(dump)
-    assert [r["spike_guard/skipped_steps"] for r in rows] == [0, 1, 2, 3]
-    # skipped updates leave every parameter as it was after step 1
-    assert len({r["params_sha256"] for r in rows}) == 1
+    proc = python_train(args, dump_folder=dump, check=False)
+    line = error_line(proc, code=1)
+    assert "loss spike at step 23" in line and "4 spikes in a row (updates of steps 20-22" in line
+    assert "loss spike at step 13" in log(proc) and "update skipped" in log(proc)
+    rows = {r["step"]: r for r in read_metrics(dump)}
+    assert sorted(rows) == list(range(1, 23)), "stopped at step 23, before its update and row"
+    skipped = [rows[s]["spike_guard/skipped_steps"] for s in sorted(rows)]
+    assert skipped == [0] * 12 + [1] * 7 + [2, 3, 4]
+    params = [rows[s]["params_sha256"] for s in sorted(rows)]
+    assert params[12] == params[11], "step 13's update was dropped"
+    assert len(set(params[11:19])) == 7, "steps 14-19 updated the model again"
+    assert rows[19]["loss"] < rows[12]["loss"], "the loss kept falling after the skip"
+    assert len(set(params[18:])) == 1, "steps 20-22 skipped"
+
+
+# ------------------------------------------------------------- through ./scripts/train.sh
+
+
+def one_line_stderr(err: str) -> str:
+    """The launch's own stderr (rank output, prefixed ``[rankN]:`` by train.sh's --tee, and
+    _env.sh's ``[env]`` lines left out) is exactly one error line, with no torchrun block and no
+    traceback from rank 0; returns it."""
+    own = [x for x in err.splitlines() if not x.startswith(("[rank", "[env]"))]
+    assert len(own) == 1 and own[0].startswith("torchtitan_cp.train: error: "), err[-3000:]
+    assert "ChildFailedError" not in err and "[rank0]:Traceback" not in err, err[-3000:]
+    return own[0]
+
+
+def test_train_sh_refusal_inside_the_ranks_is_one_line_and_exit_2(tmp_path):
+    """A refusal that only the ranks can make (here: the dump folder's lock names a run on
+    another host, which this host cannot see) ends ./scripts/train.sh with that line and exit
+    2, not torchrun's ChildFailedError block and exit 1."""
+    dump = tmp_path / "run"
+    dump.mkdir()
+    holder = {"host": "other-host", "pid": 4242, "start_time": "2026-01-01T00:00:00Z",
+              "run_id": "r-other"}  # fmt: skip
+    (dump / "run.lock").write_text(json.dumps(holder) + "\n")
+    proc = train_sh([*ARGS, "--training.steps", "2", "--dump_folder", str(dump)], check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = one_line_stderr(proc.stderr)
+    assert f"its lock {dump}/run.lock names pid 4242 on host other-host" in line
+    assert "a run on another host" in line
+    assert json.loads((dump / "run.lock").read_text()) == holder, "not taken over"
+
+
+def test_stopped_rank_is_named_in_one_line(tmp_path):
+    """Rank 1 stopped (SIGSTOP) after step 2: with comm.train_timeout_seconds = 5 rank 0 gives
+    up within seconds and names rank 1; exit 1. Before: about 133 s and a gloo traceback that
+    named no rank. (The launcher train.sh runs, without train.sh's pre-launch check.)"""
+    dump = tmp_path / "run"
+    cmd, env = torchrun_cmd(
+        [*ARGS, "--training.steps", "1000", "--comm.train_timeout_seconds", "5",
+         "--dump_folder", str(dump)], nproc=2, launcher="torchtitan_cp.launch",
+    )  # fmt: skip
+    # train.sh's console options: rank 0's output only, each line prefixed with its rank
+    at = cmd.index("--nproc_per_node=2")
+    cmd[at:at] = ["--local-ranks-filter", "0", "--tee", "3",
+                  "--log-line-prefix-template", "[rank${rank}]:"]  # fmt: skip
+    out, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with out.open("w") as o, err_file.open("w") as e:  # files: pipes could fill and block
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=o, stderr=e)
+    try:
+        deadline = time.monotonic() + 240
+        while len(read_rows(str(dump / "metrics.jsonl")) if (dump / "metrics.jsonl").exists()
+                   else []) < 2:  # fmt: skip
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.5)
+        ranks = rank_pids(str(dump))
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        while _running(ranks[0]):
+            assert time.monotonic() - stopped < 60, "rank 0 still waits"
+            time.sleep(0.2)
+        waited = time.monotonic() - stopped
+    finally:
+        for pid in rank_pids(str(dump)).values():  # let torchrun's SIGTERM reach rank 1 now
+            os.kill(pid, signal.SIGCONT)
+    proc.wait(timeout=120)
+    err = err_file.read_text()
+    assert proc.returncode == 1, err[-3000:]
+    line = one_line_stderr(err)
+    assert line.startswith(
+        "torchtitan_cp.train: error: rank 0: no answer from rank 1 within 5 s "
+        "(comm.train_timeout_seconds): it stopped, hung or died"
+    ), err[-3000:]
+    print(f"rank 0 gave up {waited:.1f} s after rank 1 stopped")
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

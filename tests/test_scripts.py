@@ -13,27 +13,69 @@ import pytest
 from tests.launch import REPO
 
 
-@pytest.mark.slow
-def test_gpu_check_dry_run_on_cpu(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    # The shell wrapper too: its dependency probe, then its CUDA-only tests (skipped here).
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--device", "cpu", "--flavor", "debug",
-         "--pattern", "KA", "--seq-len", "256", "--mean-doc", "40", "--steps", "2",
-         "--warmup", "1", "--compile-backend", "aot_eager", "--json", str(out)],
+def _stage(stage: str, results, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               GPU_CACHE=str(results.parent / "cache"))  # fmt: skip
+    return subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--stage", stage, "--device", "cpu", "--results",
+         str(results), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    timing = result["timing"]
+
+
+def _parts(results, stage: str) -> dict[str, dict]:
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    return {r["part"]: r for r in rows if r["stage"] == stage}
+
+
+@pytest.mark.slow
+def test_gpu_check_path_stage_dry_run_watches_whole_trainer_steps(tmp_path):
+    # The first stage's CPU dry run: the real trainer (debug config, 4 steps, one process) with
+    # every step watched by HostSyncRecorder. Steps 2-3 of the host path read nothing back and
+    # wait for no copy; the readback path and torchtitan 0.3.0's own train_step (the control:
+    # what this recipe's step was before) synchronise, and the check says where.
+    results = tmp_path / "gpu_check.jsonl"
+    proc = _stage("path", results)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parts = _parts(results, "path")
+    assert parts["imports"]["ok"] and parts["trainer_imports"]["ok"] and parts["done"]["ok"]
+    host = parts["trainer_host"]["steps"]
+    assert host["2"] == host["3"] == []
+    # The log step reads the loss and the gradient norm, nothing else.
+    assert [e.split(" at ")[1].split(":")[0] for e in host["4"]] == ["trainer/trainer.py"] * 2
+    assert all(e.startswith("readback aten._local_scalar_dense") for e in host["4"])
+    readback = parts["trainer_device_readback"]
+    assert readback["synchronised"]
+    assert [e.split(":")[0] for e in readback["steps"]["2"]] == [
+        "readback Tensor.cpu at routing/sources.py"
+    ]
+    control = parts["trainer_torchtitan_step"]["steps"]
+    # torchtitan's step: a blocking copy of the valid-token count and of input, positions and
+    # labels every step; at the log step it also reads the global valid-token count back.
+    copies = [e for e in control["2"] if "blocking-h2d Tensor.to at torchtitan/trainer.py" in e]
+    assert sum(int(e.split("x ")[0]) if "x " in e else 1 for e in copies) == 4, control["2"]
+    log_reads = [e for e in control["4"] if e.startswith("readback") and "torchtitan/" in e]
+    assert len(log_reads) == 3, control["4"]
+
+
+@pytest.mark.slow
+def test_gpu_check_other_stages_dry_run_on_cpu(tmp_path):
+    results = tmp_path / "gpu_check.jsonl"
+    small = ("--flavor", "debug", "--pattern", "KA", "--seq-len", "256", "--mean-doc", "40",
+             "--steps", "2", "--warmup", "1", "--compile-backend", "aot_eager")  # fmt: skip
+    for stage in ("tests", "timing", "compile"):
+        proc = _stage(stage, results, *small)
+        assert proc.returncode == 0, stage + proc.stdout[-3000:] + proc.stderr[-3000:]
+    tests = _parts(results, "tests")["cuda_tests"]
+    assert tests["ok"] and "skipped" in tests["summary"] and "failed" not in tests["summary"]
+    timing = _parts(results, "timing")["step_time"]
     assert timing["host"]["readbacks_per_step"] == 0
     assert timing["device_readback"]["readbacks_per_step"] >= 1
     # Compiled blocks take the second microbatch's new layout without compiling again.
-    assert result["compile"]["compiled"]["frames_compiled_after_warmup"] == 0
-    assert "| compiled |" in proc.stdout
-    assert "| host |" in proc.stdout
-    assert "skipped" in proc.stdout and "CUDA tests failed" not in proc.stderr
+    assert _parts(results, "compile")["compile"]["compiled"]["frames_compiled_after_warmup"] == 0
+    # Each stage appended its parts as it finished, and ended with its verdict.
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["stage"] for r in rows if r["part"] == "done"] == ["tests", "timing", "compile"]
 
 
 def _gpu_check(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
@@ -107,6 +149,7 @@ def test_gpu_imports_name_the_first_failure():
     assert err is not None and err.startswith(
         "the CUDA path needs torch >= 2.11, found torch 2.10.1+cu128"
     )
+    assert gpu_imports.check(gpu_imports.TRAINER_IMPORTS) is None
     err = gpu_imports.check(("torchtitan_cp.models:no_such_name",))
     assert err is not None and err.startswith(
         "cannot import no_such_name from torchtitan_cp.models"
@@ -144,13 +187,18 @@ def test_gpu_wheels_resolves_for_python_312(tmp_path):
     pins = dict(line.split(" ") for line in lines[2:])
     names = {pin.split("==")[0] for pin in pins}
     assert {"torchtitan", "fla-core", "einops", "packaging", "spmd-types", "tyro"} <= names
-    assert {"pytest", "pluggy", "iniconfig", "typeguard", "docstring-parser"} <= names
-    assert not {n for n in names if n in ("torch", "triton", "numpy") or n.startswith("nvidia")}
+    assert {"typeguard", "docstring-parser"} <= names  # tyro's
+    # The trainer's data pipeline: datasets with the smallest pyarrow it accepts.
+    assert {"datasets", "pyarrow", "pandas", "torchdata"} <= names and "pyarrow==21.0.0" in pins
+    # What the image has, and what the check does not import.
+    image = {"torch", "triton", "numpy", "tokenizers", "huggingface-hub", "pytest", "sympy"}
+    assert not {n for n in names if n in image or n.startswith("nvidia")}
+    assert not names & {"wandb", "tensorboard", "aiohttp", "pillow", "hf-xet"}
     wheels = sorted(p.name for p in tmp_path.glob("*.whl"))
     assert wheels == sorted(pins.values())
     for wheel in wheels:
         tags = wheel[: -len(".whl")].split("-")[-3:]
-        assert tags[0] in ("py3", "py2.py3", "cp312"), wheel
+        assert tags[0] in ("py3", "py2.py3", "cp312", "py312"), wheel
         assert tags[2] == "any" or "manylinux" in tags[2] and "x86_64" in tags[2], wheel
     total = sum(p.stat().st_size for p in tmp_path.glob("*.whl"))
     assert total <= 64 * 2**20

@@ -20,9 +20,42 @@ def test_guard_waits_for_history_then_skips_spikes_against_the_median():
     line = guard.check(5, 12.5)
     assert line is not None and "step 5" in line and "update skipped" in line
     assert guard.skipped == 1
-    assert list(guard.history) == [100.0, 4.0, 4.0, 8.0], "a skipped loss stays out of the history"
-    assert guard.check(6, 4.1) is None
-    assert list(guard.history) == [4.0, 4.0, 8.0, 4.1], "the window keeps the last 4"
+    # the skipped loss is history too: a lasting new level is not compared against forever
+    assert list(guard.history) == [4.0, 4.0, 8.0, 12.5], "the window keeps the last 4"
+    assert guard.check(6, 4.1) is None and guard.in_a_row == []
+
+
+def test_one_spike_is_skipped_and_training_goes_on():
+    guard = SpikeGuard(SpikeGuardConfig(factor=1.5, window=50, min_history=3, action="skip"))
+    losses = [8.0, 7.5, 7.0, 6.8, 30.0, 6.7, 6.6, 6.5, 6.4]
+    verdicts = [guard.check(step, loss) for step, loss in enumerate(losses, start=1)]
+    assert [v is not None for v in verdicts] == [False] * 4 + [True] + [False] * 4
+    assert guard.skipped == 1
+
+
+def test_persistent_spikes_stop_after_max_skips():
+    """A loss that stays high means an update already applied changed the model: skipping it
+    cannot recover, so after max_skips skips in a row the run stops (before: every later update
+    was skipped to the end of the run, with exit 0)."""
+    guard = SpikeGuard(
+        SpikeGuardConfig(factor=1.5, window=50, min_history=3, action="skip", max_skips=3)
+    )
+    for step, loss in enumerate([8.0, 7.5, 7.0], start=1):
+        assert guard.check(step, loss) is None
+    for step in (4, 5, 6):
+        assert guard.check(step, 40.0) is not None
+    with pytest.raises(LossSpikeError) as e:
+        guard.check(7, 40.0)
+    msg = str(e.value)
+    assert "4 spikes in a row (updates of steps 4-6 skipped, spike_guard.max_skips = 3)" in msg
+    assert "an update before step 4 changed the model" in msg and e.value.exit_code == 1
+    assert "Resume from the last checkpoint" in msg
+    assert "\n" not in msg
+    # a normal loss between spikes starts the count again
+    guard = SpikeGuard(SpikeGuardConfig(factor=1.5, min_history=1, action="skip", max_skips=1))
+    guard.check(1, 8.0)
+    assert guard.check(2, 40.0) is not None and guard.check(3, 8.0) is None
+    assert guard.check(4, 40.0) is not None, "not two in a row"
 
 
 def test_stop_raises_one_line_with_the_fix():
@@ -47,7 +80,8 @@ def test_non_finite_losses_are_left_to_the_nan_guard():
     "kwargs, key",
     [({"factor": 0.5}, "factor"), ({"factor": 1.0}, "factor"), ({"factor": -2.0}, "factor"),
      ({"factor": 2.0, "window": 0}, "window"), ({"factor": 2.0, "window": 5, "min_history": 6},
-     "min_history")],
+     "min_history"), ({"factor": math.inf}, "factor"), ({"factor": math.nan}, "factor"),
+     ({"factor": 2.0, "max_skips": 0}, "max_skips")],
 )  # fmt: skip
 def test_bad_settings_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=f"spike_guard.{key}"):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.helpers import positions_from_lengths
+from tests.helpers import dense_document_block_mask, positions_from_lengths
 
 
 def _compare(rank: int, world: int, balancer: str, bsz: int, seqlen: int) -> bool:
@@ -20,7 +20,6 @@ def _compare(rank: int, world: int, balancer: str, bsz: int, seqlen: int) -> boo
     from torchtitan.distributed.context_parallel.api import cp_shard
 
     from torchtitan_cp.data.host_metadata import HostMetadata
-    from torchtitan_cp.routing import document_block_mask
     from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
@@ -28,7 +27,7 @@ def _compare(rank: int, world: int, balancer: str, bsz: int, seqlen: int) -> boo
     tokens = torch.arange(bsz * seqlen).reshape(bsz, seqlen)
     labels = tokens + 1000
     block = 128  # torch shards a BlockMask only in whole 128-token blocks per rank
-    masks = document_block_mask(positions.clone(), block) if balancer == "ptrr" else None
+    masks = dense_document_block_mask(positions.clone(), block) if balancer == "ptrr" else None
     (t_ref, l_ref, p_ref), _ = cp_shard(mesh, (tokens, labels, positions), masks, balancer)
     pre = SequencePreprocessor(
         device="cpu", cp_group=dist.group.WORLD, load_balancer=balancer, ptrr_block_size=block

@@ -88,6 +88,26 @@ BAD_VALUES = [
     (["--hf_assets_path", "/nonexistent/tok"], "2", ["hf_assets_path /nonexistent/tok: no such"]),
     (["--checkpoint.enable", "--checkpoint.initial_load_path", "/nonexistent/step-0"], "2",
      ["checkpoint.initial_load_path /nonexistent/step-0: no such"]),
+    # issue 15: values that passed the check and then failed (or were ignored) inside the run
+    (["--optimizer.param_groups.0.optimizer_kwargs.lr", "inf"], "2",
+     ["optimizer.param_groups.0.optimizer_kwargs.lr must be a finite number, got inf"]),
+    (["--optimizer.param_groups.0.optimizer_kwargs.eps", "nan"], "2",
+     ["optimizer.param_groups.0.optimizer_kwargs.eps must be a finite number, got nan"]),
+    (["--spike_guard.factor", "inf"], "2", ["spike_guard.factor must be 0 (off) or a finite"]),
+    (["--checkpoint.enable", "--checkpoint.load_step", "-5"], "2",
+     ["checkpoint.load_step must be -1 (the newest step) or a step number >= 0, got -5"]),
+    (["--checkpoint.initial_load_path", "/tmp"], "2",
+     ["checkpoint.initial_load_path = /tmp is ignored without checkpointing",
+      "add --checkpoint.enable"]),
+    (["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"], "2",
+     ["checkpoint.create_seed_checkpoint needs --checkpoint.enable and one process (NPROC=1), "
+      "got 2 process(es)"]),
+    (["--training.seq_len", "1000000000", "--model.max_seq_len", "1000000000"], "2",
+     ["one row of training.seq_len = 1000000000 tokens needs over 64 passes over "
+      "data-parallel rank 0's", "use a shorter training.seq_len"]),
+    (["configs/debug_cpu.toml"], "2",
+     ["unexpected argument 'configs/debug_cpu.toml'", "--config_file configs/debug_cpu.toml"]),
+    (["--config_file", "configs"], "2", ["config file configs is a folder"]),
 ]  # fmt: skip
 if not ON_CUDA:
     BAD_VALUES += [
@@ -100,10 +120,22 @@ if not ON_CUDA:
 @pytest.mark.parametrize(
     "args, nproc, needles", BAD_VALUES, ids=[" ".join(r[0]) or f"NPROC={r[1]}" for r in BAD_VALUES]
 )
-def test_bad_value_is_one_line_naming_the_key(capsys, tmp_path, args, nproc, needles):
+def test_bad_value_is_one_line_naming_the_key(
+    capsys, tmp_path, args, nproc, needles, interpreter_off
+):
     code, out, err = check(capsys, "--dump_folder", str(tmp_path), *args, nproc=nproc)
     assert out == ""
     assert_one_line(code, err, *needles)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="on CUDA 'fla' is the normal backend")
+def test_fla_on_cpu_passes_only_under_the_interpreter(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what the fla_interpreter tier's ranks run with
+    code, out, err = check(
+        capsys, "--dump_folder", str(tmp_path), "--linear_attention.backend", "fla"
+    )
+    assert (code, out.strip()) == (0, "2"), err
 
 
 def test_unwritable_dump_folder(capsys, tmp_path):
@@ -122,6 +154,33 @@ def _read_only(folder: str) -> bool:
             return False
     except OSError:
         return True
+
+
+def _unwritable_file(tmp_path) -> str | None:
+    """A file this process cannot append to: a 0444 file, or for root (who writes 0444 files) a
+    read-only sysfs attribute; None when there is none."""
+    if os.geteuid() != 0:
+        path = tmp_path / "ro.txt"
+        path.write_text("")
+        path.chmod(0o444)
+        return str(path)
+    for path in ("/sys/kernel/uevent_seqnum", "/proc/version"):
+        try:
+            with open(path, "a"):
+                pass
+        except OSError:
+            return path
+    return None
+
+
+def test_read_only_metrics_jsonl_is_caught_before_launch(capsys, tmp_path):
+    """Before: it passed the check and the run died at its first log line with an OSError."""
+    target = _unwritable_file(tmp_path)
+    if target is None:
+        pytest.skip("no file this process cannot write")
+    (tmp_path / "metrics.jsonl").symlink_to(target)
+    code, _, err = check(capsys, "--dump_folder", str(tmp_path))
+    assert_one_line(code, err, f"metrics.jsonl_file {tmp_path}/metrics.jsonl: cannot be appended")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
@@ -245,15 +304,19 @@ def run_train_sh(*args: str, nproc: str | None = None) -> tuple[subprocess.Compl
         (["--parallelism.context_parallel_degree", "4"], "2", "does not divide the 2 processes"),
         ([], "0", "NPROC must be a whole number >= 1"),
         (["--dataloader.dataset", "jsonl", "--dataloader.dataset_path", "{bad}"], None, ":2: "),
+        # a config file of any name (before: "Unrecognized options: path" unless it ended in .toml)
+        (["{conf}"], None, "training.steps must be >= 0, got -3"),
     ],
-    ids=["steps", "cp-degree", "NPROC=0", "data-file"],
+    ids=["steps", "cp-degree", "NPROC=0", "data-file", "config-not-toml"],
 )
 def test_train_sh_refuses_before_torchrun(tmp_path, args, nproc, needle):
     """Through ./scripts/train.sh: exit 2, the one line, no torchrun block (torchrun never ran:
     before, each of these started both ranks and ended in a 40-line ChildFailedError, exit 1)."""
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"text": "a"}\n{"text": 1}\n')
-    args = [a.replace("{bad}", str(bad)) for a in args]
+    conf = tmp_path / "run.conf"
+    conf.write_text("[training]\nsteps = -3\n")
+    args = [a.replace("{bad}", str(bad)).replace("{conf}", str(conf)) for a in args]
     proc, seconds = run_train_sh(*args, "--dump_folder", str(tmp_path / "run"), nproc=nproc)
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("[env]")]
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -273,8 +336,11 @@ def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
 def test_direct_torchrun_runs_the_same_validation(tmp_path):
     proc = torchrun("--validator.freq", "0", "--dump_folder", str(tmp_path))
     assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if "torchtitan_cp.train: error:" in line]
+    # Each rank's own line (torchrun's failure block repeats it as each rank's root cause).
+    lines = proc.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("torchtitan_cp.train: error:")]
     assert len(errors) == 2 and all("validator.freq must be >= 1" in e for e in errors), errors
+    assert "traceback : torchtitan_cp.train: error: validator.freq must be >= 1" in proc.stderr
     assert "ZeroDivisionError" not in proc.stderr
 
 

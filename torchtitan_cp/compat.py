@@ -3,12 +3,14 @@
 Each shim has a one-line reason and a test in tests/test_compat.py. ``apply()`` is idempotent
 and must run before the trainer is built: the entry point (``torchtitan_cp.train``) calls it
 before loading any of torchtitan's trainer code, and ``HybridTrainer.__init__`` again.
-On CUDA machines only the shims that are not CPU-specific are applied.
+On CUDA machines only the shims that are not CPU-specific are applied; on torch 2.14 (the pin)
+the torch shims (5-7) are not applied, on torch 2.11-2.13 they let one process train.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import re
 from collections import namedtuple
@@ -22,10 +24,13 @@ logger = logging.getLogger(__name__)
 
 _APPLIED = False
 
-# The trainer's floor: torchtitan 0.3.0 imports DataParallelMeshDims from torch.distributed.fsdp
-# and calls dist.set_timeout, both new in torch 2.14. routing/, ops/, models/ (but for qwen35/ and
-# hybrid/parallelize.py), data/host_metadata.py, trainer/sequence.py and trainer/compile.py need
-# only torch >= 2.11 (scripts/gpu_imports.py checks it; the GPU image check runs them on 2.11.0).
+# The trainer's floors. torchtitan 0.3.0 was written against torch 2.14 (DataParallelMeshDims in
+# torch.distributed.fsdp, dist.set_timeout, FSDP over the spmd_types mesh). On torch 2.11-2.13 the
+# shims below let it run one process (FSDP and CP degree 1, the GPU machine's configuration);
+# anything needing more is refused by ``check_trainer_torch``. routing/, ops/, models/ (but for
+# qwen35/ and hybrid/parallelize.py), data/host_metadata.py, trainer/sequence.py and
+# trainer/compile.py need only torch >= 2.11 (scripts/gpu_imports.py checks it; the GPU image
+# check runs them on 2.11.0).
 TRAINER_TORCH_FLOOR = (2, 14)
 LIBRARY_TORCH_FLOOR = (2, 11)
 
@@ -52,6 +57,25 @@ def require_torch(floor: tuple[int, int], what: str, version: str | None = None)
         raise TorchVersionError(
             f"{what} needs torch >= {need}, found torch {found} "
             "(./scripts/train.sh builds a venv with the pinned torch 2.14.1; see docs/gpu.md)"
+        )
+
+
+def torch_below_trainer_floor(version: str | None = None) -> bool:
+    """True on torch 2.11-2.13, where the trainer runs single-process through the shims."""
+    found = str(torch.__version__) if version is None else version
+    return torch_release(found) < TRAINER_TORCH_FLOOR
+
+
+def check_trainer_torch(world_size: int, version: str | None = None) -> None:
+    """Raise ``TorchVersionError`` (one line) for a run this torch cannot train: below 2.11 any
+    run, on 2.11-2.13 more than one process (FSDP, CP or replication need torch 2.14's FSDP)."""
+    found = str(torch.__version__) if version is None else version
+    require_torch(LIBRARY_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)", found)
+    if world_size > 1 and torch_below_trainer_floor(found):
+        raise TorchVersionError(
+            f"the trainer runs {world_size} processes (FSDP, CP or replication), which needs "
+            f"torch >= 2.14, found torch {found}: torch 2.11-2.13 train one process only "
+            "(FSDP and CP degree 1; see docs/gpu.md)"
         )
 
 
@@ -181,11 +205,68 @@ def _shim_grad_norm() -> None:
     dist_utils.clip_grad_norm_ = clip_grad_norm_
 
 
+def _shim_fsdp_mesh_dims() -> None:
+    # 5. torch < 2.14: torchtitan imports DataParallelMeshDims from torch.distributed.fsdp at
+    # module level; one process never shards, so a stand-in that refuses to be built suffices.
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        return
+
+    class DataParallelMeshDims:
+        """Stand-in for torch 2.14's class: data-parallel mesh dims need torch >= 2.14."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise TorchVersionError(
+                "FSDP over a data-parallel mesh (DataParallelMeshDims) needs torch >= 2.14, "
+                f"found torch {torch.__version__}"
+            )
+
+    setattr(fsdp, "DataParallelMeshDims", DataParallelMeshDims)  # noqa: B010
+
+
+def _shim_set_timeout() -> None:
+    # 6. torch < 2.14: torchtitan calls dist.set_timeout after the first step; torch 2.11's
+    # private _set_pg_timeout takes the same arguments and sets the same backend timeouts.
+    if not hasattr(dist, "set_timeout"):
+        setattr(dist, "set_timeout", dist.distributed_c10d._set_pg_timeout)  # noqa: B010
+
+
+def tensorboard_available() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def _shim_missing_tensorboard() -> None:
+    # 7. torch < 2.14 images (the GPU machine's) have no tensorboard, which torchtitan's metrics
+    # module imports at module level but uses only with metrics.enable_tensorboard (refused by
+    # validate() there): give it a SummaryWriter that says so.
+    import sys
+    import types
+
+    if tensorboard_available():
+        return
+
+    class SummaryWriter:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError(
+                "metrics.enable_tensorboard needs the tensorboard package, which is not installed"
+            )
+
+    module = types.ModuleType("torch.utils.tensorboard", "tensorboard is not installed")
+    module.SummaryWriter = SummaryWriter  # pyrefly: ignore[missing-attribute]
+    sys.modules["torch.utils.tensorboard"] = module
+
+
 def apply() -> None:
-    """Apply every shim this machine needs (idempotent)."""
+    """Apply every shim this machine needs (idempotent). The torch < 2.14 ones come first:
+    the CPU ones import torchtitan modules that need them."""
     global _APPLIED
     if _APPLIED:
         return
+    if torch_below_trainer_floor():
+        _shim_fsdp_mesh_dims()
+        _shim_set_timeout()
+        _shim_missing_tensorboard()
     if not accelerator_available():
         _shim_device_bindings()
         _shim_pg_timeouts()

@@ -2,10 +2,11 @@
 
 Precedence: command line > TOML > recipe defaults (``torchtitan_cp.trainer.trainer.recipe_config``).
 
-``--check [--nproc N]`` validates the configuration for a launch of N processes (``auto``: one
-per GPU, else 2) in this one process, prints N and exits: 0 when the launch can start, 2 with one
-line on stderr when not. ``./scripts/train.sh`` runs it before torchrun. Every rank of a real
-launch runs the same validation (``torchtitan_cp.trainer.validate``) before building the trainer.
+``--check [--nproc N] [--nnodes M]`` validates the configuration for a launch of N processes
+per node (``auto``: one per GPU, else 2) on M nodes (default 1) in this one process, prints N and
+exits: 0 when the launch can start, 2 with one line on stderr when not. ``./scripts/train.sh``
+runs it before torchrun. Every rank of a real launch runs the same validation
+(``torchtitan_cp.trainer.validate``) before building the trainer.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import dataclasses
 import io
 import logging
 import os
+import re
 import sys
 from typing import Any
 
 from torchtitan_cp.data.jsonl import DataError
+from torchtitan_cp.run.errors import LAUNCHER_ENV
 from torchtitan_cp.trainer.config import ConfigError, apply_table, read_toml, split_config_file
 
 DEFAULT_CONFIG = "configs/debug_cpu.toml"
@@ -50,7 +53,14 @@ def load_config(argv: list[str]):
             )  # fmt: skip
     except SystemExit as e:
         if e.code:  # tyro's boxed error message, folded into one line
-            raise ConfigError(f"command line: {_one_line(captured.getvalue())}") from None
+            message = _one_line(captured.getvalue())
+            stray = re.fullmatch(r"Unrecognized options: ([^-\s]\S*)", message)
+            if stray:  # a positional argument: most often a config file without the flag
+                message = (
+                    f"unexpected argument {stray[1]!r}; a config file is passed as "
+                    f"--config_file {stray[1]}"
+                )
+            raise ConfigError(f"command line: {message}") from None
         sys.stderr.write(captured.getvalue())
         raise
     except (AssertionError, ValueError) as e:
@@ -121,25 +131,27 @@ def _one_line(box: str) -> str:
     return message
 
 
-def _split_launch_args(argv: list[str]) -> tuple[bool, str, list[str]]:
-    """Pull ``--check`` and ``--nproc N`` (not trainer options) out of ``argv``."""
-    check, nproc, rest = False, "auto", []
+def _split_launch_args(argv: list[str]) -> tuple[bool, str, str, list[str]]:
+    """Pull ``--check``, ``--nproc N`` and ``--nnodes M`` (not trainer options) out of
+    ``argv``; returns (check, N, M, the rest)."""
+    check, values, rest = False, {"--nproc": "auto", "--nnodes": "1"}, []
     i = 0
     while i < len(argv):
         a = argv[i]
+        name = a.split("=", 1)[0]
         if a == "--check":
             check = True
-        elif a == "--nproc":
+        elif a in values:
             if i + 1 >= len(argv):
-                raise ConfigError("--nproc needs a number")
-            nproc = argv[i + 1]
+                raise ConfigError(f"{a} needs a number")
+            values[a] = argv[i + 1]
             i += 1
-        elif a.startswith("--nproc="):
-            nproc = a.split("=", 1)[1]
+        elif name in values:
+            values[name] = a.split("=", 1)[1]
         else:
             rest.append(a)
         i += 1
-    return check, nproc, rest
+    return check, values["--nproc"], values["--nnodes"], rest
 
 
 def _single_process_defaults() -> None:
@@ -175,23 +187,34 @@ def _record_for_torchrun(line: str) -> None:
         pass
 
 
+def _fail(line: str) -> None:
+    """Report a one-line error of this rank: stderr (unless the launcher prints it) and the
+    torchrun error file."""
+    if not os.environ.get(LAUNCHER_ENV):
+        print(line, file=sys.stderr)
+    _record_for_torchrun(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torchtitan_cp import compat
 
     try:  # before any torchtitan import, which fails on an older torch
-        compat.require_torch(compat.TRAINER_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
+        compat.require_torch(compat.LIBRARY_TORCH_FLOOR, "the trainer (torchtitan 0.3.0)")
+        # torchtitan 0.3.0's shims (on torch < 2.14 also the names torchtitan imports), before
+        # any of torchtitan's trainer code runs.
+        compat.apply()
     except compat.TorchVersionError as e:
         print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
         return 2
-    compat.apply()  # torchtitan 0.3.0's shims, before any of torchtitan's trainer code runs
     from torchtitan.tools.logging import init_logger, logger
 
-    from torchtitan_cp.trainer.validate import parse_nproc, validate
+    from torchtitan_cp.trainer.validate import parse_nnodes, parse_nproc, validate
 
     args = list(sys.argv[1:] if argv is None else argv)
     check = False
     try:
-        check, nproc_text, args = _split_launch_args(args)
+        check, nproc_text, nnodes_text, args = _split_launch_args(args)
+        nnodes = parse_nnodes(nnodes_text)
         if check and nproc_text not in ("", "auto"):
             parse_nproc(nproc_text, device_type="cpu")  # a bad NPROC fails before the imports
         if check:
@@ -204,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         device_type = compat.device_type()
         if check:
             nproc = parse_nproc(nproc_text, device_type=device_type)
-            validate(config, nproc, device_type)
+            validate(config, nproc * nnodes, device_type, local_world_size=nproc)
             print(nproc)
             return 0
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -212,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         # The data files were scanned by --check (or are checked by the loader when they fail).
         validate(config, world, device_type, local_world_size=local_world, scan_data=False)
     except (ConfigError, ValueError) as e:
-        print(f"torchtitan_cp.train: error: {e}", file=sys.stderr)
+        line = f"torchtitan_cp.train: error: {e}"
+        if check:
+            print(line, file=sys.stderr)
+        else:
+            _fail(line)
         return 2
     finally:
         if check:
@@ -222,14 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _single_process_defaults()
 
-    if config.checkpoint.create_seed_checkpoint:
-        if int(os.environ.get("WORLD_SIZE", "1")) != 1 or not config.checkpoint.enable:
-            print(
-                "torchtitan_cp.train: error: --checkpoint.create_seed_checkpoint needs one "
-                "process and --checkpoint.enable",
-                file=sys.stderr,
-            )
-            return 2
+    from torchtitan_cp.run import rank_timeout
     from torchtitan_cp.run.errors import RunError
 
     trainer = None
@@ -246,16 +266,26 @@ def main(argv: list[str] | None = None) -> int:
         # checkpoint, a loss spike: one line, no traceback.
         if trainer is not None:
             trainer.close()
-        line = f"torchtitan_cp.train: error: {e}"
-        print(line, file=sys.stderr)
-        _record_for_torchrun(line)
+        _fail(f"torchtitan_cp.train: error: {e}")
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return getattr(e, "exit_code", 2)
-    except Exception:
-        if trainer is not None:
-            trainer.close()
-        raise
+    except Exception as e:
+        if not rank_timeout.is_timeout(e) or not torch.distributed.is_initialized():
+            if trainer is not None:
+                trainer.close()
+            raise
+        # Another rank stopped answering: name it (its peers' groups are broken now, so no
+        # clean shutdown of the process group).
+        started = trainer is not None and trainer.step > 0
+        key = "comm.train_timeout_seconds" if started else "comm.init_timeout_seconds"
+        seconds = config.comm.train_timeout_seconds if started else config.comm.init_timeout_seconds
+        err = rank_timeout.timeout_error(
+            torch.distributed.get_rank(), torch.distributed.get_world_size(),
+            key=key, seconds=seconds,
+        )  # fmt: skip
+        _fail(f"torchtitan_cp.train: error: {err}")
+        return err.exit_code
     else:
         trainer.close()
         if torch.distributed.is_initialized():

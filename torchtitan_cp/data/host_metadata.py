@@ -31,6 +31,9 @@ class HostMetadata:
     positions: torch.Tensor
     """[B, L] int64 on CPU. 0 marks a document start; torchtitan also restarts a row that
     begins mid-document at 0, so column 0 is always 0."""
+    valid_tokens: int | None = None
+    """Labels that count in the loss (not torchtitan's ``IGNORE_INDEX``), counted on the host
+    by the loader; the trainer normalises the loss by their sum without reading the device."""
     _cu_seqlens: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "check_documents_for_ranks",
     "check_jsonl_file",
     "check_rank_shares",
+    "check_row_fits",
     "empty_share_message",
     "rank_share",
     "scan",
@@ -43,6 +44,9 @@ class JsonlSummary:
     """Whether the whole file was scanned (False: it is larger than the byte limit)."""
     empty: tuple[int, ...] = ()
     """Indices (0-based, = line - 1) of the documents whose text is empty."""
+    text_bytes: tuple[int, ...] = ()
+    """UTF-8 bytes of each scanned document's text (a bound on its tokens: every token of a
+    byte-level tokenizer covers at least one byte)."""
 
 
 def check_jsonl_file(path: str) -> None:
@@ -97,6 +101,7 @@ def scan(path: str, *, max_bytes: int | None = SCAN_LIMIT_BYTES) -> JsonlSummary
     documents = nonempty = read = 0
     complete = True
     empty: list[int] = []
+    sizes: list[int] = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if max_bytes is not None and read >= max_bytes:
@@ -106,13 +111,14 @@ def scan(path: str, *, max_bytes: int | None = SCAN_LIMIT_BYTES) -> JsonlSummary
             text = _check_line(path, lineno, raw.rstrip(b"\r\n"))
             if not text:
                 empty.append(documents)
+            sizes.append(len(text.encode("utf-8", "surrogatepass")))
             documents += 1
             nonempty += bool(text)
     if complete and nonempty == 0:
         raise DataError(
             f'{path}: all {documents} documents have an empty "text": no tokens to train on'
         )
-    return JsonlSummary(path, documents, nonempty, complete, tuple(empty))
+    return JsonlSummary(path, documents, nonempty, complete, tuple(empty), tuple(sizes))
 
 
 def check_documents_for_ranks(path: str, documents: int, dp_world_size: int) -> None:
@@ -137,6 +143,31 @@ def empty_share_message(where: str, documents: int, dp_rank: int) -> str:
         f"{where}: the {documents} documents of data-parallel rank {dp_rank} all have an empty "
         '"text": no tokens to train on (shuffle the file so every rank gets text)'
     )
+
+
+MAX_PASSES_PER_ROW = 64
+"""Most passes over a data-parallel rank's documents one row may take (tiny test files repeat
+a few times per row; ``seq_len = 1e9`` on a 2 MB corpus would take thousands)."""
+
+
+def check_row_fits(summary: JsonlSummary, dp_world_size: int, seq_len: int) -> None:
+    """One row of ``seq_len`` tokens must fit in ``MAX_PASSES_PER_ROW`` passes over each
+    data-parallel rank's documents; otherwise the loader repeats them pass after pass before the
+    first step (at ``seq_len = 1e9``: for hours, with no output). A document adds at most its
+    UTF-8 bytes plus 1 tokens to the packed stream (BOS and EOS, less the one the shifted labels
+    take), an upper bound for byte-level tokenizers."""
+    if not summary.complete or not summary.text_bytes:
+        return
+    for rank in range(dp_world_size):
+        share = rank_share(summary.documents, dp_world_size, rank)
+        tokens = sum(summary.text_bytes[i] for i in share) + len(share)
+        if seq_len > MAX_PASSES_PER_ROW * tokens:
+            raise DataError(
+                f"{summary.path}: one row of training.seq_len = {seq_len} tokens needs over "
+                f"{MAX_PASSES_PER_ROW} passes over data-parallel rank {rank}'s {len(share)} "
+                f"documents (at most {tokens} tokens): the loader would spin over them before "
+                "the first step; use a shorter training.seq_len or more data"
+            )
 
 
 def check_rank_shares(summary: JsonlSummary, dp_world_size: int) -> None:

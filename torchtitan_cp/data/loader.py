@@ -6,8 +6,8 @@ module adds three things:
 
 * dataset names for the bundled corpus (``"bundled"``, ``"bundled_validation"``) and for any
   JSONL file (``"jsonl"`` + ``dataset_path``), so the defaults need no network;
-* ``HostMetadata``: a CPU copy of each batch's positions that survives the trainer's and
-  the validator's move of the batch to the device;
+* ``HostMetadata``: a CPU copy of each batch's positions (and its count of labels that count in
+  the loss) that survives the trainer's and the validator's move of the batch to the device;
 * ``PackedTextDataLoader`` / ``PackedValidationDataLoader``: dataloaders whose batches carry
   that metadata under ``input_dict["host_metadata"]``.
 """
@@ -25,6 +25,7 @@ import torch
 from datasets import Dataset, load_dataset
 from torch.utils.data import default_collate
 from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets import text_datasets as _tt_text
@@ -145,7 +146,9 @@ def collate_with_host_metadata(
     """
     input_dict, labels = default_collate(samples)
     # Clone: the host copy must not alias a tensor that later code may modify in place.
-    meta = HostMetadata(input_dict["positions"].clone())
+    meta = HostMetadata(
+        input_dict["positions"].clone(), valid_tokens=int((labels != IGNORE_INDEX).sum())
+    )
     meta.cu_seqlens()  # derive (and validate) the document boundaries here, in the loader
     input_dict[HOST_METADATA_KEY] = meta
     return input_dict, labels

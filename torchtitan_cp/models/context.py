@@ -12,6 +12,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torchtitan_cp.ops import flex_document_mask
 from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
 from torchtitan_cp.routing import (
+    DevicePassKV,
     DeviceRouting,
     RoutingCaps,
     RoutingPlan,
@@ -37,7 +38,10 @@ class SequenceContext:
             ``cu_seqlens``) of every local token; not ``routing.row_document_index``.
         source: "host" or "device_readback": how the routing was built (for logging).
         block_mask: the document ``BlockMask`` for flex attention layers (this rank's queries
-            against the gathered keys under CP); None when the model runs its attention on SDPA.
+            against the gathered keys under CP); None when the model runs its attention on SDPA
+            or passes K/V.
+        pass_kv: the pass-KV attention schedule of this rank with its device ids (under CP
+            with ``model.attention_cp = "pass_kv"``), else None.
     """
 
     routing: DeviceRouting
@@ -46,6 +50,7 @@ class SequenceContext:
     doc_ids: torch.Tensor
     source: str = "host"
     block_mask: BlockMask | None = None
+    pass_kv: DevicePassKV | None = None
 
     @property
     def cp_enabled(self) -> bool:
@@ -61,12 +66,14 @@ def build_sequence_context(
     conv_history: int = 3,
     block_mask: BlockMask | None = None,
     caps: RoutingCaps | None = None,
+    pass_kv: bool = False,
 ) -> SequenceContext:
     """Materialise ``plan`` on ``device``: the routing plus per-token global and document ids.
 
     Every call creates new device tensors (copied non-blocking from host memory), so no two
     microbatches share routing storage. ``caps`` pads the routing to layout-independent shapes
-    (what a compiled model needs to avoid recompiling per layout).
+    (what a compiled model needs to avoid recompiling per layout). ``pass_kv`` adds the plan's
+    pass-KV attention schedule (cached with the plan) and its device ids, when CP is on.
     """
     # Chunk tables for fla's kernels come with the routing (no host sync inside fla).
     routing = plan.to_device(
@@ -83,9 +90,12 @@ def build_sequence_context(
     if torch.device(device).type == "cuda":
         ids = ids.pin_memory()
     ids = ids.to(device, non_blocking=True)
+    schedule = None
+    if pass_kv and plan.world_size > 1:
+        schedule = plan.pass_kv.to_device(device, ids[0], ids[1])
     return SequenceContext(
         routing=routing, group=group, token_ids=ids[0], doc_ids=ids[1], source=source,
-        block_mask=block_mask,
+        block_mask=block_mask, pass_kv=schedule,
     )  # fmt: skip
 
 

@@ -3,9 +3,9 @@
 
 Its keys are the four that choose a model (``name``, ``flavor``, ``n_layers``, ``vision``) plus
 every field of ``HybridDecoder.Config`` (unset = the flavor's value), so a field added to the
-decoder or to a layer kind's options (``models.layers.LayerOptions``) is settable from TOML and
-the command line with no second declaration here. ``linear_attention_backend`` is the one
-exception: ``[linear_attention] backend`` sets it.
+decoder or to a layer kind's options (``models.hybrid.layers.LayerOptions``) is settable from
+TOML and the command line with no second declaration here. ``linear_attention_backend`` is the
+one exception: ``[linear_attention] backend`` sets it.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def recipe_model_spec(recipe: Any) -> ModelSpec:
     if recipe.name == "qwen3_5":
         from torchtitan_cp.models.qwen35.spec import qwen35_model_spec
 
-        allowed = ("vocab_size", "attention_backend", "enable_weight_tying")
+        allowed = ("vocab_size", "attention_backend", "attention_cp", "enable_weight_tying")
         bad = sorted(set(overrides) - set(allowed))
         if bad:
             raise ValueError(

@@ -41,7 +41,7 @@ from fla.ops.utils.index import prepare_chunk_offsets
 from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 from torch import Tensor
 
-from .common.fla import FLA_CHUNK_SIZE
+from .common.fla import FLA_CHUNK_SIZE, contiguous
 
 __all__ = [
     "chunk_kda_indexed",
@@ -85,6 +85,11 @@ class _ChunkKDAIndexed(torch.autograd.Function):
     @autocast_custom_bwd
     def backward(ctx, do, dht):  # pyrefly: ignore[bad-override]
         q, k, v, g_cumsum, g, beta, Aqk, Akk, h0, cu, ci, co = ctx.saved_tensors
+        # Explicit, not left to input_guard: chunk_kda_bwd assumes contiguous rows, and the
+        # cotangents can be expanded views (a reduction's backward). A no-op when contiguous.
+        q, k, v, g_cumsum, beta, Aqk, Akk, h0, do, dht = contiguous(
+            q, k, v, g_cumsum, beta, Aqk, Akk, h0, do, dht
+        )
         dq, dk, dv, db, dg, dh0, _, _ = chunk_kda_bwd(
             q=q,
             k=k,
@@ -136,6 +141,9 @@ def chunk_kda_indexed(
         raise ValueError(f"fla's KDA kernels support head dim K <= 256, got K={K}")
     if initial_state is not None and initial_state.dtype != torch.float32:
         raise ValueError(f"initial_state must be float32 for fla, got {initial_state.dtype}")
+    # Contiguous before fla's forward (which saves them for chunk_kda_bwd); v is usually a
+    # split view of the conv output.
+    q, k, v, g, beta, initial_state = contiguous(q, k, v, g, beta, initial_state)
     return _ChunkKDAIndexed.apply(
         q,
         k,

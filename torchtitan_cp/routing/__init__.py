@@ -14,7 +14,7 @@ from .balancers import (
 from .cache import PlanCache
 from .chunks import chunk_bound, chunk_indices, chunk_offsets, chunk_tables
 from .device import DeviceRouting, RoutingCaps, RoutingCapsExceeded
-from .documents import document_block_mask, document_mask_mod, row_document_index
+from .documents import document_mask_mod, row_document_index
 from .layouts import (
     FragmentTable,
     contiguous_fragments,
@@ -26,6 +26,7 @@ from .layouts import (
     parse_fragments,
     ptrr_fragments_from_indices,
 )
+from .pass_kv import DevicePassKV, PassKVPairs, PassKVRound, PassKVSchedule, pass_kv_pairs
 from .plan import RoutingPlan
 from .sources import Layout, host_layout, readback_layout
 
@@ -37,13 +38,16 @@ __all__ = [
     "check_divisible",
     "get_balancer",
     "register",
-    "document_block_mask",
     "document_mask_mod",
     "row_document_index",
     "host_layout",
     "readback_layout",
+    "DevicePassKV",
     "DeviceRouting",
     "FragmentTable",
+    "PassKVPairs",
+    "PassKVRound",
+    "PassKVSchedule",
     "PlanCache",
     "RoutingCaps",
     "RoutingCapsExceeded",
@@ -59,5 +63,6 @@ __all__ = [
     "fragments_from_indices",
     "headtail_fragments",
     "parse_fragments",
+    "pass_kv_pairs",
     "ptrr_fragments_from_indices",
 ]

@@ -43,13 +43,21 @@ def _parse_ints(text: str) -> list[int]:
 def explain(plan: RoutingPlan) -> dict[str, Any]:
     """The CLI's JSON object: subsequences ``[document, start, stop]`` (global), local
     ``cu_seqlens``, per-fragment ``predecessors`` / ``successors`` ``[rank, fragment]`` in token
-    order, and ``terminal`` local subsequence indices."""
+    order, ``terminal`` local subsequence indices, and the pass-KV attention schedule
+    (``shifts`` and this rank's rounds; rows are half-open span ranges)."""
+    rounds = [
+        {"shift": rd.shift, "recv_from": rd.recv_from, "recv_rows": list(rd.recv_rows),
+         "query_rows": list(rd.query_rows), "send_to": rd.send_to,
+         "send_rows": list(rd.send_rows)}
+        for rd in plan.pass_kv.rounds
+    ]  # fmt: skip
     return {
         "subsequences": plan.subsequences.tolist(),
         "cu_seqlens": plan.cu_seqlens.tolist(),
         "predecessors": [[list(p) for p in preds] for preds in plan.predecessors],
         "successors": [[list(s) for s in succs] for succs in plan.successors],
         "terminal": plan.terminal.tolist(),
+        "pass_kv": {"shifts": list(plan.pass_kv.pairs.shifts), "rounds": rounds},
     }
 
 
@@ -81,6 +89,7 @@ def _table(plan: RoutingPlan) -> str:
             + f"[{cu[i]}, {cu[i + 1]})".ljust(21)
             + ("yes" if i in terminal else "no")
         )
+    lines += ["", "pass-KV attention (model.attention_cp = 'pass_kv'):", plan.pass_kv.describe()]
     return "\n".join(lines)
 
 

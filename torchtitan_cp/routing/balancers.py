@@ -26,10 +26,13 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
     _HeadTailLoadBalancer,
-    _PTRRLoadBalancer,
 )
 
-from .documents import document_block_mask
+from .documents import (
+    block_document_starts,
+    block_document_starts_from_positions,
+    visible_key_blocks,
+)
 
 __all__ = [
     "BALANCER_KEY",
@@ -94,18 +97,34 @@ class LoadBalancer(ABC):
             seq_len, [*rules, *also], f"for {BALANCER_KEY.split('.')[-1]} = {self.name}"
         )
 
-    def indices(self, positions: Tensor, world: int, device: torch.device | str) -> Tensor | None:
+    def indices(
+        self,
+        positions: Tensor,
+        world: int,
+        device: torch.device | str,
+        *,
+        cu_seqlens: Tensor | None = None,
+    ) -> Tensor | None:
         """Rearrange index ``[1 or B, L]`` int64 on ``device`` for ``positions [B, L]`` (any
         device; a balancer that ignores the documents reads only its shape), or None for the
-        identity. One rank (``world == 1``) never reorders."""
+        identity. One rank (``world == 1``) never reorders. ``cu_seqlens [D + 1]``: the global
+        document boundaries of these positions when the caller has them (the host metadata);
+        a balancer that follows the documents then reads them instead of the positions."""
         seq_len = positions.shape[1]
         self.check(seq_len, world)
         if world == 1:
             return None
-        return self._indices(positions, world, device)
+        return self._indices(positions, world, device, cu_seqlens=cu_seqlens)
 
     @abstractmethod
-    def _indices(self, positions: Tensor, world: int, device: torch.device | str) -> Tensor | None:
+    def _indices(
+        self,
+        positions: Tensor,
+        world: int,
+        device: torch.device | str,
+        *,
+        cu_seqlens: Tensor | None = None,
+    ) -> Tensor | None:
         """``indices`` for ``world > 1`` and a checked ``seq_len``."""
 
     @abstractmethod
@@ -160,7 +179,7 @@ class Contiguous(LoadBalancer):
     name: ClassVar[str] = "contiguous"
     depends_on_documents: ClassVar[bool] = False
 
-    def _indices(self, positions: Tensor, world: int, device: torch.device | str) -> None:
+    def _indices(self, positions, world, device, *, cu_seqlens=None) -> None:  # see the base
         return None
 
     def runs_per_row(self, seq_len: int, world: int) -> int:
@@ -178,7 +197,7 @@ class HeadTail(LoadBalancer):
     def multiple(self, world: int) -> tuple[int, str]:
         return 2 * world, f"2 x {WORLD_KEY} ({world})"
 
-    def _indices(self, positions: Tensor, world: int, device: torch.device | str) -> Tensor:
+    def _indices(self, positions, world, device, *, cu_seqlens=None) -> Tensor:  # see the base
         return _HeadTailLoadBalancer(positions.shape[1], world, device)._generate_indices()
 
     def runs_per_row(self, seq_len: int, world: int) -> int:
@@ -188,8 +207,14 @@ class HeadTail(LoadBalancer):
 @register
 @dataclass(frozen=True)
 class PTRR(LoadBalancer):
-    """torch's PTRR balancer over the causal document mask in blocks of ``block_size`` tokens
-    (``linear_attention.ptrr_block_size``): its order follows the documents."""
+    """torch's PTRR balancer (``_PTRRLoadBalancer``) over the causal document mask in blocks of
+    ``block_size`` tokens (``linear_attention.ptrr_block_size``): its order follows the documents.
+
+    It reproduces torch's index exactly without building the mask: a query block's work is the
+    number of key blocks it sees (full and partial alike), which follows from where the
+    document of its first token starts (``routing.documents.visible_key_blocks``), so the cost
+    grows with blocks + documents, not with ``L x L``. ``tests/test_ptrr_documents.py`` checks
+    it against torch's balancer on the dense ``BlockMask``."""
 
     name: ClassVar[str] = "ptrr"
     depends_on_documents: ClassVar[bool] = True
@@ -211,9 +236,29 @@ class PTRR(LoadBalancer):
             f"ptrr_block_size x {WORLD_KEY} ({self.block_size} x {world})",
         )
 
-    def _indices(self, positions: Tensor, world: int, device: torch.device | str) -> Tensor:
-        mask = document_block_mask(positions.to(device), self.block_size)
-        return _PTRRLoadBalancer(mask, world)._generate_indices()
+    def _indices(self, positions, world, device, *, cu_seqlens=None) -> Tensor:  # see the base
+        bsz, seqlen = positions.shape
+        if cu_seqlens is not None:  # host: one search per block in the document boundaries
+            starts = block_document_starts(cu_seqlens, bsz, seqlen, self.block_size)
+        else:  # readback: from the positions where they are, without a host copy
+            starts = block_document_starts_from_positions(positions, self.block_size)
+        work = visible_key_blocks(starts, self.block_size)
+        return self._schedule(work, world).to(device)
+
+    def _schedule(self, work: Tensor, world: int) -> Tensor:
+        """torch's PTRR order of the ``[B, NB]`` blocks by ``work``, as a token index ``[B, L]``.
+
+        Per row: blocks sorted by work, heaviest first (ties keep block order: a stable sort);
+        dealt out in rounds of ``world``, rank ``r`` taking the ``r``-th block of even rounds
+        and the ``r``-th from the end of odd ones; each rank's blocks back in row order, rank
+        after rank."""
+        bsz, blocks = work.shape
+        order = torch.sort(work, dim=1, descending=True, stable=True).indices
+        rounds = order.view(bsz, blocks // world, world)
+        rounds[:, 1::2] = rounds[:, 1::2].flip(-1)
+        per_rank = rounds.transpose(1, 2).sort(dim=2).values.reshape(bsz, blocks, 1)
+        tokens = torch.arange(self.block_size, device=work.device)
+        return (per_rank * self.block_size + tokens).reshape(bsz, blocks * self.block_size)
 
     def runs_per_row(self, seq_len: int, world: int) -> int:
         # Whole blocks, and one run may straddle into the next rank's chunk.

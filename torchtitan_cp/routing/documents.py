@@ -10,7 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["document_block_mask", "document_mask_mod", "row_document_index"]
+__all__ = [
+    "block_document_starts",
+    "block_document_starts_from_positions",
+    "document_mask_mod",
+    "row_document_index",
+    "visible_key_blocks",
+]
 
 
 def row_document_index(positions: Tensor) -> Tensor:
@@ -31,13 +37,34 @@ def document_mask_mod(row_doc: Tensor):
     return mask_mod
 
 
-def document_block_mask(positions: Tensor, block_size: int = 128):
-    """Causal packed-document ``BlockMask`` ``[B, 1, L, L]`` of ``positions [B, L]`` on
-    ``positions.device``; PTRR's balancer reads only its per-block counts."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def block_document_starts(cu_seqlens: Tensor, batch: int, seq_len: int, block_size: int) -> Tensor:
+    """Row-local start ``[B, L / block_size]`` int64 of the document that holds the first token
+    of each ``block_size``-token block, from the global boundaries ``cu_seqlens [D + 1]`` of the
+    flattened ``[B, L]`` rows (a row start counts as a document start even if not listed).
 
-    bsz, seqlen = positions.shape
-    return create_block_mask(
-        document_mask_mod(row_document_index(positions)), bsz, None, seqlen, seqlen,
-        device=positions.device, BLOCK_SIZE=block_size,
-    )  # fmt: skip
+    One binary search per block: O(blocks · log D), on ``cu_seqlens.device``. ``L`` must be a
+    multiple of ``block_size``."""
+    if seq_len % block_size:
+        raise ValueError(f"seq_len ({seq_len}) must be a multiple of block_size ({block_size})")
+    first = torch.arange(batch * (seq_len // block_size), device=cu_seqlens.device) * block_size
+    row_start = first - first % seq_len
+    doc = torch.searchsorted(cu_seqlens, first, right=True) - 1
+    start = torch.maximum(cu_seqlens[doc], row_start) - row_start
+    return start.view(batch, -1)
+
+
+def block_document_starts_from_positions(positions: Tensor, block_size: int) -> Tensor:
+    """:func:`block_document_starts` from ``positions [B, L]`` on their device, with no host
+    copy (a running maximum over the document starts: O(B · L))."""
+    col = torch.arange(positions.shape[1], device=positions.device)
+    last_start = torch.where(positions == 0, col, 0).cummax(dim=1).values  # column 0 counts
+    return last_start[:, ::block_size]
+
+
+def visible_key_blocks(doc_start: Tensor, block_size: int) -> Tensor:
+    """Key blocks each query block sees under the causal document mask, ``[B, NB]`` int64, from
+    :func:`block_document_starts`: query block ``i`` (tokens ``[i·s, (i+1)·s)``) sees exactly
+    the keys from the start of its first token's document up to its last token (the documents
+    inside a block tile it), so blocks ``start // s`` to ``i``, full or partial alike."""
+    blocks = torch.arange(doc_start.shape[1], device=doc_start.device)
+    return blocks - doc_start // block_size + 1

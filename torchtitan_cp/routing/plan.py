@@ -18,6 +18,7 @@ from torch import Tensor
 from .chunks import chunk_bound, chunk_tables
 from .device import DeviceRouting, RoutingCaps, RoutingCapsExceeded
 from .layouts import int_tensor
+from .pass_kv import PassKVSchedule, pass_kv_pairs
 
 __all__ = ["RoutingPlan"]
 
@@ -111,6 +112,8 @@ class RoutingPlan:
     _span_offset: Tensor = field(repr=False)
     _frag_start: Tensor = field(repr=False)
     _frag_len: Tensor = field(repr=False)
+    # The global document boundaries (the pass-KV schedule pairs every rank's documents).
+    _global_cu: Tensor = field(repr=False)
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -218,6 +221,7 @@ class RoutingPlan:
             _span_offset=torch.cumsum(lengths, 0) - lengths,
             _frag_start=a,
             _frag_len=lengths,
+            _global_cu=cu.clone(),  # by value: the caller may reuse its tensor
         )
 
     # ------------------------------------------------------------------ host views
@@ -273,6 +277,16 @@ class RoutingPlan:
                 srcs.append((ranks[q], locs[q], t - s_start[q]))
             out.append(srcs)
         return out
+
+    @functools.cached_property
+    def pass_kv(self) -> PassKVSchedule:
+        """This rank's pass-KV attention schedule (``routing.pass_kv``), built on first use
+        and cached with the plan (so ``PlanCache`` hits reuse it)."""
+        pairs = pass_kv_pairs(
+            self._global_cu, self._sorted_start, self._sorted_stop, self._sorted_rank,
+            self._sorted_local, self.world_size,
+        )  # fmt: skip
+        return PassKVSchedule.build(pairs, self.rank)
 
     # ------------------------------------------------------------------ device
     def to_device(

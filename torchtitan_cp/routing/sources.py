@@ -2,8 +2,7 @@
 
 Both return the same ``Layout``: global document boundaries, every rank's fragments and the
 rearrange index that shards the device batch. ``host_layout`` reads only CPU tensors: it runs
-the load balancer (``routing.balancers``) on the CPU (PTRR on a block mask built from the CPU
-positions).
+the load balancer (``routing.balancers``) on the CPU (PTRR from the host document boundaries).
 ``readback_layout`` is the legacy path: it reads the device positions and the device
 load-balancer permutation back (one copy for all ranks), reporting each copy to ``on_readback``.
 """
@@ -74,7 +73,7 @@ def host_layout(
     bsz, seqlen = positions.shape
     cu = cu_seqlens if cu_seqlens is not None else cu_seqlens_tensor_from_positions(positions)
     if balancer.depends_on_documents:
-        index = balancer.indices(positions, world_size, "cpu")
+        index = balancer.indices(positions, world_size, "cpu", cu_seqlens=cu)
         fragments = _fragments(index, world_size, bsz, seqlen)
     else:
         frozen, index = _fixed_layout(balancer, bsz, seqlen, world_size)
@@ -109,7 +108,9 @@ def readback_layout(
 
     if positions is None:  # one document per row, on the host: nothing to read back
         cu = torch.arange(0, bsz * seqlen + 1, seqlen)
-        index = balancer.indices(torch.arange(seqlen).expand(bsz, seqlen), world_size, "cpu")
+        index = balancer.indices(
+            torch.arange(seqlen).expand(bsz, seqlen), world_size, "cpu", cu_seqlens=cu
+        )
         return Layout(cu, _fragments(index, world_size, bsz, seqlen), index)
     cu = cu_seqlens_tensor_from_positions(readback(positions))
     index = balancer.indices(positions, world_size, positions.device)

@@ -11,24 +11,34 @@ aside to ``<folder>.aside/<run_id>/`` (never deleted). An explicit ``load_step``
 ``initial_load_path`` that fails verification is an error naming the file. ``load_step`` below
 newer complete steps is refused unless ``discard_later_steps`` moves them aside.
 
-CLI: ``python -m torchtitan_cp.checkpoint verify|seal STEP_DIR`` checks a step folder, or writes
-a manifest for one you trust (a checkpoint written by plain torchtitan).
+A manifest of any wrong shape makes its step incomplete, like a missing one; a step must also
+load (``dcp_layout_problem``: every byte range DCP's ``.metadata`` lists lies inside its file). At
+load the manager compares the checkpoint with the model and the run's data-parallel degree
+(``fit_problem``) and turns a full disk during a save into one line (``disk_full_error``).
+
+CLI: ``python -m torchtitan_cp.checkpoint verify|seal STEP_DIR`` checks a step folder (or every
+step of a checkpoint folder), or writes a manifest for one you trust (a checkpoint written by
+plain torchtitan) once it checked that the folder loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.components.checkpoint import TRAIN_STATE, CheckpointManager
 from torchtitan.tools.logging import logger
 
@@ -43,19 +53,27 @@ _CHUNK = 8 << 20
 
 # ----------------------------------------------------------------------------- collectives
 
-_CONTROL_GROUP: Any = None
+_CONTROL_GROUP: tuple[Any, Any] | None = None  # (the default group it belongs to, the group)
+CONTROL_TIMEOUT = timedelta(seconds=300)
+"""The control group's timeout when the caller names none (torchtitan's default
+``comm.init_timeout_seconds``); the trainer passes its ``comm.init_timeout_seconds``."""
 
 
-def control_group() -> Any:
-    """A gloo group with a long timeout for checkpoint control (hashing can take minutes on a
-    big checkpoint; the training groups' timeouts are short). Every rank must make the first
-    call at the same point; None without torch.distributed."""
+def control_group(timeout: timedelta | None = None) -> Any:
+    """A gloo group for checkpoint control: resume planning, verification and manifests (rank 0
+    decides, the ranks hash shares). Its timeout is ``timeout`` (the run's
+    ``comm.init_timeout_seconds``), so a stopped rank ends a resume within it instead of hanging
+    the others. Every rank must make the first call at the same point; later calls return it.
+    None without torch.distributed. A new default group (a second trainer in the same process,
+    after ``destroy_process_group``) gets a new one."""
     global _CONTROL_GROUP
     if not dist.is_initialized():
         return None
-    if _CONTROL_GROUP is None:
-        _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timedelta(hours=1))
-    return _CONTROL_GROUP
+    world = dist.group.WORLD
+    if _CONTROL_GROUP is None or _CONTROL_GROUP[0] is not world:
+        group = dist.new_group(backend="gloo", timeout=timeout or CONTROL_TIMEOUT)
+        _CONTROL_GROUP = (world, group)
+    return _CONTROL_GROUP[1]
 
 
 def _rank(pg: Any) -> int:
@@ -160,11 +178,17 @@ def write_manifest(step_dir: str, *, step: int, run_id: str, pg: Any = None) -> 
         if bad:
             raise CheckpointError(f"checkpoint {step_dir}: cannot read back saved files: {bad}")
         tmp = os.path.join(step_dir, f"{MANIFEST}.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(step_dir, MANIFEST))
+        try:
+            with open(tmp, "w") as f:
+                json.dump(manifest, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(step_dir, MANIFEST))
+        except OSError as e:
+            raise CheckpointError(
+                f"checkpoint {step_dir}: cannot write its {MANIFEST} ({e.strerror or e}); "
+                "the step stays incomplete and is moved aside at the next start"
+            ) from None
         _fsync_dir(step_dir)
 
     on_rank0(write, pg)
@@ -184,8 +208,36 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What is wrong with the shape of a parsed manifest (``"it ..."``), or None."""
+    if not isinstance(manifest, dict):
+        return f"is a JSON {type(manifest).__name__}, not an object"
+    if manifest.get("format") != MANIFEST_FORMAT:
+        return f"has format {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return 'has no "files" table' if files is None else '"files" is not a table'
+    if not files:
+        return "lists no files"
+    for rel, entry in files.items():
+        if not rel or os.path.isabs(rel) or ".." in rel.split("/"):
+            return f"names {rel!r}, which is not a file inside the step folder"
+        if not isinstance(entry, dict):
+            return f"entry {rel!r} is not a table"
+        size, digest = entry.get("bytes"), entry.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f'entry {rel!r} has no valid "bytes" ({size!r})'
+        if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
+            return f'entry {rel!r} has no valid "sha256"'
+    return None
+
+
 def read_manifest(step_dir: str) -> tuple[dict[str, Any] | None, str]:
-    """(manifest, "") or (None, why it is missing or invalid)."""
+    """(manifest, "") or (None, why it is missing or invalid). A manifest of any wrong shape
+    makes the step incomplete, like a missing one."""
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.isfile(path):
         return None, f"incomplete: no {MANIFEST} (a save that did not finish)"
@@ -193,10 +245,73 @@ def read_manifest(step_dir: str) -> tuple[dict[str, Any] | None, str]:
         with open(path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
-        return None, f"{path} is unreadable ({e})"
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        return None, f"{path} is not a {MANIFEST_FORMAT} manifest"
+        return None, f"incomplete: {path} is unreadable ({e})"
+    problem = manifest_problem(manifest)
+    if problem is not None:
+        return None, f"incomplete: {path} {problem}"
     return manifest, ""
+
+
+def safetensors_problem(path: str | os.PathLike[str]) -> str | None:
+    """None when ``path`` is as long as its safetensors header says, else what is wrong
+    (naming the file): cut inside the header, an unreadable header, or tensors past its end.
+    Reads the header only."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{path} is truncated: {size} bytes, shorter than a safetensors header"
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            return f"{path} is truncated: {size} bytes, its header alone needs {8 + n}"
+        try:
+            header = json.loads(f.read(n))
+            end = max(
+                (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                default=0,
+            )
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return f"{path} has an unreadable safetensors header: not a safetensors file"
+    if 8 + n + end > size:
+        return f"{path} is truncated: {size} bytes, its header describes {8 + n + end}"
+    return None
+
+
+def dcp_layout_problem(step_dir: str) -> str | None:
+    """None when ``step_dir`` holds a loadable checkpoint layout, else the first problem,
+    naming the file: DCP (``.metadata`` unpickles and every byte range it lists lies inside an
+    existing file; this reads ``.metadata`` only) or, without ``.metadata``, Hugging Face
+    safetensors (each file's header and length)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = os.path.join(step_dir, ".metadata")
+    if not os.path.isfile(meta):
+        shards = sorted(n for n in os.listdir(step_dir) if n.endswith(".safetensors"))
+        if not shards:
+            what = "is empty" if not os.listdir(step_dir) else "holds no .metadata (DCP)"
+            return f"{step_dir} {what}: not a checkpoint step (no .metadata, no *.safetensors)"
+        for name in shards:
+            problem = safetensors_problem(os.path.join(step_dir, name))
+            if problem:
+                return problem
+        return None
+    try:
+        metadata = FileSystemReader(step_dir).read_metadata()
+    except Exception as e:  # a truncated pickle raises any of several types
+        return f"{meta} cannot be read ({type(e).__name__}: {e}): truncated or not DCP metadata"
+    ends: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if isinstance(rel, str):
+            ends[rel] = max(ends.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(ends.items()):
+        path = os.path.join(step_dir, rel)
+        if not os.path.isfile(path):
+            return f"{path} is missing ({meta} refers to it)"
+        size = os.path.getsize(path)
+        if size < end:
+            return f"{path} is truncated: {size} bytes, {meta} refers to bytes up to {end}"
+    return None
 
 
 def check_step(step_dir: str, *, sha256: bool = True, pg: Any = None) -> str | None:
@@ -227,7 +342,8 @@ def check_step(step_dir: str, *, sha256: bool = True, pg: Any = None) -> str | N
                 f"{path} does not match its manifest (sha256 {have['sha256'][:12]}..., "
                 f"expected {want['sha256'][:12]}...): the file is corrupted"
             )
-    return None
+    # A step sealed after it was cut short matches its manifest but cannot load.
+    return broadcast(dcp_layout_problem(step_dir) if _rank(pg) == 0 else None, pg)
 
 
 # ----------------------------------------------------------------------------- resume plan
@@ -237,7 +353,8 @@ def check_step(step_dir: str, *, sha256: bool = True, pg: Any = None) -> str | N
 class StepDir:
     step: int
     path: str
-    complete: bool  # has a manifest (not yet verified)
+    complete: bool  # has a well-formed manifest (not yet verified)
+    why: str = ""  # why it is incomplete
 
 
 def scan_steps(folder: str) -> list[StepDir]:
@@ -249,7 +366,8 @@ def scan_steps(folder: str) -> list[StepDir]:
         m = _STEP_RE.fullmatch(name)
         path = os.path.join(folder, name)
         if m and os.path.isdir(path):
-            out.append(StepDir(int(m.group(1)), path, os.path.isfile(os.path.join(path, MANIFEST))))
+            manifest, why = read_manifest(path)
+            out.append(StepDir(int(m.group(1)), path, manifest is not None, why))
     return sorted(out, key=lambda s: s.step)
 
 
@@ -325,7 +443,7 @@ def plan_resume(
             if s.complete and problem is None:
                 plan.step = s.step
                 break
-            reason = problem if s.complete else f"incomplete: no {MANIFEST} (a killed save?)"
+            reason = problem if s.complete else s.why
             aside.append((s, f"checkpoint step-{s.step} skipped: {reason}"))
         if plan.step < 0 and newest_complete >= 0:
             # Starting over would silently drop the run's progress: the user decides.
@@ -384,6 +502,127 @@ def check_initial_load(path: str, *, sha256: bool = True, pg: Any = None) -> Non
         raise CheckpointError(
             f"checkpoint.initial_load_path = {path} fails verification: {problem}"
         )
+
+
+# ----------------------------------------------------------------------------- fit and space
+
+# Top-level state names torchtitan checkpoints beside the (flattened) model parameters.
+_NON_MODEL_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+_DP_RANK_RE = re.compile(r"dataloader\.dp_rank_(\d+)")
+
+
+def fit_problem(
+    state_dict: dict[str, Any], checkpoint_id: str, *, dp_world_size: int | None = None
+) -> str | None:
+    """None when the DCP checkpoint at ``checkpoint_id`` can load into ``state_dict`` (the
+    flattened states torchtitan loads: model parameters at the top level), else what does not
+    fit, naming the first parameter: one the checkpoint lacks, one of another shape, one only
+    the checkpoint has, or a data loader saved by another number of data-parallel ranks
+    (torchtitan cannot reshard its position). Reads ``.metadata`` only."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        meta = saved.get(key)
+        if meta is None:
+            return f"this model's parameter {key} is not in the checkpoint"
+        size = getattr(meta, "size", None)
+        if size is not None and tuple(size) != tuple(value.shape):
+            return (
+                f"parameter {key} is {list(size)} in the checkpoint but {list(value.shape)} in "
+                "this model"
+            )
+    states = {k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)}
+    prefixes = tuple(f"{k}." for k in {*_NON_MODEL_STATES, *states})
+    extra = [k for k in saved if k not in state_dict and not k.startswith(prefixes)]
+    if extra:
+        return f"the checkpoint's parameter {extra[0]} is not in this model"
+    if dp_world_size is not None and "dataloader" in state_dict:
+        saved_dp = sum(1 for k in saved if _DP_RANK_RE.fullmatch(k))
+        if saved_dp and saved_dp != dp_world_size:
+            return (
+                f"it was saved by {saved_dp} data-parallel rank(s) and this run has "
+                f"{dp_world_size}, and torchtitan cannot split a data loader's position over "
+                "another number of ranks"
+            )
+    return None
+
+
+def fit_error(checkpoint_id: str, problem: str) -> CheckpointError:
+    """The one-line error for a checkpoint that does not fit the run, with the fix."""
+    if "data-parallel" in problem:
+        fix = (
+            "resume with the process count and parallelism degrees of the run that saved it "
+            "(NPROC, parallelism.context_parallel_degree, data_parallel_*), or start a new "
+            f"--dump_folder from its weights: --checkpoint.initial_load_path {checkpoint_id} "
+            "--checkpoint.initial_load_model_only"
+        )
+    else:
+        fix = (
+            "it was saved with other [model] settings (layer_pattern, flavor, n_layers or a "
+            "size): use those, or start a new --dump_folder"
+        )
+    return CheckpointError(f"checkpoint {checkpoint_id} does not fit this run: {problem}; {fix}")
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: itself, its cause or context, or a rank's failure inside a
+    DCP ``CheckpointException``."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+        todo.extend([e.__cause__, e.__context__])
+    return None
+
+
+def _state_bytes(state: Any) -> int:
+    """Bytes of the tensors this rank holds in a (nested) state dict."""
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    if hasattr(state, "state_dict"):
+        return _state_bytes(state.state_dict())
+    return 0
+
+
+def _existing(path: str) -> str:
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path or "."
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        return shutil.disk_usage(_existing(path)).free
+    except OSError:
+        return 1 << 62
+
+
+def disk_full_error(checkpoint_id: str, need_bytes: int) -> CheckpointError:
+    """No space left while saving: the folder, the bytes free and about the bytes needed."""
+    probe = _existing(os.path.dirname(checkpoint_id))
+    free = _free_bytes(probe)
+    return CheckpointError(
+        f"saving checkpoint {checkpoint_id} failed: no space left on device "
+        f"({probe}: {free / 2**20:.1f} MiB free; this save needs about "
+        f"{need_bytes / 2**20:.1f} MiB). Free space, lower --checkpoint.keep_latest_k or put "
+        "--checkpoint.folder on a larger disk; the unfinished step is moved aside at the next start"
+    )
 
 
 # ----------------------------------------------------------------------------- the manager
@@ -459,6 +698,34 @@ class HybridCheckpointManager(CheckpointManager):
         self.resumed_from = int(getattr(train_state, "step", 0)) if loaded else 0
         return loaded
 
+    def dcp_load(
+        self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool
+    ) -> None:
+        if not from_hf:
+            dataloader = self.states.get("dataloader")
+            problem = fit_problem(
+                state_dict, checkpoint_id, dp_world_size=getattr(dataloader, "dp_world_size", None)
+            )
+            if problem is not None:
+                raise fit_error(checkpoint_id, problem)
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, *args: Any, **kwargs: Any):
+        try:
+            return super().dcp_save(state_dict, checkpoint_id, *args, **kwargs)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            # DCP reports every rank's failure on every rank: all of them decide here alike.
+            # A full disk shows as ENOSPC, or (torch.save's zip writer swallows the OSError) as
+            # "unexpected pos" with less space left than the save needs.
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            need = _state_bytes(state_dict) * world
+            err = _os_error(e)
+            if err is not None and err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise disk_full_error(checkpoint_id, need) from None
+            if isinstance(e, Exception | CheckpointException) and _free_bytes(checkpoint_id) < need:
+                raise disk_full_error(checkpoint_id, need) from None
+            raise
+
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
             return False
@@ -495,34 +762,72 @@ class HybridCheckpointManager(CheckpointManager):
 # ----------------------------------------------------------------------------- CLI
 
 
+def _err(message: str) -> None:
+    print(f"checkpoint: error: {message}", file=sys.stderr)
+
+
+def _verify(step_dir: str) -> int:
+    begin = time.monotonic()
+    problem = check_step(step_dir)
+    if problem:
+        _err(f"{step_dir}: {problem}")
+        return 1
+    manifest, _ = read_manifest(step_dir)
+    n = len(manifest["files"]) if manifest else 0
+    print(
+        f"{step_dir}: ok ({n} files match the manifest and load; {time.monotonic() - begin:.2f} s)"
+    )
+    return 0
+
+
+def _seal(step_dir: str) -> int:
+    if os.path.exists(os.path.join(step_dir, MANIFEST)):
+        _err(f"{step_dir} already has a {MANIFEST}")
+        return 2
+    problem = dcp_layout_problem(step_dir)
+    if problem:
+        _err(f"will not seal {step_dir}: {problem}")
+        return 2
+    m = _STEP_RE.fullmatch(os.path.basename(step_dir))
+    manifest = write_manifest(step_dir, step=int(m.group(1)) if m else -1, run_id="sealed")
+    files = manifest["files"]
+    checked = (
+        ".metadata loads and every byte range it lists lies inside its file"
+        if os.path.isfile(os.path.join(step_dir, ".metadata"))
+        else "every *.safetensors header matches its file's length"
+    )
+    size = sum(f["bytes"] for f in files.values()) / 2**20
+    print(f"{step_dir}: wrote {MANIFEST} ({len(files)} files, {size:.1f} MiB); checked: {checked}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m torchtitan_cp.checkpoint",
-        description="Check a checkpoint step folder against its manifest, or write a manifest "
-        "for a step folder you trust (e.g. saved by plain torchtitan).",
+        description="Check a checkpoint step folder (or every step of a checkpoint folder) "
+        "against its manifest, or write a manifest for a step folder you trust (e.g. saved by "
+        "plain torchtitan) once it checks that the folder loads.",
     )
     p.add_argument("command", choices=["verify", "seal"])
     p.add_argument("step_dir")
     args = p.parse_args(argv)
-    step_dir = args.step_dir.rstrip("/")
+    step_dir = args.step_dir.rstrip("/") or "/"
     if not os.path.isdir(step_dir):
-        print(f"checkpoint: error: {step_dir} is not a folder", file=sys.stderr)
+        _err(f"{step_dir} is not a folder")
         return 2
-    if args.command == "verify":
-        begin = time.monotonic()
-        problem = check_step(step_dir)
-        if problem:
-            print(f"checkpoint: error: {step_dir}: {problem}", file=sys.stderr)
-            return 1
-        print(f"{step_dir}: ok ({time.monotonic() - begin:.2f} s)")
-        return 0
-    if os.path.exists(os.path.join(step_dir, MANIFEST)):
-        print(f"checkpoint: error: {step_dir} already has a {MANIFEST}", file=sys.stderr)
+    steps = scan_steps(step_dir)
+    if steps and not os.path.exists(os.path.join(step_dir, MANIFEST)):
+        # The checkpoint folder itself: verify each step; seal one step at a time.
+        names = ", ".join(os.path.basename(s.path) for s in steps)
+        if args.command == "seal":
+            _err(f"{step_dir} is a checkpoint folder ({names}); seal one step: {steps[-1].path}")
+            return 2
+        print(f"{step_dir}: a checkpoint folder with {len(steps)} step(s): {names}")
+        return max(_verify(s.path) for s in steps)
+    if not os.listdir(step_dir):
+        _err(f"{step_dir} is empty: not a checkpoint step")
         return 2
-    m = _STEP_RE.fullmatch(os.path.basename(step_dir))
-    manifest = write_manifest(step_dir, step=int(m.group(1)) if m else -1, run_id="sealed")
-    print(f"{step_dir}: wrote {MANIFEST} ({len(manifest['files'])} files)")
-    return 0
+    return _verify(step_dir) if args.command == "verify" else _seal(step_dir)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
 """The errors that stop a run with one line and an exit code (the entry point prints them without a
-traceback): a busy or unwritable dump folder, an unusable checkpoint, a loss spike."""
+traceback): a busy or unwritable dump folder, an unusable checkpoint, a loss spike, a rank that
+stopped answering; and how a launch reports that line once (``LAUNCHER_ENV``)."""
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "LossSpikeError", "RunError"]
+__all__ = ["LAUNCHER_ENV", "CheckpointError", "LossSpikeError", "RankTimeoutError", "RunError"]
+
+LAUNCHER_ENV = "TORCHTITAN_CP_LAUNCHER"
+"""Set by ``python -m torchtitan_cp.launch`` (``./scripts/train.sh``): a rank's one-line error
+goes to its torchrun error file only, and the launcher prints it once."""
 
 
 class RunError(RuntimeError):
@@ -20,5 +25,12 @@ class CheckpointError(RunError):
 
 class LossSpikeError(RunError):
     """The spike guard stopped the run."""
+
+    exit_code = 1
+
+
+class RankTimeoutError(RunError):
+    """Another rank did not answer within the comm timeout (not a configuration problem); the
+    message names it (``run/rank_timeout.py``)."""
 
     exit_code = 1

@@ -4,11 +4,15 @@ Rank 0 holds the lock for the run's lifetime. The kernel drops an ``flock`` when
 file descriptor closes, also when the process is killed, so a lock we can take is never held by a
 live run. The file records its holder (host, pid, start time, run id) for the refusal message; a
 clean release empties it, so a non-empty file found with the lock free was left by a run that
-died: that lock is taken over, with a line saying whose it was.
+died: that lock is taken over, with a line saying whose it was, once the record shows the holder
+is gone (same host, and its pid is not running or belongs to a process started later). A record
+naming another host, or a pid of this host that still runs, is refused naming it: the user
+deletes the file once that run is over.
 """
 
 from __future__ import annotations
 
+import calendar
 import fcntl
 import json
 import os
@@ -48,6 +52,63 @@ def _read_holder(f: IO[str]) -> dict[str, Any]:
     return holder if isinstance(holder, dict) else {}
 
 
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` of this host started (seconds since the epoch), from /proc; None
+    when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _lock_time(holder: dict[str, Any]) -> float | None:
+    try:
+        return calendar.timegm(time.strptime(str(holder.get("start_time")), "%Y-%m-%dT%H:%M:%SZ"))
+    except ValueError:
+        return None
+
+
+def _live_holder(holder: dict[str, Any], path: str) -> str | None:
+    """Why a lock record whose flock is free may still belong to a running run, or None when
+    its holder is gone. The kernel frees an flock when its holder dies, but only for holders on
+    this host (locks on network filesystems are not shared across hosts everywhere), and a pid
+    may be reused by a later process."""
+    host = holder.get("host")
+    if host != socket.gethostname():
+        return (
+            f"a run on another host ({host}): this host cannot tell whether it still runs "
+            "(file locks are not shared across hosts on every filesystem)"
+        )
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid() or not _alive(pid):
+        return None
+    started, locked = _process_start(pid), _lock_time(holder)
+    if started is not None and locked is not None and started > locked + 2:
+        return None  # the pid now belongs to a process started after the lock was taken
+    return f"and process {pid} is still running on this host without holding the lock"
+
+
+def _gone(holder: dict[str, Any]) -> str:
+    pid = holder.get("pid")
+    if isinstance(pid, int) and pid > 0 and pid != os.getpid() and _alive(pid):
+        return f"pid {pid} now belongs to a process started after that run"
+    return "that process is gone"
+
+
 class RunLock:
     """The dump folder's run lock. ``acquire`` raises ``RunError`` naming the holder when
     another live run holds it; ``release`` (or process exit) frees it."""
@@ -81,6 +142,14 @@ class RunLock:
                 f"lock {self.path}): wait for it to finish or pass another --dump_folder"
             ) from None
         stale = _read_holder(f)
+        refusal = _live_holder(stale, self.path) if stale else None
+        if refusal is not None:
+            f.close()
+            raise RunError(
+                f"dump folder {self.dump_folder}: its lock {self.path} names {_describe(stale)}, "
+                f"{refusal}; if that run is over, delete {self.path}; else wait for it or pass "
+                "another --dump_folder"
+            )
         me = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -96,7 +165,7 @@ class RunLock:
         if stale:
             return (
                 f"took over the stale run lock {self.path} left by {_describe(stale)} "
-                "(that process is gone)"
+                f"({_gone(stale)})"
             )
         return None
 

@@ -1,11 +1,21 @@
 """Loss-spike guard: next to torchtitan's NaN guard, before the optimizer applies an update.
 
-When a step's global loss exceeds ``factor`` times the median of the last ``window`` accepted
-losses (once ``min_history`` are known), the run stops (``action = "stop"``, before the update,
-so no checkpoint holds it) or the update is skipped (``action = "skip"``: gradients are dropped,
-the optimizer leaves parameters and moments alone, the LR schedule advances). The loss is the
-global average every rank already agrees on, so all ranks decide alike. Off by default
-(``factor = 0``): enabling it costs one device->host read of the loss per step.
+When a step's global loss exceeds ``factor`` times the median of the last ``window`` losses (once
+``min_history`` are known), the run stops (``action = "stop"``, before the update, so no
+checkpoint holds it) or the update is skipped (``action = "skip"``: gradients are dropped, the
+optimizer leaves parameters and moments alone, the LR schedule advances).
+
+What ``skip`` recovers from, and what it does not: skipping drops the update of a batch whose
+loss jumped (a bad batch), and training goes on. It cannot undo an update already applied: when
+the loss stays high, the model itself changed (or the data is bad from there on), and skipping
+every later update would freeze the run. So at most ``max_skips`` consecutive updates are
+skipped; the next spike in a row stops the run (exit 1) naming the steps, to resume from the last
+checkpoint (e.g. with a lower LR).
+Every finite loss enters the history, skipped ones too, so a lasting change of level becomes
+the new median after ``window / 2`` steps instead of being compared against forever.
+
+The loss is the global average every rank already agrees on, so all ranks decide alike. Off by
+default (``factor = 0``): enabling it costs one device->host read of the loss per step.
 """
 
 from __future__ import annotations
@@ -26,15 +36,20 @@ class SpikeGuardConfig:
     factor: float = 0.0
     """Trigger when loss > factor x median of recent losses; 0 turns the guard off (> 1 else)."""
     window: int = 50
-    """How many recent accepted losses the median is taken over."""
+    """How many recent losses (skipped ones included) the median is taken over."""
     min_history: int = 10
     """Losses needed before the guard acts (the first steps of a run fall fast)."""
     action: Literal["stop", "skip"] = "stop"
     """stop: end the run before the update (exit 1); skip: drop this step's update and go on."""
+    max_skips: int = 3
+    """skip: most updates skipped in a row; one more spike in a row stops the run (exit 1): the
+    loss stayed high, so an update already applied changed the model, which skipping cannot undo."""
 
     def __post_init__(self) -> None:
-        if self.factor != 0 and not self.factor > 1:
-            raise ValueError(f"spike_guard.factor must be 0 (off) or > 1, got {self.factor}")
+        if self.factor != 0 and not (self.factor > 1 and math.isfinite(self.factor)):
+            raise ValueError(
+                f"spike_guard.factor must be 0 (off) or a finite number > 1, got {self.factor}"
+            )
         if self.window < 1:
             raise ValueError(f"spike_guard.window must be >= 1, got {self.window}")
         if not 1 <= self.min_history <= self.window:
@@ -42,6 +57,8 @@ class SpikeGuardConfig:
                 f"spike_guard.min_history must be in [1, window = {self.window}], "
                 f"got {self.min_history}"
             )
+        if self.max_skips < 1:
+            raise ValueError(f"spike_guard.max_skips must be >= 1, got {self.max_skips}")
 
     @property
     def enabled(self) -> bool:
@@ -49,13 +66,15 @@ class SpikeGuardConfig:
 
 
 class SpikeGuard:
-    """The guard's state: recent accepted losses (not checkpointed: after a resume the guard
-    waits for ``min_history`` new losses again) and how many updates it skipped."""
+    """The guard's state: recent losses (not checkpointed: after a resume the guard waits for
+    ``min_history`` new losses again), how many updates it skipped, and the current run of
+    consecutive skips."""
 
     def __init__(self, config: SpikeGuardConfig) -> None:
         self.config = config
         self.history: deque[float] = deque(maxlen=config.window)
         self.skipped = 0
+        self.in_a_row: list[int] = []  # steps of the current run of skipped updates
 
     def check(self, step: int, loss: float) -> str | None:
         """None to apply the update; the log line when it is skipped; raises
@@ -63,20 +82,34 @@ class SpikeGuard:
         cfg = self.config
         if not math.isfinite(loss):
             return None
+        spike = None
         if len(self.history) >= cfg.min_history:
             median = statistics.median(self.history)
             if loss > cfg.factor * median:
-                what = (
+                spike = (
                     f"loss spike at step {step}: loss {loss:.6g} > {cfg.factor:g} x median "
                     f"{median:.6g} of the last {len(self.history)} steps"
                 )
-                if cfg.action == "stop":
-                    raise LossSpikeError(
-                        f"{what}; stopped before the update (spike_guard.action = 'stop'). "
-                        "Resume from the last checkpoint, e.g. with a lower LR, or set "
-                        "spike_guard.action = 'skip'"
-                    )
-                self.skipped += 1
-                return f"{what}; update skipped (spike_guard.action = 'skip')"
         self.history.append(loss)
-        return None
+        if spike is None:
+            self.in_a_row = []
+            return None
+        if cfg.action == "stop":
+            raise LossSpikeError(
+                f"{spike}; stopped before the update (spike_guard.action = 'stop'). Resume "
+                "from the last checkpoint, e.g. with a lower LR, or set spike_guard.action = "
+                "'skip'"
+            )
+        if len(self.in_a_row) >= cfg.max_skips:
+            first, last = self.in_a_row[0], self.in_a_row[-1]
+            steps = f"step {first}" if first == last else f"steps {first}-{last}"
+            raise LossSpikeError(
+                f"{spike}, {len(self.in_a_row) + 1} spikes in a row (updates of {steps} "
+                f"skipped, spike_guard.max_skips = {cfg.max_skips}): the loss stays high, which "
+                f"skipping cannot fix (an update before step {first} changed the model, or the "
+                "data is bad from there on); stopped before the update. Resume from the last "
+                "checkpoint, e.g. with a lower LR, or check the data of these steps"
+            )
+        self.in_a_row.append(step)
+        self.skipped += 1
+        return f"{spike}; update skipped (spike_guard.action = 'skip')"

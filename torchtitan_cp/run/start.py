@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from torchtitan_cp.run.checkpoint import (
@@ -50,11 +51,13 @@ def start_run(
     dump_folder: str,
     checkpoint: Any,
     training_steps: int,
+    timeout: timedelta | None = None,
 ) -> RunContext:
     """Lock ``dump_folder`` and plan the resume from ``checkpoint`` (a checkpoint config with
     ``enable``, ``folder``, ``load_step``, ``load_only``, ``create_seed_checkpoint``,
-    ``discard_later_steps``, ``verify``). Collective over all ranks."""
-    pg = control_group()
+    ``discard_later_steps``, ``verify``). Collective over all ranks; ``timeout`` (the run's
+    ``comm.init_timeout_seconds``) bounds every wait on another rank."""
+    pg = control_group(timeout)
     run_id, start_time = broadcast(
         (new_run_id(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())), pg
     )
@@ -97,6 +100,44 @@ def run_header(ctx: RunContext, *, resumed_from: int, world_size: int) -> dict[s
             "world_size": world_size,
         }
     }
+
+
+def repair_jsonl(path: str, run_id: str) -> str | None:
+    """Before a run appends to ``path``: lines that are not JSON (a row cut by a killed
+    process or a full disk, usually the last one) move to ``<path>.broken-<run_id>``, and the
+    file is rewritten without them (atomically), so the next row starts on a line of its own.
+    Returns a log line naming the kept-aside file, or None when nothing was broken."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        data = f.read()
+    good: list[bytes] = []
+    bad: list[tuple[int, bytes]] = []
+    for number, line in enumerate(data.splitlines(), start=1):
+        try:
+            json.loads(line)
+        except ValueError:
+            if line.strip():
+                bad.append((number, line))
+            continue
+        good.append(line)
+    if not bad and (not data or data.endswith(b"\n")):
+        return None
+    aside = f"{path}.broken-{run_id}"
+    if bad:
+        with open(aside, "ab") as f:
+            f.write(b"".join(line + b"\n" for _, line in bad))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(b"".join(line + b"\n" for line in good))
+    os.replace(tmp, path)
+    if not bad:
+        return f"{path}: its last line had no line end; added one"
+    lines = ", ".join(str(n) for n, _ in bad[:5]) + (" ..." if len(bad) > 5 else "")
+    return (
+        f"{path}: moved {len(bad)} line(s) that are not JSON (line {lines}; a row cut short by "
+        f"an earlier run) to {aside}"
+    )
 
 
 def supersede_rows(path: str, resumed_from: int) -> int:

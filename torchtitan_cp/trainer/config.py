@@ -35,7 +35,7 @@ class LinearAttentionConfig:
     plan_cache_size: int = 16
     """Routing plans kept in the LRU cache (>= 1)."""
     ptrr_block_size: int = 128
-    """Block size of the document block mask the ptrr load balancer schedules."""
+    """Tokens per block the ptrr load balancer schedules (blocks of the causal document mask)."""
     max_subsequences: int = 256
     """With compile.enable: most document pieces one CP rank may hold in a microbatch (capped
     at its token count). Fixes the routing shapes so a compiled model never recompiles per
@@ -149,13 +149,17 @@ def _same_kind(value: Any, current: Any) -> bool:
 
 def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {path} is a folder; pass a TOML file in it")
     if not p.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
         with p.open("rb") as f:
             return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot be read ({e.strerror or e})") from None
 
 
 def split_config_file(argv: list[str], default: str | None) -> tuple[str | None, list[str]]:

@@ -18,7 +18,8 @@ Callers that bring no host metadata fall back to ``device_readback`` with one wa
 
 With ``flex_attention=True`` (the model's attention runs flex, i.e. on CUDA) the context also
 carries this rank's document ``BlockMask``, sharded by the layout's own rearrange index and built
-from the same source's positions.
+from the same source's positions. With ``attention_cp="pass_kv"`` under CP it carries the plan's
+pass-KV schedule instead (``SequenceContext.pass_kv``; the layers build per-pair masks).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask
 
 from torchtitan_cp.data.host_metadata import HostMetadata
+from torchtitan_cp.models.blocks.attention_cp import ATTENTION_CP_MODES
 from torchtitan_cp.models.context import SequenceContext, build_sequence_context
 from torchtitan_cp.ops import flex_document_mask
 from torchtitan_cp.routing import (
@@ -105,6 +107,7 @@ class SequencePreprocessor:
         conv_history: int = 3,
         ptrr_block_size: int = 128,
         flex_attention: bool = False,
+        attention_cp: str = "all_gather",
         caps: RoutingCaps | None = None,
         cap_keys: dict[str, str] | None = None,
     ) -> None:
@@ -127,11 +130,19 @@ class SequencePreprocessor:
         # config key behind each cap in the error a too-large microbatch raises.
         self.caps = caps
         self.cap_keys = dict(cap_keys or {})
-        # Flex attention layers take a document BlockMask per microbatch; under CP torch's mask
-        # sharding asks a DeviceMesh for this rank, so wrap the group once.
-        self.flex_attention = flex_attention
+        # Under CP with pass-KV attention every context carries the plan's pass-KV schedule,
+        # and the attention layers build their own per-pair masks.
+        if attention_cp not in ATTENTION_CP_MODES:
+            raise ValueError(
+                f"model.attention_cp must be one of {ATTENTION_CP_MODES}, got {attention_cp!r}"
+            )
+        self.pass_kv = attention_cp == "pass_kv" and self.world > 1
+        # Flex attention layers take a document BlockMask per microbatch (without CP, or under
+        # the all-gather CP path); under CP torch's mask sharding asks a DeviceMesh for this
+        # rank, so wrap the group once.
+        self.flex_attention = flex_attention and not self.pass_kv
         self._mesh: DeviceMesh | None = None
-        if flex_attention and self.world > 1:
+        if self.flex_attention and self.world > 1:
             if cp_group is None:
                 raise ValueError("flex attention under context parallelism needs cp_group")
             self._mesh = DeviceMesh.from_group(cp_group, self.device.type)
@@ -190,6 +201,7 @@ class SequencePreprocessor:
                 source=source,
                 conv_history=self.conv_history,
                 caps=self.caps,
+                pass_kv=self.pass_kv,
             )
         except RoutingCapsExceeded as e:
             key = self.cap_keys.get(e.cap)

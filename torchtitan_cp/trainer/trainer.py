@@ -4,6 +4,8 @@ What changes against torchtitan 0.3.0's trainer:
 * ``post_dataloading_process`` pops the batch's ``HostMetadata`` and hands the batch to one
   ``SequencePreprocessor`` (shared with the validator) that shards it for this CP rank and builds
   the microbatch's ``SequenceContext``; the model gets ``positions`` and ``seq_ctx``.
+* ``train_step`` moves batches to the device pinned and ``non_blocking`` and takes the
+  valid-token count from the loader's host metadata: no synchronisation outside log steps.
 * ``[model]`` (a ``ModelRecipe``) is the single source of the model spec.
 * Metrics add ``routing/*`` counters, a JSONL file and optional parameter checksums.
 * Runs hold their dump folder (``run.start.start_run``: lock, verified resume plan), checkpoints carry
@@ -18,15 +20,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import netrc
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any, cast
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import (
     BaseLogger,
     LoggerContainer,
@@ -38,10 +44,12 @@ from torchtitan.components.validate import Validator
 from torchtitan.config import DebugConfig as _TitanDebugConfig
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.observability import structured_logger as sl
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from torchtitan_cp import compat
+from torchtitan_cp.data.host_metadata import HOST_METADATA_KEY, HostMetadata
 from torchtitan_cp.data.loader import (
     PackedTextDataLoader,
     PackedValidationDataLoader,
@@ -50,7 +58,14 @@ from torchtitan_cp.data.loader import (
 from torchtitan_cp.models.recipe import ModelRecipe
 from torchtitan_cp.run.checkpoint import HybridCheckpointManager
 from torchtitan_cp.run.spike_guard import SpikeGuard, SpikeGuardConfig
-from torchtitan_cp.run.start import RunContext, run_header, start_run, supersede_rows
+from torchtitan_cp.run.start import (
+    HEADER_KEY,
+    RunContext,
+    repair_jsonl,
+    run_header,
+    start_run,
+    supersede_rows,
+)
 from torchtitan_cp.trainer.compile import CAP_KEYS, check_compile, compile_counters
 from torchtitan_cp.trainer.config import LinearAttentionConfig
 from torchtitan_cp.trainer.sequence import SequencePreprocessor
@@ -100,6 +115,9 @@ class JsonlLogger(BaseLogger):
         self._f: IO[str] | None = None
 
     def start_run(self, header: dict[str, Any], resumed_from: int) -> None:
+        repaired = repair_jsonl(self.path, header[HEADER_KEY]["run_id"])
+        if repaired:
+            logger.warning(repaired)
         moved = supersede_rows(self.path, resumed_from)
         if moved:
             logger.info(
@@ -128,6 +146,43 @@ class JsonlLogger(BaseLogger):
             self._f.close()
 
 
+def _has_wandb_credentials() -> bool:
+    """Whether wandb will find credentials: the environment, a netrc entry for its host, or an
+    api_key in wandb's settings file (the places ``wandb login`` writes)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+    home = Path("~").expanduser()
+    candidates = [os.environ.get("NETRC", ""), home / ".netrc", home / "_netrc"]
+    for path in filter(None, candidates):
+        if Path(path).is_file():
+            try:
+                if netrc.netrc(str(path)).authenticators(host):
+                    return True
+            except (netrc.NetrcParseError, OSError):
+                return True  # wandb reads it its own way: do not second-guess
+    config_dir = Path(os.environ.get("WANDB_CONFIG_DIR", home / ".config" / "wandb"))
+    try:
+        return "api_key" in (config_dir / "settings").read_text()
+    except OSError:
+        return False
+
+
+def wandb_offline_fallback(offline_runs: str) -> str | None:
+    """With wandb logging online but no credentials, set ``WANDB_MODE=offline`` (wandb would
+    otherwise prompt or fail inside the run) and return the line saying so and how to upload
+    the run later (``offline_runs``: where its offline runs land); None when nothing changes."""
+    if os.environ.get("WANDB_MODE", "online") not in ("online", "run", ""):
+        return None
+    if _has_wandb_credentials():
+        return None
+    os.environ["WANDB_MODE"] = "offline"
+    return (
+        "wandb: no credentials (WANDB_API_KEY, `wandb login` or a netrc entry): logging "
+        f"offline instead; upload the run later with `wandb sync {offline_runs}`"
+    )
+
+
 class HybridMetricsProcessor(MetricsProcessor):
     """torchtitan's metrics plus metrics.jsonl and the extra metrics the trainer supplies."""
 
@@ -141,16 +196,22 @@ class HybridMetricsProcessor(MetricsProcessor):
         the environment's setting."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
-        if config.enable_wandb and config.wandb_mode:
-            os.environ["WANDB_MODE"] = config.wandb_mode
-        super().__init__(config, **kwargs)
-        self.extra_metrics_fn = None
-        self.validation_metrics_fn = None
-        self.jsonl: JsonlLogger | None = None
         dump_folder = kwargs.get("dump_folder", "./outputs")
         rank = _get_metrics_rank(
             parallel_dims=kwargs["parallel_dims"], pp_schedule=kwargs.get("pp_schedule", "1F1B")
         )
+        if config.enable_wandb:
+            if config.wandb_mode:
+                os.environ["WANDB_MODE"] = config.wandb_mode
+            runs = os.path.join(dump_folder, config.save_tb_folder, "*", "wandb", "offline-run-*")
+            line = wandb_offline_fallback(runs)
+            if line and dist.get_rank() == rank:
+                logger.warning(line)
+        super().__init__(config, **kwargs)
+        self.extra_metrics_fn = None
+        self.validation_metrics_fn = None
+        self.max_loss_fn = None
+        self.jsonl: JsonlLogger | None = None
         if config.jsonl_file and dist.get_rank() == rank:
             container = LoggerContainer()
             container.add_logger(self.logger)
@@ -168,6 +229,8 @@ class HybridMetricsProcessor(MetricsProcessor):
         extra = dict(extra_metrics or {})
         if self.extra_metrics_fn is not None:
             extra.update(self.extra_metrics_fn())
+        if self.max_loss_fn is not None:  # every rank logs: a collective
+            global_max_loss = self.max_loss_fn()
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         if "routing/source" in extra:
             logger.info(
@@ -200,6 +263,15 @@ class HybridValidator(Validator):
     def post_dataloading_process(self, input_dict, labels, model_parts):
         assert self.sequence is not None, "HybridTrainer sets the validator's preprocessor"
         return _preprocess(self.sequence, input_dict, labels)
+
+
+def _host_valid_tokens(input_dict: dict[str, Any], labels: torch.Tensor) -> int:
+    """Labels that count in the loss: the loader's host count, else counted on the loader's
+    (host) labels, as torchtitan does."""
+    host = input_dict.get(HOST_METADATA_KEY)
+    if isinstance(host, HostMetadata) and host.valid_tokens is not None:
+        return host.valid_tokens
+    return int((labels != IGNORE_INDEX).sum())
 
 
 def _preprocess(
@@ -255,6 +327,7 @@ class HybridTrainer(Trainer):
             conv_history=model_cfg.conv_width - 1,
             ptrr_block_size=config.linear_attention.ptrr_block_size,
             flex_attention=flex,
+            attention_cp=getattr(model_cfg, "attention_cp", "all_gather"),
             caps=caps,
             cap_keys=CAP_KEYS,
         )
@@ -272,6 +345,11 @@ class HybridTrainer(Trainer):
             ckpt.on_loaded = self._start_metrics_run
         self.spike_guard = SpikeGuard(config.spike_guard) if config.spike_guard.enabled else None
         self._step_loss: torch.Tensor | None = None
+        # This rank's loss sum and valid tokens of the step (after CP sharding), for the
+        # rank-normalised global_max_loss.
+        self._rank_loss_sum: torch.Tensor | None = None
+        self._rank_tokens: torch.Tensor | None = None
+        metrics.max_loss_fn = self._global_max_loss
         if self.spike_guard is not None:
             self.optimizers.register_step_pre_hook(lambda *args, **kwargs: self._guard_step())
 
@@ -284,6 +362,7 @@ class HybridTrainer(Trainer):
             dump_folder=cfg.dump_folder,
             checkpoint=cfg.checkpoint,
             training_steps=cfg.training.steps,
+            timeout=timedelta(seconds=cfg.comm.init_timeout_seconds),
         )
         for line in self.run.lines:
             logger.warning(line)
@@ -315,6 +394,11 @@ class HybridTrainer(Trainer):
         loss = super().forward_backward_step(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
+        # loss = this rank's loss sum / the data-parallel batch's valid tokens
+        loss_sum = loss.detach() * global_valid_tokens
+        self._rank_loss_sum = (
+            loss_sum if self._rank_loss_sum is None else self._rank_loss_sum + loss_sum
+        )
         if self.spike_guard is not None:
             # local loss sum / global valid tokens; summed over the loss mesh it is the
             # global average torchtitan logs
@@ -341,21 +425,148 @@ class HybridTrainer(Trainer):
         inputs, labels, extra = _preprocess(self.sequence, input_dict, labels)
         # Count after CP sharding so ntokens reflects what this rank processes.
         self.ntokens_seen += labels.numel()
+        if torch.is_grad_enabled():  # training, not validation
+            valid = (labels != IGNORE_INDEX).sum()
+            self._rank_tokens = valid if self._rank_tokens is None else self._rank_tokens + valid
         return inputs, labels, extra
 
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A loader tensor on the device without waiting for it: copied from pinned memory (the
+        loader's own with ``[dataloader] pin_memory``, else pinned here), ``non_blocking``."""
+        if self.device.type == "cuda" and not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
     def train_step(self, data_iterator):
+        """torchtitan 0.3.0's ``Trainer.train_step`` without its two synchronisations (the step is
+        one function there, so it is restated here in its order, pipeline parallelism aside):
+
+        * inputs, labels and positions go to the device pinned and ``non_blocking``
+          (``to_device``), not with a blocking ``.to(device)`` each;
+        * the valid-token count is the batches' ``HostMetadata.valid_tokens`` (counted by the
+          loader) and reaches the device as a fill, not a blocking copy of a host tensor.
+
+        The loss, gradient norm and (with data parallelism) the global token count are still read
+        at log steps (every ``metrics.log_freq`` steps), as torchtitan does; see
+        docs/PERFORMANCE.md. ``scripts/gpu_check.py --stage path`` checks whole steps.
+        """
         self.sequence.stats.take()  # counters cover this step only (not validation before it)
         self._step_loss = None
-        return super().train_step(data_iterator)
+        self._rank_loss_sum = self._rank_tokens = None  # global_max_loss counts this step only
+        pd = self.parallel_dims
+        if pd.pp_enabled:  # refused at start-up (validate.py); torchtitan's own step
+            return super().train_step(data_iterator)
+        self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
+        lr_metrics = self.lr_schedulers.get_metrics()
+        should_log = self.metrics_processor.should_log(self.step)
+
+        microbatches, local_valid_tokens = [], 0
+        for _ in range(self.gradient_accumulation_steps):
+            with sl.log_trace_span("fetching_batch"):
+                input_dict, labels = next(data_iterator)
+            local_valid_tokens += _host_valid_tokens(input_dict, labels)
+            microbatches.append((input_dict, labels))
+        sl.log_trace_scalar({"local_valid_tokens": local_valid_tokens})
+        count = torch.full((), local_valid_tokens, dtype=torch.int64, device=self.device)
+        if pd.dp_enabled:
+            count = dist_utils.dist_sum_tensor(count, pd.get_mesh("batch"))
+        global_valid_tokens = count
+
+        accumulated_loss: torch.Tensor | None = None
+        for input_dict, labels in microbatches:
+            on_device = {
+                k: self.to_device(v) if isinstance(v, torch.Tensor) else v
+                for k, v in input_dict.items()
+            }
+            loss = self.forward_backward_step(
+                input_dict=on_device,
+                labels=self.to_device(labels),
+                global_valid_tokens=global_valid_tokens,
+            )
+            if should_log:
+                loss = loss.detach()
+                accumulated_loss = loss.clone() if accumulated_loss is None else (
+                    accumulated_loss.add_(loss)
+                )  # fmt: skip
+
+        with sl.log_trace_span("optim"):
+            grad_norm = dist_utils.clip_grad_norm_(
+                [p for m in self.model_parts for p in m.parameters()],
+                self.config.training.max_norm,
+                foreach=True,
+                pp_mesh=pd.get_optional_mesh("pp"),
+                ep_enabled=pd.ep_enabled,
+            )
+            self.checkpointer.maybe_wait_for_staging()
+            self.optimizers.step()
+            self.lr_schedulers.step()
+        if should_log:
+            assert accumulated_loss is not None
+            self._log_step(accumulated_loss, global_valid_tokens, local_valid_tokens, grad_norm,
+                           lr_metrics)  # fmt: skip
+
+    def _log_step(
+        self,
+        accumulated_loss: torch.Tensor,
+        global_valid_tokens: torch.Tensor,
+        local_valid_tokens: int,
+        grad_norm: torch.Tensor,
+        lr_metrics: dict[str, Any],
+    ) -> None:
+        """torchtitan's end of a log step: global average and max loss, tokens seen, the
+        finite-loss check. These read the device (the step's only synchronisations)."""
+        pd = self.parallel_dims
+        with sl.log_trace_span("collect_dist_metrics"):
+            total = int(global_valid_tokens) if pd.dp_enabled else local_valid_tokens
+            sl.log_trace_scalar({"global_valid_tokens": total})
+            if pd.dp_cp_enabled:
+                # accumulated_loss = local loss sum / global valid tokens: summed over the loss
+                # mesh it is the global average; rescaled by the local count, the local one.
+                mesh = pd.get_optional_mesh("loss")
+                local_avg = accumulated_loss * global_valid_tokens / local_valid_tokens
+                ntokens = torch.tensor(self.ntokens_seen, dtype=torch.int64, device=self.device)
+                global_avg_loss = dist_utils.dist_sum(accumulated_loss, mesh)
+                global_max_loss = dist_utils.dist_max(local_avg, mesh)
+                global_ntokens_seen = dist_utils.dist_sum(ntokens, mesh)
+            else:
+                global_avg_loss = global_max_loss = float(accumulated_loss.item())
+                global_ntokens_seen = self.ntokens_seen
+        if not math.isfinite(global_avg_loss):
+            raise RuntimeError(
+                f"Loss is not finite (global_avg_loss={global_avg_loss}) at step {self.step}. "
+                "Stopping training."
+            )
+        self.metrics_processor.log(
+            self.step,
+            global_avg_loss,
+            global_max_loss,
+            float(grad_norm.item()),
+            extra_metrics={"n_tokens_seen": global_ntokens_seen, **lr_metrics},
+        )
+
+    def _global_max_loss(self) -> float:
+        """The largest per-rank average loss of the step: each rank's loss sum over its own
+        valid tokens (its CP shard of its data-parallel batch), maximised over the loss mesh.
+        torchtitan's own divides a CP shard's loss by the whole row's tokens, which under CP
+        falls below the average loss."""
+        assert self._rank_loss_sum is not None and self._rank_tokens is not None
+        local = self._rank_loss_sum / self._rank_tokens.clamp(min=1)
+        pd = self.parallel_dims
+        mesh = pd.get_optional_mesh("loss") if pd.dp_cp_enabled else None
+        return dist_utils.dist_max(local, mesh) if mesh is not None else float(local.item())
 
     def _routing_metrics(self, prefix: str) -> dict[str, Any]:
         """Routing counters since the last call; readbacks and build time are the worst rank's
-        (a collective: every rank calls this at the same log step)."""
+        (a collective: every rank calls this at the same log step). On the training device: on
+        CUDA the default group is NCCL only, which has no CPU backend."""
         stats = self.sequence.stats.take()
         cache = self.sequence.cache.stats()
-        local = torch.tensor([stats["readbacks"], stats["build_ms"]], dtype=torch.float64)
+        local = torch.tensor(
+            [stats["readbacks"], stats["build_ms"]], dtype=torch.float64, device=self.device
+        )
         if dist.is_initialized():
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        local = local.cpu()  # one copy for both values (a log step synchronises anyway)
         return {
             f"{prefix}/source": stats["source"],
             f"{prefix}/microbatches": stats["microbatches"],

@@ -9,8 +9,10 @@ tokenizer) and probes folders, but builds no model and starts no process group.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import math
 import os
 import tempfile
 from typing import Any
@@ -22,7 +24,18 @@ from torchtitan_cp.ops import check_flex_shape
 from torchtitan_cp.routing import get_balancer
 from torchtitan_cp.trainer.config import ConfigError
 
-__all__ = ["check_attention_backend", "check_model", "parse_nproc", "validate"]
+__all__ = ["check_attention_backend", "check_model", "parse_nnodes", "parse_nproc", "validate"]
+
+
+def _whole_number(text: str, what: str, meaning: str) -> int:
+    """``text`` as a whole number >= 1, else a ConfigError naming ``what`` and its ``meaning``."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != text.strip():
+        raise ConfigError(f"{what} must be a whole number >= 1 ({meaning}), got {text!r}")
+    return n
 
 
 def parse_nproc(text: str, *, device_type: str) -> int:
@@ -34,13 +47,12 @@ def parse_nproc(text: str, *, device_type: str) -> int:
 
             return torch.cuda.device_count()
         return 2
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1 or str(n) != text.strip():
-        raise ConfigError(f"NPROC must be a whole number >= 1 (processes to start), got {text!r}")
-    return n
+    return _whole_number(text, "NPROC", "processes to start")
+
+
+def parse_nnodes(text: str) -> int:
+    """``NNODES`` as train.sh passes it: a whole number >= 1 (machines in the run)."""
+    return _whole_number(text, "NNODES", "machines in the run")
 
 
 def _need(ok: bool, message: str) -> None:
@@ -79,7 +91,7 @@ def _dp_degree(config: Any, world_size: int) -> int:
             f"parallelism.context_parallel_degree ({p.context_parallel_degree}) x "
             f"data_parallel_replicate_degree ({p.data_parallel_replicate_degree}) = {others} "
             f"does not divide the {world_size} processes; use a divisor of {world_size} or "
-            f"start a multiple of {others} processes (NPROC)",
+            f"start a multiple of {others} processes (NPROC x NNODES)",
         )
         shard = world_size // others
     else:
@@ -88,9 +100,24 @@ def _dp_degree(config: Any, world_size: int) -> int:
             f"parallelism: data_parallel_shard_degree ({shard}) x replicate "
             f"({p.data_parallel_replicate_degree}) x context_parallel_degree "
             f"({p.context_parallel_degree}) = {shard * others}, but {world_size} processes "
-            "run; make the product equal NPROC or set data_parallel_shard_degree = -1",
+            "run; make the product equal NPROC x NNODES or set data_parallel_shard_degree = -1",
         )
     return shard * p.data_parallel_replicate_degree
+
+
+def _check_cp_within_nodes(config: Any, world_size: int, per_node: int) -> None:
+    """CP is the innermost mesh axis (torchtitan orders pp, dp_replicate, dp_shard, cp, tp), so
+    ranks r..r+CP-1 form a CP group and torchrun numbers each node's processes consecutively: a
+    group stays inside a node when CP divides the processes per node, or covers whole nodes
+    when they divide CP. Anything else splits a group unevenly across nodes."""
+    cp = config.parallelism.context_parallel_degree
+    if world_size == per_node or cp <= 1 or per_node % cp == 0 or cp % per_node == 0:
+        return
+    raise ConfigError(
+        f"parallelism.context_parallel_degree ({cp}) and the {per_node} processes per node "
+        f"(NPROC_PER_NODE) divide neither way: CP groups would straddle nodes; use a CP degree "
+        f"that divides {per_node} (CP inside a node) or a multiple of it (whole nodes)"
+    )
 
 
 def _check_numbers(config: Any, dp: int) -> None:
@@ -185,8 +212,11 @@ def _check_seq_len(config: Any, model_cfg: Any) -> None:
 def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: int) -> None:
     backend = config.linear_attention.backend
     if backend == "fla":
+        from torchtitan_cp.ops.common.fla import triton_interpreter_on
+
+        # On CPU only under Triton's interpreter (the fla_interpreter test tier).
         _need(
-            device_type == "cuda",
+            device_type == "cuda" or (device_type == "cpu" and triton_interpreter_on()),
             "linear_attention.backend = 'fla' needs CUDA (fla-core's "
             f"kernels are Triton) but this machine runs on {device_type}; use 'torch' or "
             "'auto'",
@@ -213,6 +243,19 @@ def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: 
     check_attention_backend(config, model_cfg, device_type=device_type)
 
 
+def _check_torch(config: Any, world_size: int) -> None:
+    """What this torch can run: torch 2.11-2.13 train one process (compat.py's shims)."""
+    try:
+        compat.check_trainer_torch(world_size)
+    except compat.TorchVersionError as e:
+        raise ConfigError(str(e)) from None
+    _need(
+        not config.metrics.enable_tensorboard or compat.tensorboard_available(),
+        "metrics.enable_tensorboard = true needs the tensorboard package, which is not "
+        "installed here; pip install tensorboard or set it to false",
+    )
+
+
 def _probe_writable(folder: str, key: str) -> None:
     """``folder`` exists and takes a new file, or can be created (its nearest existing parent
     takes one). Probes with a real file: ``os.access`` says yes to root on read-only mounts."""
@@ -235,6 +278,12 @@ def _probe_writable(folder: str, key: str) -> None:
 
 def _check_paths(config: Any) -> None:
     _probe_writable(config.dump_folder, "dump_folder")
+    jsonl_file = getattr(config.metrics, "jsonl_file", "")
+    if jsonl_file:
+        path = os.path.join(config.dump_folder, jsonl_file)
+        stem = path[: -len(".jsonl")] if path.endswith(".jsonl") else path
+        for existing in (path, stem + ".superseded.jsonl"):
+            _probe_appendable(existing, "metrics.jsonl_file")
     ckpt = config.checkpoint
     if ckpt.enable:
         _probe_writable(os.path.join(config.dump_folder, ckpt.folder), "checkpoint.folder")
@@ -243,6 +292,68 @@ def _check_paths(config: Any) -> None:
                 os.path.isdir(ckpt.initial_load_path),
                 f"checkpoint.initial_load_path {ckpt.initial_load_path}: no such checkpoint folder",
             )
+
+
+def _probe_appendable(path: str, key: str) -> None:
+    """An existing ``path`` takes appended lines (opened for appending, nothing written)."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"{key} {path}: a folder, not a file; remove it or choose another name")
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"{key} {path}: cannot be appended to ({e.strerror or e}); make it writable, or "
+            "pass another --dump_folder or --metrics.jsonl_file"
+        ) from None
+
+
+def _non_finite(node: Any, path: str = "") -> tuple[str, float] | None:
+    """The first float of the config tree (dataclass fields, dict values, list items) that is
+    inf or nan, with its dotted key."""
+    if isinstance(node, float):
+        return None if math.isfinite(node) else (path, node)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        items: Any = ((f.name, getattr(node, f.name, None)) for f in dataclasses.fields(node))
+    elif isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        return None
+    for key, value in items:
+        found = _non_finite(value, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+def _check_run_options(config: Any, world_size: int) -> None:
+    """Keys whose wrong values would otherwise be ignored or fail only inside the ranks."""
+    bad = _non_finite(config)
+    if bad is not None:
+        raise ConfigError(f"{bad[0]} must be a finite number, got {bad[1]}")
+    ckpt = config.checkpoint
+    _need(
+        ckpt.load_step >= -1,
+        f"checkpoint.load_step must be -1 (the newest step) or a step number >= 0, got "
+        f"{ckpt.load_step}",
+    )
+    if ckpt.initial_load_path and not ckpt.enable:
+        raise ConfigError(
+            f"checkpoint.initial_load_path = {ckpt.initial_load_path} is ignored without "
+            "checkpointing: add --checkpoint.enable (with --checkpoint.load_only to load without "
+            "saving)"
+        )
+    if ckpt.create_seed_checkpoint:
+        _need(
+            ckpt.enable and world_size == 1,
+            "checkpoint.create_seed_checkpoint needs --checkpoint.enable and one process "
+            f"(NPROC=1), got {world_size} process(es)"
+            + ("" if ckpt.enable else " and checkpointing off"),
+        )
 
 
 def _tokenizer_vocab(path: str) -> int | None:
@@ -302,6 +413,7 @@ def _check_data(config: Any, model_cfg: Any, dp: int, *, scan: bool) -> None:
             if summary.complete:
                 jsonl.check_documents_for_ranks(path, summary.documents, dp)
                 jsonl.check_rank_shares(summary, dp)
+                jsonl.check_row_fits(summary, dp, config.training.seq_len)
         except jsonl.DataError as e:
             raise ConfigError(f"{key}.dataset_path: {e}") from None
 
@@ -321,11 +433,14 @@ def validate(
     by line (up to ``jsonl.SCAN_LIMIT_BYTES``); without it only their presence is checked (the
     loader checks the content itself)."""
     _need(world_size >= 1, f"the run needs at least one process, got {world_size} (NPROC)")
+    _check_torch(config, world_size)
     try:  # the hybrid decoder or torchtitan's Qwen3.5, as [model] name says
         model_cfg = recipe_model_spec(config.model).model
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_run_options(config, world_size)
     dp = _dp_degree(config, world_size)
+    _check_cp_within_nodes(config, world_size, local_world_size or world_size)
     _check_numbers(config, dp)
     _check_seq_len(config, model_cfg)
     _check_backends(config, model_cfg, device_type, local_world_size or world_size)
@@ -357,7 +472,8 @@ def check_model(config: Any) -> tuple[Any, bool]:
 
 def check_attention_backend(config: Any, model_cfg: Any, *, device_type: str | None = None) -> bool:
     """Whether this run's attention layers use flex; a ConfigError where flex cannot run:
-    training off CUDA (no flex backward there) or a CP shard that is not whole mask blocks.
+    training off CUDA (no flex backward there) or, on the all-gather CP path, a CP shard that
+    is not whole mask blocks.
     ``device_type`` defaults to this machine's."""
     device = device_type or compat.device_type()
     if not model_cfg.uses_flex_attention(device):
@@ -367,8 +483,11 @@ def check_attention_backend(config: Any, model_cfg: Any, *, device_type: str | N
             f"model.attention_backend = 'flex' cannot train on {device}: flex attention has no "
             "backward there; use 'sdpa' (or 'auto', which picks sdpa off CUDA)"
         )
+    cp = config.parallelism.context_parallel_degree
+    if getattr(model_cfg, "attention_cp", "all_gather") == "pass_kv" and cp > 1:
+        return True  # per-pair masks of any length: no whole-block rule
     try:
-        check_flex_shape(config.training.seq_len, config.parallelism.context_parallel_degree)
+        check_flex_shape(config.training.seq_len, cp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return True

@@ -4,6 +4,8 @@
 Two backends, chosen by ``[model] attention_backend``: ``flex`` (torchtitan's ``FlexAttention``
 with the microbatch's document ``BlockMask``; under CP torchtitan's ``apply_cp_to_forward``
 all-gathers K/V), the default on CUDA; ``sdpa`` (``ops.context_parallel_attention``) elsewhere.
+Layers with ``[model] attention_cp = "pass_kv"`` pass K/V instead (``attention_cp.py``), so the
+wrapper leaves them alone.
 """
 
 from __future__ import annotations
@@ -79,15 +81,17 @@ def apply_flex_context_parallel(
     model: nn.Module, cp_mesh: DeviceMesh, layer_type: type[nn.Module]
 ) -> int:
     """torchtitan's CP path for flex attention: wrap every flex attention layer of
-    ``layer_type`` (a module with ``backend``, ``flex`` and ``flex_cp``; the hybrid decoder's
-    ``SoftmaxAttention``, Qwen3.5's ``RoutedInnerAttention``) so it all-gathers K/V over
-    ``cp_mesh`` (its queries and mask stay this rank's). Returns the number of layers wrapped;
-    layers on the sdpa backend gather K/V themselves."""
+    ``layer_type`` (a module with ``backend``, ``cp_mode``, ``flex`` and ``flex_cp``; the hybrid
+    decoder's ``SoftmaxAttention``, Qwen3.5's ``RoutedInnerAttention``) so it all-gathers K/V
+    over ``cp_mesh`` (its queries and mask stay this rank's). Returns the number of layers
+    wrapped; layers on the sdpa backend gather K/V themselves, pass-KV layers pass them."""
     # torchtitan's CP module needs torch >= 2.14 (the model itself runs on 2.11).
     from torchtitan.distributed.context_parallel import apply_cp_to_forward
 
     # Any: the layer types share these attributes, not a base class.
-    candidates: list[Any] = [m for m in model.modules() if isinstance(m, layer_type)]
+    candidates: list[Any] = [
+        m for m in model.modules() if isinstance(m, layer_type) and m.cp_mode == "all_gather"
+    ]
     layers = [
         m for m in candidates if resolve_attention_backend(m.backend, cp_mesh.device_type) == "flex"
     ]

@@ -1,5 +1,5 @@
 """The hybrid decoder: a stack of blocks whose mixers the layer pattern picks from the registry
-(``models.layers``: KDA, GDN, softmax attention, Mamba2)."""
+(``models.hybrid.layers``: KDA, GDN, softmax attention, Mamba2)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.module import Module, ModuleDict
 
+from torchtitan_cp.models.blocks.attention_cp import DEFAULT_ATTENTION_CP, AttentionCP
 from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
 from torchtitan_cp.models.blocks.init import linear, linear_config
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
@@ -32,7 +33,7 @@ class HybridBlock(Module):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
-        mixer: Module.Config  # a registered kind's mixer (models.layers)
+        mixer: Module.Config  # a registered kind's mixer (models.hybrid.layers)
         dim: int
         ffn_hidden_dim: int
         norm_eps: float = 1e-5
@@ -84,6 +85,7 @@ class HybridDecoder(BaseModel):
         enable_weight_tying: bool = False
         linear_attention_backend: Literal["auto", "torch", "fla"] = "auto"
         attention_backend: AttentionBackend = "auto"
+        attention_cp: AttentionCP = DEFAULT_ATTENTION_CP
         layer_options: LayerOptions = field(default_factory=LayerOptions)
 
         def uses_flex_attention(self, device_type: str | torch.device) -> bool:

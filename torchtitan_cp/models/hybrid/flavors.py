@@ -6,6 +6,7 @@ import dataclasses
 
 from torchtitan.protocols.model_spec import ModelSpec
 
+from torchtitan_cp.models.blocks.attention_cp import check_attention_cp
 from torchtitan_cp.models.blocks.flex import resolve_attention_backend
 from torchtitan_cp.models.hybrid.decoder import HybridDecoder, parse_layer_pattern
 from torchtitan_cp.models.hybrid.layers import LAYERS
@@ -52,6 +53,7 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
             f"got {cfg.linear_attention_backend!r}"
         )
     resolve_attention_backend(cfg.attention_backend, "cpu")
+    check_attention_cp(cfg.attention_cp)
     return cfg
 
 

@@ -75,7 +75,7 @@ def _attention(cfg: Any, layer_id: int) -> Module.Config:
     return SoftmaxAttention.Config(
         dim=cfg.dim, n_heads=cfg.attn_n_heads, n_kv_heads=cfg.attn_n_kv_heads,
         head_dim=cfg.attn_head_dim, use_rope=cfg.use_rope, rope_theta=cfg.rope_theta,
-        layer_id=layer_id, backend=cfg.attention_backend,
+        layer_id=layer_id, backend=cfg.attention_backend, cp_mode=cfg.attention_cp,
     )  # fmt: skip
 
 

@@ -1,5 +1,11 @@
 """Softmax attention layer (GQA, RoPE or NoPE) with a causal document mask over the packed stream.
 
+Under context parallelism ``[model] attention_cp`` picks how keys/values cross ranks:
+``all_gather`` (every rank gathers the whole stream's K/V, per backend as below) or ``pass_kv``
+(``ops.pass_kv_attention``: each rank keeps its own K/V, blocks travel point to point between
+the ranks whose documents meet, per-pair kernel math on sdpa, flex on flex;
+``models/blocks/attention_cp.py``).
+
 Two backends, chosen by ``[model] attention_backend``:
 
 * ``flex``: torchtitan's ``FlexAttention`` (compiled flex attention) with the microbatch's
@@ -18,6 +24,12 @@ from dataclasses import dataclass
 import torch
 from torchtitan.protocols.module import Module
 
+from torchtitan_cp.models.blocks.attention_cp import (
+    DEFAULT_ATTENTION_CP,
+    AttentionCP,
+    check_attention_cp,
+    routed_pass_kv,
+)
 from torchtitan_cp.models.blocks.flex import (
     AttentionBackend,
     DocumentFlexAttention,
@@ -33,8 +45,9 @@ class SoftmaxAttention(Module):
     """Grouped-query attention; no token attends across a document boundary.
 
     Input/output ``[B, L, D]``. Under context parallelism each rank's queries attend to the
-    all-gathered keys/values of the whole stream (flex: torchtitan's ``apply_cp_to_forward``
-    on ``self.flex``; sdpa: ``ops.context_parallel_attention``).
+    keys/values of the whole stream: all-gathered (flex: torchtitan's ``apply_cp_to_forward``
+    on ``self.flex``; sdpa: ``ops.context_parallel_attention``) or, with ``cp_mode =
+    "pass_kv"``, passed between ranks in rounds (``ops.pass_kv_attention``).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -47,9 +60,11 @@ class SoftmaxAttention(Module):
         rope_theta: float = 10000.0
         layer_id: int = 0
         backend: AttentionBackend = "auto"
+        cp_mode: AttentionCP = DEFAULT_ATTENTION_CP
 
     def __init__(self, config: Config):
         super().__init__()
+        check_attention_cp(config.cp_mode)
         if config.n_heads % config.n_kv_heads:
             raise ValueError(
                 f"attention n_heads ({config.n_heads}) must be a multiple of "
@@ -68,6 +83,7 @@ class SoftmaxAttention(Module):
         self.wo = linear(config.n_heads * hd, d, std=0.02 / math.sqrt(2 * (config.layer_id + 1)))
         resolve_attention_backend(config.backend, "cpu")  # reject a bad name at build time
         self.backend = config.backend
+        self.cp_mode = config.cp_mode
         # Parameter-free; present for every backend so "auto" can pick it on CUDA.
         self.flex = DocumentFlexAttention(DocumentFlexAttention.Config())
         self.flex_cp = False  # set by apply_flex_context_parallel once K/V are gathered
@@ -85,7 +101,10 @@ class SoftmaxAttention(Module):
                 raise ValueError("SoftmaxAttention with RoPE needs the document positions")
             pos = positions.reshape(-1)
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
-        if resolve_attention_backend(self.backend, x.device) == "flex":
+        backend = resolve_attention_backend(self.backend, x.device)
+        if ctx.cp_enabled and self.cp_mode == "pass_kv":
+            o = routed_pass_kv(q, k, v, ctx, backend)
+        elif backend == "flex":
             o = self._flex(q, k, v, ctx, bsz, seqlen)
         else:
             # Every CP rank holds B·L/W tokens (torch's load balancers split evenly), so the

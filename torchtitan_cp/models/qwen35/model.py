@@ -16,7 +16,8 @@ changes only what crosses the module boundaries torchtitan provides:
 * ``GatedDeltaNet._causal_conv`` becomes the recipe's causal conv with the CP halo exchange.
 * ``Qwen35Attention.inner_attention`` becomes ``RoutedInnerAttention``: flex (torchtitan's
   ``FlexAttention`` with the document ``BlockMask``; under CP torchtitan's ``apply_cp_to_forward``
-  K/V all-gather) or sdpa (``ops.context_parallel_attention``), chosen as for the hybrid model.
+  K/V all-gather) or sdpa (``ops.context_parallel_attention``), chosen as for the hybrid model;
+  with ``model.attention_cp = "pass_kv"`` under CP, ``ops.pass_kv_attention`` instead.
 
 Text only: the vision encoder is dropped unless ``vision=True``, which context parallelism
 rejects (multimodal batches scatter image embeddings before CP sharding).
@@ -38,6 +39,12 @@ from torchtitan.models.qwen3_5.model import GatedDeltaNet, Qwen35Model
 from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder
 from torchtitan.protocols.module import Module
 
+from torchtitan_cp.models.blocks.attention_cp import (
+    DEFAULT_ATTENTION_CP,
+    AttentionCP,
+    check_attention_cp,
+    routed_pass_kv,
+)
 from torchtitan_cp.models.blocks.flex import (
     AttentionBackend,
     DocumentFlexAttention,
@@ -192,17 +199,21 @@ class RoutedInnerAttention(Module):
 
     In/out ``[B, L_local, H, D]``. flex: torchtitan's ``FlexAttention`` (``self.flex``) with the
     context's document ``BlockMask`` (under CP wrapped by ``apply_cp_to_forward``); sdpa:
-    ``ops.context_parallel_attention`` over the flattened span with global token/document ids.
+    ``ops.context_parallel_attention`` over the flattened span with global token/document ids;
+    under CP with ``cp_mode = "pass_kv"``: ``ops.pass_kv_attention`` (either backend).
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
         backend: AttentionBackend = "auto"
+        cp_mode: AttentionCP = DEFAULT_ATTENTION_CP
 
     def __init__(self, config: Config):
         super().__init__()
         resolve_attention_backend(config.backend, "cpu")  # reject a bad name at build time
+        check_attention_cp(config.cp_mode)
         self.backend = config.backend
+        self.cp_mode = config.cp_mode
         self.flex = DocumentFlexAttention(DocumentFlexAttention.Config())
         self.flex_cp = False  # set once torchtitan's CP wrapper gathers K/V for self.flex
 
@@ -218,7 +229,16 @@ class RoutedInnerAttention(Module):
     ) -> torch.Tensor:
         ctx = _seq_ctx(attention_masks, "Qwen3.5 attention")
         bsz, seqlen, n_heads, head_dim = q.shape
-        if resolve_attention_backend(self.backend, q.device) == "flex":
+        backend = resolve_attention_backend(self.backend, q.device)
+        if ctx.cp_enabled and self.cp_mode == "pass_kv":
+            o = routed_pass_kv(
+                q.reshape(1, bsz * seqlen, n_heads, head_dim),
+                k.reshape(1, bsz * seqlen, k.shape[2], k.shape[3]),
+                v.reshape(1, bsz * seqlen, v.shape[2], v.shape[3]),
+                ctx, backend, scale,
+            )  # fmt: skip
+            return o.reshape(bsz, seqlen, n_heads, v.shape[3])
+        if backend == "flex":
             if ctx.block_mask is None:
                 raise ValueError(
                     "attention_backend 'flex' needs a SequenceContext with a document "
@@ -268,6 +288,7 @@ class Qwen35TextModel(Qwen35Model):
         vision_encoder: Qwen35VisionEncoder.Config | None = None  # pyrefly: ignore[bad-override]
         linear_attention_backend: Literal["auto", "torch", "fla"] = "auto"
         attention_backend: AttentionBackend = "auto"
+        attention_cp: AttentionCP = DEFAULT_ATTENTION_CP
 
         @property
         def conv_width(self) -> int:
@@ -328,7 +349,7 @@ class Qwen35TextModel(Qwen35Model):
         )  # fmt: skip
 
 
-_QWEN35_OVERRIDES = ("vocab_size", "attention_backend")
+_QWEN35_OVERRIDES = ("vocab_size", "attention_backend", "attention_cp")
 
 
 def qwen35_config(
@@ -339,6 +360,7 @@ def qwen35_config(
     vocab_size: int | None = None,
     enable_weight_tying: bool | None = None,
     attention_backend: AttentionBackend = "auto",
+    attention_cp: AttentionCP = DEFAULT_ATTENTION_CP,
     linear_attention_backend: Literal["auto", "torch", "fla"] = "auto",
 ) -> Qwen35TextModel.Config:
     """torchtitan's Qwen3.5 ``flavor`` as a ``Qwen35TextModel.Config``.
@@ -363,7 +385,8 @@ def qwen35_config(
             )
         layers = layers[:n_layers]
     resolve_attention_backend(attention_backend, "cpu")
-    inner = RoutedInnerAttention.Config(backend=attention_backend)
+    check_attention_cp(attention_cp)
+    inner = RoutedInnerAttention.Config(backend=attention_backend, cp_mode=attention_cp)
     layers = [
         dataclasses.replace(
             lay, attention=dataclasses.replace(lay.attention, inner_attention=inner)
@@ -387,6 +410,7 @@ def qwen35_config(
     return Qwen35TextModel.Config(
         **fields,
         attention_backend=attention_backend,
+        attention_cp=attention_cp,
         linear_attention_backend=linear_attention_backend,
     )
 

@@ -1,2 +1,2 @@
-"""Softmax attention under context parallelism: the sdpa all-gather op and the flex document
-mask."""
+"""Softmax attention under context parallelism: the sdpa all-gather op, pass-KV point-to-point
+rounds and the flex document mask."""

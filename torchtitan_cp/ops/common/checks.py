@@ -1,7 +1,9 @@
 """Input checks and the backend choice every op family's local kernel shares.
 
 ``backend="auto"`` picks fla-core's Triton kernels for CUDA tensors and the pure-PyTorch ones
-otherwise; the checks read offsets only from a host copy, so they never synchronise.
+otherwise; ``backend="fla"`` takes CPU tensors only while Triton's interpreter is on (the
+``fla_interpreter`` test tier). The checks read offsets only from a host copy, so they never
+synchronise.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from .fla import triton_interpreter_on
 
 Backend = Literal["auto", "torch", "fla"]
 BACKENDS = ("auto", "torch", "fla")
@@ -28,7 +32,12 @@ def resolve_backend(backend: str, x: Tensor) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "fla" if x.is_cuda else "torch"
-    if backend == "fla" and not x.is_cuda:
+    if (
+        backend == "fla"
+        and not x.is_cuda
+        and not (x.device.type == "cpu" and triton_interpreter_on())
+    ):
+        # CPU tensors only under Triton's interpreter: the test tier, never a normal CPU run.
         raise ValueError(f"backend='fla' needs CUDA tensors (fla-core is Triton), got {x.device}")
     return backend
 

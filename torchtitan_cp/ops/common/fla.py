@@ -9,16 +9,47 @@ functions, so this module loads no Triton kernel.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
 from torchtitan_cp.routing import chunk_bound
 
-__all__ = ["FLA_CHUNK_SIZE", "chunk_table", "device_cu_seqlens", "fla_chunk_indices"]
+__all__ = [
+    "FLA_CHUNK_SIZE",
+    "chunk_table",
+    "contiguous",
+    "device_cu_seqlens",
+    "fla_chunk_indices",
+    "triton_interpreter_on",
+]
 
 # Tokens per chunk of fla-core 0.6.0's chunk_kda, chunk_gated_delta_rule and causal_conv1d
 # (each one's default; the adapters never pass another). Routing tables must use it.
 FLA_CHUNK_SIZE = 64
+
+
+def contiguous(*xs: Tensor | None) -> list:
+    """Each tensor made contiguous (None stays None), for every call below fla's public
+    functions: its internal ones (``chunk_kda_bwd``, ``chunk_gated_delta_rule_bwd``, ...) index
+    rows with fixed strides, and only the public ones make inputs contiguous. Our inputs can be
+    views (v is a split of the conv output) and cotangents expanded (stride 0)."""
+    return [x.contiguous() if x is not None else None for x in xs]
+
+
+@torch.compiler.assume_constant_result  # read while dynamo traces: a constant, not a graph
+def triton_interpreter_on() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET=1``): fla's kernels then run on CPU
+    tensors, in numpy, far too slowly to train. Only the ``fla_interpreter`` test tier turns it
+    on (tests/fla_interpreter.py); a normal CPU run refuses ``backend='fla'``."""
+    if os.environ.get("TRITON_INTERPRET") is None:
+        return False  # the common case, without importing triton
+    try:
+        from triton import knobs
+    except Exception:  # no triton, or one that does not import: no interpreter either
+        return False
+    return bool(knobs.runtime.interpret)
 
 
 def device_cu_seqlens(

@@ -9,7 +9,10 @@ op (namespace ``torchtitan_cp``)            backward
                                             ``causal_conv1d_bwd`` (no recompute)
 ==========================================  ==============================================
 
-Shapes and conventions are those of ``ops.conv.local`` (docs/CONTRACTS.md).
+The fla ops hand fla's internal functions contiguous tensors only (``common.fla.contiguous``),
+so compiled gradients equal eager ones and ``torch.library.opcheck`` passes
+(tests/test_fla_interpreter.py). Shapes and conventions are those of ``ops.conv.local``
+(docs/CONTRACTS.md).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..common.custom_ops import NS, autograd_inside_op, input_grads
-from ..common.fla import fla_chunk_indices
+from ..common.fla import contiguous, fla_chunk_indices
 from .torch_kernel import causal_conv1d_torch
 
 __all__ = ["causal_conv1d_fla_op", "causal_conv1d_torch_op"]
@@ -120,9 +123,7 @@ def causal_conv1d_fla_op(
 
     act = None if activation == "none" else activation
     # Contiguous inputs: fla's wrapper (not called here) would otherwise pick a layout fallback.
-    x, weight = x.contiguous(), weight.contiguous()
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
+    x, weight, bias, initial_state = contiguous(x, weight, bias, initial_state)
     chunk_indices = fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, x.shape[1])
     y, _ = causal_conv1d_fwd(
         x=x, weight=weight, bias=bias, residual=None, initial_state=initial_state,
@@ -154,12 +155,10 @@ def causal_conv1d_fla_bwd_op(
     from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
 
     act = None if activation == "none" else activation
-    x, weight = x.contiguous(), weight.contiguous()
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
+    x, weight, bias, initial_state, dy = contiguous(x, weight, bias, initial_state, dy)
     chunk_indices = fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, x.shape[1])
     dx, dw, db, _, dh0 = causal_conv1d_bwd(
-        x=x, dy=dy.contiguous(), dht=None, weight=weight, bias=bias, residual=None,
+        x=x, dy=dy, dht=None, weight=weight, bias=bias, residual=None,
         initial_state=initial_state, activation=act, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
     )  # fmt: skip

@@ -1,4 +1,5 @@
-"""The short conv on fla-core's Triton ``causal_conv1d`` (CUDA only; fla loads on first call)."""
+"""The short conv on fla-core's Triton ``causal_conv1d`` (CUDA; CPU tensors only under Triton's
+interpreter, in the fla_interpreter test tier). fla loads on first call."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Local (single-rank) short causal convolution with FLA conventions.
 
 ``backend="auto"`` picks fla-core's Triton kernel for CUDA tensors and the pure-PyTorch
-implementation (``ops.conv.torch_kernel``) otherwise (docs/CONTRACTS.md, "ops/ local kernels").
+implementation (``ops.conv.torch_kernel``) otherwise; ``backend="fla"`` takes CPU tensors only
+while Triton's interpreter is on (the ``fla_interpreter`` test tier). See docs/CONTRACTS.md
+("ops/ local kernels").
 """
 
 from __future__ import annotations

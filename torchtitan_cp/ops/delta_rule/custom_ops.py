@@ -10,6 +10,11 @@ op (namespace ``torchtitan_cp``)            backward
                                             on the intermediates the forward returned
 ==========================================  ==============================================
 
+The fla ops hand fla's internal functions contiguous tensors only (``common.fla.contiguous``:
+saved inputs may be views, cotangents expanded) and return no uninitialised memory (KDA's
+``Aqk`` has its never-written upper part zeroed), so compiled gradients equal eager ones and
+``torch.library.opcheck`` passes (tests/test_fla_interpreter.py runs both on CPU).
+
 Shapes and conventions are those of ``ops.delta_rule.local`` (docs/CONTRACTS.md).
 """
 
@@ -21,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..common.custom_ops import NS, autograd_inside_op, input_grads, num_seqs
-from ..common.fla import fla_chunk_indices
+from ..common.fla import contiguous, fla_chunk_indices
 from .torch_kernel import chunk_delta_rule_torch
 
 __all__ = ["delta_rule_fla_op", "delta_rule_torch_op"]
@@ -133,6 +138,23 @@ delta_rule_torch_op.register_autograd(
 # ----------------------------------------------------------------------------- delta rule, fla
 
 
+def _zero_unwritten_scores(A: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    """fla's KDA forward allocates ``Aqk [1, T, HV, BT]`` with ``torch.empty`` and writes, for a
+    token at position p of its chunk, columns 0..p only (its backward reads no other). Zero the
+    rest, so the op returns no uninitialised memory (opcheck; run-to-run equal outputs).
+    Device ops on the device offsets: no host read."""
+    T, BT = A.shape[1], A.shape[-1]
+    t = torch.arange(T, device=A.device)
+    if cu_seqlens is None:
+        pos = t % BT
+    else:
+        cu = cu_seqlens.to(torch.int64)
+        seq = torch.searchsorted(cu[1:], t, right=True)  # the sequence each token belongs to
+        pos = (t - cu.index_select(0, seq)) % BT
+    unwritten = torch.arange(BT, device=A.device)[None, :] > pos[:, None]  # [T, BT]
+    return A.masked_fill(unwritten[None, :, None, :], 0)
+
+
 @torch.library.custom_op(f"{NS}::delta_rule_fla", mutates_args=())
 def delta_rule_fla_op(
     q: Tensor,
@@ -153,9 +175,7 @@ def delta_rule_fla_op(
     output in q's dtype, the float32 final states ``[N,HV,K,V]`` (``[0]`` when not requested)
     and what fla's backward reads instead of recomputing (kda: Aqk, Akk; gdn: A and ``[0]``).
     """
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
+    q, k, v, g, beta, initial_state = contiguous(q, k, v, g, beta, initial_state)
     chunk_indices = fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, q.shape[1])
     # Untyped kwargs: fla annotates optional tensors (initial_state, offsets) as required.
     kw: dict[str, Any] = dict(
@@ -168,7 +188,7 @@ def delta_rule_fla_op(
 
         kw["cu_seqlens_cpu"] = cu_seqlens_cpu
         o, final, g_cum, Aqk, Akk, *_ = chunk_kda_fwd(**kw)
-        a1, a2 = Aqk, Akk
+        a1, a2 = _zero_unwritten_scores(Aqk, cu_seqlens), Akk
     else:
         from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
@@ -213,7 +233,10 @@ def delta_rule_fla_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """fla-core's own backward; ``(dq, dk, dv, dg, dbeta, dh0)`` (dh0 ``[0]`` without h0)."""
     chunk_indices = fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, q.shape[1])
-    do = do.contiguous()
+    # The saved inputs are the forward's arguments as the caller passed them (views included).
+    q, k, v, beta, g_cumsum, a1, a2, initial_state, do, dfinal = contiguous(
+        q, k, v, beta, g_cumsum, a1, a2, initial_state, do, dfinal
+    )
     kw: dict[str, Any] = dict(
         q=q, k=k, v=v, beta=beta, scale=scale, initial_state=initial_state, do=do, dht=dfinal,
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK,

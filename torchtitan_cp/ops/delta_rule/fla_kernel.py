@@ -1,4 +1,5 @@
-"""Thin adapter from our delta-rule signature to fla-core's Triton kernels (CUDA only).
+"""Thin adapter from our delta-rule signature to fla-core's Triton kernels (CUDA; CPU tensors
+only under Triton's interpreter, in the fla_interpreter test tier).
 
 fla is imported inside the function, so importing this module on a CPU-only machine never loads
 Triton kernels. The chunk tables come from the routing (``ops/common/fla.py``).

@@ -1,8 +1,10 @@
 """Local (single-rank) delta-rule kernel with FLA conventions.
 
 ``backend="auto"`` picks fla-core's Triton kernels for CUDA tensors and the pure-PyTorch
-implementation (``ops.delta_rule.torch_kernel``) otherwise. See docs/CONTRACTS.md ("ops/ local
-kernels") for the exact contract and docs/kernels.md for the algorithm.
+implementation (``ops.delta_rule.torch_kernel``) otherwise. ``backend="fla"`` takes CPU tensors
+only while Triton's interpreter is on (``TRITON_INTERPRET=1``: the ``fla_interpreter`` test
+tier). See docs/CONTRACTS.md ("ops/ local kernels") for the exact contract and docs/kernels.md
+for the algorithm.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ op (namespace ``torchtitan_cp``)            backward
                                             cumulative gate the forward returned
 ==========================================  ==============================================
 
+The fla ops hand fla's internal functions contiguous tensors only (``common.fla.contiguous``)
+and return only memory fla wrote (tests/test_fla_interpreter.py checks both on CPU, with
+opcheck and compiled against eager).
+
 Shapes and conventions are those of ``ops.ssd.local`` (docs/CONTRACTS.md), except that the fla
 ops take q/k already repeated to the value heads (simple GLA has one q/k head per value head;
 the repeat stays in the traced graph, so autograd sums its gradient) and a float32 gate.
@@ -22,16 +26,10 @@ from torch import Tensor
 
 from ..common.custom_ops import NS, autograd_inside_op, input_grads, num_seqs
 from ..common.dtypes import fold_dtype
-from ..common.fla import chunk_table, fla_chunk_indices
+from ..common.fla import chunk_table, contiguous, fla_chunk_indices
 from .torch_kernel import chunk_ssd_torch
 
 __all__ = ["ssd_fla_op", "ssd_torch_op"]
-
-
-def _contiguous(*xs: Tensor | None) -> list:
-    # fla's internal functions index rows with fixed strides (only its public ones make inputs
-    # contiguous); saved inputs can be views, cotangents expanded.
-    return [x.contiguous() if x is not None else None for x in xs]
 
 
 # ----------------------------------------------------------------------------- SSD, torch
@@ -159,7 +157,7 @@ def ssd_fla_op(
     and the chunk-local cumulative gate fla's backward reads instead of recomputing."""
     from ..fla_compat import simple_gla_fwd_indexed
 
-    q, k, v, g, initial_state = _contiguous(q, k, v, g, initial_state)
+    q, k, v, g, initial_state = contiguous(q, k, v, g, initial_state)
     ci, co = _tables(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets, q.shape[1])
     o, final, g_cum = simple_gla_fwd_indexed(
         q, k, v, g, scale=scale, initial_state=initial_state,
@@ -202,7 +200,7 @@ def ssd_fla_bwd_op(
     from ..fla_compat import simple_gla_bwd_indexed
 
     ci, co = _tables(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets, q.shape[1])
-    q, k, v, g_cumsum, initial_state, do, dfinal = _contiguous(
+    q, k, v, g_cumsum, initial_state, do, dfinal = contiguous(
         q, k, v, g_cumsum, initial_state, do, dfinal
     )
     dq, dk, dv, dg, dh0 = simple_gla_bwd_indexed(

@@ -1,4 +1,5 @@
-"""SSD on fla-core 0.6.0's ``chunk_simple_gla`` (CUDA only): exactly this recurrence (head-wise
+"""SSD on fla-core 0.6.0's ``chunk_simple_gla`` (CUDA; CPU tensors only under Triton's
+interpreter, in the fla_interpreter test tier): exactly this recurrence (head-wise
 data-dependent gate, no delta correction). fla is imported inside the function.
 
 The chunk tables come from the routing (``ops/common/fla.py``): given them, the call goes

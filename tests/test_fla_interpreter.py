@@ -1,0 +1,456 @@
+"""fla-core's Triton kernels on CPU, through Triton's interpreter: the ``fla_interpreter`` tier.
+
+tests/conftest.py installs the interpreter (tests/fla_interpreter.py) before collection; where it
+cannot (no triton, another triton, CUDA present) every test here skips with that one line.
+Everything runs in float32 (the interpreter computes in numpy; bf16 is not supported there) at
+small shapes: T = 64 (dense) or 128 (packed, with empty and one-token sequences), K = V = 32,
+grouped value heads (HV = 2 H).
+
+Tolerances, as ``rel_err`` (max |a - b| / max(1, max |b|)):
+
+* fla vs the PyTorch backend and vs fla's naive recurrences, values, final states and every
+  gradient: ``TOL = 2e-5`` (float32 chunked vs float32 chunked or recurrent; measured <= 3e-6).
+* The routing's host-built chunk tables vs fla building its own: bitwise (``torch.equal``).
+* Compiled (aot_eager, inductor) vs eager through the custom ops: ``COMPILE_TOL = 1e-6``.
+
+Each check prints its measured error (``pytest -s``). What the interpreter cannot check: TF32,
+bf16, autotuned configs (one per kernel here), fast math, pinned memory, streams and syncs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests import fla_interpreter
+from tests.reference import rel_err
+from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule
+from torchtitan_cp.ops.ssd.local import chunk_ssd
+from torchtitan_cp.routing import chunk_indices, chunk_offsets
+
+pytestmark = [
+    pytest.mark.fla_interpreter,
+    pytest.mark.slow,
+    pytest.mark.skipif(fla_interpreter.reason() is not None, reason=str(fla_interpreter.reason())),
+]
+
+TOL = 2e-5
+COMPILE_TOL = 1e-6
+H, HV, K, V = 1, 2, 32, 32
+T_DENSE = 64
+# Packed: an empty first sequence, a one-token one, an empty one mid-stream, one over two chunks.
+CU = [0, 0, 1, 38, 38, 120, 128]
+LAYOUTS = {"dense": None, "varlen": CU}
+
+
+def report(check: str, err: float, tol: float) -> None:
+    print(f"[fla_interpreter] {check}: {err:.2e} (tol {tol:.0e})")
+    assert err <= tol, f"{check}: {err:.3e} > {tol:.0e}"
+
+
+def _inputs(kind: str, layout: str) -> list[torch.Tensor]:
+    """Leaves (q, k, v, g, [beta,] h0) for kind = kda | gdn | ssd, float32."""
+    cu = LAYOUTS[layout]
+    T = T_DENSE if cu is None else cu[-1]
+    N = 1 if cu is None else len(cu) - 1
+    gen = torch.Generator().manual_seed(sum(map(ord, kind + layout)))  # stable across runs
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k = F.normalize(rnd(1, T, H, K), dim=-1), F.normalize(rnd(1, T, H, K), dim=-1)
+    v = rnd(1, T, HV, V)
+    g = -F.softplus(rnd(*((1, T, HV, K) if kind == "kda" else (1, T, HV)))) * 0.5
+    beta = torch.sigmoid(rnd(1, T, HV))
+    h0 = rnd(N, HV, K, V) * 0.1
+    return [q, k, v, g, h0] if kind == "ssd" else [q, k, v, g, beta, h0]
+
+
+def _cotangents(o: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return torch.randn(o.shape, generator=gen), torch.randn(final.shape, generator=gen)
+
+
+@functools.cache
+def recurrence(kind: str, layout: str, backend: str, tables: bool = False):
+    """(o, final, grads of every leaf) of one kernel call; cached: checks share the runs."""
+    cu = LAYOUTS[layout]
+    leaves = [x.clone().requires_grad_(True) for x in _inputs(kind, layout)]
+    kw: dict = dict(initial_state=leaves[-1], output_final_state=True, backend=backend)
+    if cu is not None:
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        kw.update(cu_seqlens=cu_t, cu_seqlens_cpu=cu_t)
+        if tables:
+            kw.update(chunk_indices=chunk_indices(cu_t, 64), chunk_offsets=chunk_offsets(cu_t, 64))
+    if kind == "ssd":
+        o, final = chunk_ssd(*leaves[:-1], **kw)
+    else:
+        o, final = chunk_delta_rule(*leaves[:-1], kind=kind, **kw)
+    do, dfinal = _cotangents(o, final)
+    grads = torch.autograd.grad((o * do).sum() + (final * dfinal).sum(), leaves)
+    return o.detach(), final.detach(), grads
+
+
+def _names(kind: str) -> list[str]:
+    return ["q", "k", "v", "g", "h0"] if kind == "ssd" else ["q", "k", "v", "g", "beta", "h0"]
+
+
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+@pytest.mark.parametrize("kind", ["kda", "gdn", "ssd"])
+def test_fla_matches_torch_backend(kind, layout):
+    o, fin, grads = recurrence(kind, layout, "fla")
+    o_ref, fin_ref, grads_ref = recurrence(kind, layout, "torch")
+    report(f"{kind} {layout} o vs torch", rel_err(o, o_ref), TOL)
+    report(f"{kind} {layout} final vs torch", rel_err(fin, fin_ref), TOL)
+    for name, a, b in zip(_names(kind), grads, grads_ref):
+        report(f"{kind} {layout} d{name} vs torch", rel_err(a, b), TOL)
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn", "ssd"])
+def test_fla_matches_its_naive_recurrence(kind):
+    """Dense: fla's chunked kernels against fla's own token-by-token PyTorch references."""
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    from fla.ops.kda.naive import naive_recurrent_kda
+    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+
+    o, fin, grads = recurrence(kind, "dense", "fla")
+    leaves = [x.clone().requires_grad_(True) for x in _inputs(kind, "dense")]
+    rep = HV // H
+    if kind == "kda":
+        q, k, v, g, beta, h0 = leaves
+        o_ref, fin_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0,
+                                             output_final_state=True)  # fmt: skip
+    elif kind == "gdn":  # the naive GDN has no grouped heads: repeat q / k per value head
+        q, k, v, g, beta, h0 = leaves
+        qr, kr = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+        o_ref, fin_ref = naive_recurrent_gated_delta_rule(
+            qr, kr, v, beta, g, initial_state=h0, output_final_state=True
+        )
+    else:
+        q, k, v, g, h0 = leaves
+        qr, kr = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+        o_ref, fin_ref = naive_recurrent_simple_gla(qr, kr, v, g, initial_state=h0,
+                                                    output_final_state=True)  # fmt: skip
+    do, dfinal = _cotangents(o_ref, fin_ref)
+    grads_ref = torch.autograd.grad((o_ref * do).sum() + (fin_ref * dfinal).sum(), leaves)
+    report(f"{kind} dense o vs naive", rel_err(o, o_ref.detach()), TOL)
+    report(f"{kind} dense final vs naive", rel_err(fin, fin_ref.detach()), TOL)
+    for name, a, b in zip(_names(kind), grads, grads_ref):
+        report(f"{kind} dense d{name} vs naive", rel_err(a, b), TOL)
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_routing_tables_give_fla_results_bitwise(kind):
+    """With the routing's host-built tables (KDA through ``fla_compat.chunk_kda_indexed``, GDN
+    through fla's ``chunk_indices``) the results are fla's own, bit for bit."""
+    o, fin, grads = recurrence(kind, "varlen", "fla", tables=True)
+    o_own, fin_own, grads_own = recurrence(kind, "varlen", "fla", tables=False)
+    assert torch.equal(o, o_own) and torch.equal(fin, fin_own)
+    for name, a, b in zip(_names(kind), grads, grads_own):
+        assert torch.equal(a, b), f"d{name}"
+    print(f"[fla_interpreter] {kind} varlen routing tables vs fla's own: bitwise")
+
+
+@functools.cache
+def conv(layout: str, backend: str, tables: bool = False):
+    cu = LAYOUTS[layout]
+    T = T_DENSE if cu is None else cu[-1]
+    N, D, W = (1 if cu is None else len(cu) - 1), 64, 4
+    gen = torch.Generator().manual_seed(3)
+    leaves = [
+        torch.randn(*shape, generator=gen).requires_grad_(True)
+        for shape in ((1, T, D), (D, W), (D,), (N, D, W - 1))
+    ]
+    kw: dict = dict(initial_state=leaves[3], backend=backend)
+    if cu is not None:
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        kw.update(cu_seqlens=cu_t, cu_seqlens_cpu=cu_t)
+        if tables:
+            kw["chunk_indices"] = chunk_indices(cu_t, 64)
+    y = causal_conv1d(*leaves[:3], **kw)
+    dy = torch.randn(y.shape, generator=gen)
+    return y.detach(), torch.autograd.grad((y * dy).sum(), leaves)
+
+
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+def test_fla_conv_matches_torch_backend(layout):
+    y, grads = conv(layout, "fla")
+    y_ref, grads_ref = conv(layout, "torch")
+    report(f"conv {layout} y vs torch", rel_err(y, y_ref), TOL)
+    for name, a, b in zip(("x", "weight", "bias", "h0"), grads, grads_ref):
+        report(f"conv {layout} d{name} vs torch", rel_err(a, b), TOL)
+    if layout == "varlen":
+        y_t, grads_t = conv(layout, "fla", tables=True)
+        assert torch.equal(y_t, y) and all(torch.equal(a, b) for a, b in zip(grads_t, grads))
+        print("[fla_interpreter] conv varlen routing tables vs fla's own: bitwise")
+
+
+# ----------------------------------------------------------------------------- custom ops
+# ops/delta_rule/custom_ops.py, ops/conv/custom_ops.py: what torch.compile runs instead of
+# fla's autograd functions.
+
+CU_OP = [0, 0, 20, 20, 64]  # two empty sequences
+
+
+def _op_args(kind: str) -> tuple:
+    gen = torch.Generator().manual_seed(11)
+    T, N = CU_OP[-1], len(CU_OP) - 1
+    q, k = (F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(1, T, HV, V, generator=gen)
+    g = -F.softplus(torch.randn(*((1, T, HV, K) if kind == "kda" else (1, T, HV)), generator=gen))
+    beta = torch.sigmoid(torch.randn(1, T, HV, generator=gen))
+    h0 = torch.randn(N, HV, K, V, generator=gen) * 0.1
+    cu = torch.tensor(CU_OP, dtype=torch.int32)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    return (*leaves, cu, cu, None, kind, K**-0.5, True)
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_fla_delta_rule_op_writes_every_output_element(kind, monkeypatch):
+    """Every allocation fla makes is NaN-filled: finite outputs mean each element the op returns
+    was written (an op returning uninitialised memory differs from run to run)."""
+    from torchtitan_cp.ops.delta_rule import custom_ops
+
+    for name in ("empty", "empty_like"):
+        real = getattr(torch, name)
+
+        def poisoned(*a, _real=real, **kw):
+            t = _real(*a, **kw)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+        monkeypatch.setattr(torch, name, poisoned)
+    args = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in _op_args(kind))
+    outs = custom_ops.delta_rule_fla_op(*args)
+    for name, out in zip(("o", "final", "g_cumsum", "A1", "A2"), outs):
+        assert torch.isfinite(out).all(), f"{kind} {name}: {int(out.isnan().sum())} unwritten"
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_fla_delta_rule_op_opcheck(kind):
+    from torchtitan_cp.ops.delta_rule import custom_ops
+
+    torch.library.opcheck(custom_ops.delta_rule_fla_op, _op_args(kind))
+
+
+def test_fla_conv_op_opcheck():
+    from torchtitan_cp.ops.conv import custom_ops
+
+    gen = torch.Generator().manual_seed(12)
+    T, N, D = CU_OP[-1], len(CU_OP) - 1, 16
+    x = torch.randn(1, T, D, generator=gen, requires_grad=True)
+    w = torch.randn(D, 4, generator=gen, requires_grad=True)
+    b = torch.randn(D, generator=gen, requires_grad=True)
+    h = torch.randn(N, D, 4, generator=gen, requires_grad=True)  # fla's [N, D, W] cache layout
+    cu = torch.tensor(CU_OP, dtype=torch.int32)
+    torch.library.opcheck(custom_ops.causal_conv1d_fla_op, (x, w, b, h, cu, cu, None, "silu"))
+
+
+def _block(x, w, g_kda, g_gdn, beta, h0, cu, ci, co, backend="fla"):
+    """A KDA + GDN block as models/mixers/delta_net.py feeds the kernels: the routing's chunk tables
+    (eager KDA goes through ``fla_compat.chunk_kda_indexed``), conv over [q|k|v], q/k/v split
+    views of its output (v non-contiguous), final states requested."""
+    T = x.shape[1]
+    kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu, chunk_indices=ci, backend=backend)
+    y = causal_conv1d(x, w, **kw)
+    q, k, v = y.split([H * K, H * K, HV * V], dim=-1)
+    q = F.normalize(q.view(1, T, H, K), dim=-1)
+    k = F.normalize(k.view(1, T, H, K), dim=-1)
+    v = v.unflatten(-1, (HV, V))  # a view with the row stride of y
+    outs = []
+    for kind, g in (("kda", g_kda), ("gdn", g_gdn)):
+        o, fin = chunk_delta_rule(q, k, v, g, beta, kind=kind, initial_state=h0,
+                                  output_final_state=True, chunk_offsets=co, **kw)  # fmt: skip
+        outs += [o, fin]
+    return outs
+
+
+def _block_leaves():
+    gen = torch.Generator().manual_seed(13)
+    T, N = CU_OP[-1], len(CU_OP) - 1
+    D = 2 * H * K + HV * V
+    shapes = [(1, T, D), (D, 4), (1, T, HV, K), (1, T, HV), (1, T, HV), (N, HV, K, V)]
+    xs = [torch.randn(*s, generator=gen) for s in shapes]
+    xs[1] = xs[1] * 0.5
+    xs[2], xs[3] = -F.softplus(xs[2]), -F.softplus(xs[3])
+    xs[4], xs[5] = torch.sigmoid(xs[4]), xs[5] * 0.1
+    return [x.requires_grad_(True) for x in xs]
+
+
+def _block_grads(fn, backend="fla") -> list[torch.Tensor]:
+    """Forward, then backward with a dense cotangent for the outputs and expanded ones (stride
+    0 over sequences, K and V; one value per head) for the final states, as a reduction gives."""
+    leaves = _block_leaves()
+    cu = torch.tensor(CU_OP, dtype=torch.int32)
+    o1, f1, o2, f2 = fn(*leaves, cu, chunk_indices(cu, 64), chunk_offsets(cu, 64), backend)
+    gen = torch.Generator().manual_seed(14)
+    do, c = torch.randn(o1.shape, generator=gen), torch.randn(HV, generator=gen)
+    loss = (o1 * do).sum() + (o2 * do).sum()
+    loss = loss + (f1.sum((0, 2, 3)) * c).sum() + (f2.sum((0, 2, 3)) * c).sum()
+    return [o1.detach(), f1.detach(), o2.detach(), f2.detach(),
+            *torch.autograd.grad(loss, leaves)]  # fmt: skip
+
+
+BLOCK_NAMES = ["o_kda", "final_kda", "o_gdn", "final_gdn", "dx", "dw", "dg_kda", "dg_gdn",
+               "dbeta", "dh0"]  # fmt: skip
+
+
+@functools.cache
+def _eager_block() -> list[torch.Tensor]:
+    return _block_grads(_block)
+
+
+def test_eager_block_matches_torch_backend():
+    """The eager fla path (adapters and the chunk-table shim) with a split view for v and
+    expanded final-state cotangents against the PyTorch kernels."""
+    for name, a, b in zip(BLOCK_NAMES, _eager_block(), _block_grads(_block, "torch")):
+        report(f"eager block fla vs torch {name}", rel_err(a, b), TOL)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_compiled_block_matches_eager(compiler):
+    """fullgraph compile (the custom ops) gives eager's outputs and every gradient, with a split
+    view for v and an expanded cotangent for the final states."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_block, backend=compiler, fullgraph=True)
+    got, ref = _block_grads(compiled), _eager_block()
+    errs = {n: rel_err(a, b) if torch.isfinite(a).all() else float("inf")
+            for n, a, b in zip(BLOCK_NAMES, got, ref)}  # fmt: skip
+    for name, err in errs.items():  # every error first, then the verdict
+        print(f"[fla_interpreter] compiled ({compiler}) vs eager {name}: {err:.2e}")
+    report(f"compiled ({compiler}) vs eager, worst", max(errs.values()), COMPILE_TOL)
+
+
+# ----------------------------------------------------------------------------- CP driver
+# The recurrence driver with fla as its local kernel, 2 and 3 gloo ranks (one spawn of 3, a
+# group of 2 inside), against the unsharded float64 PyTorch kernel on the same float32 inputs.
+
+CP_ROWS, CP_ROW_LEN = 2, 48  # PTRR: 8-token blocks x 2 or 3 ranks divide 48
+
+
+def _cp_layouts(world: int) -> list[tuple[str, str, list[int], list]]:
+    """(kind, layout name, cu, table): GDN over the balancers' layouts, KDA (2 ranks) and SSD
+    (3 ranks) over a random table (KDA's kernels cost the most under the interpreter)."""
+    from tests.dist_utils import random_cu_seqlens, random_layout
+    from torchtitan_cp.routing import contiguous_fragments, headtail_fragments, host_layout
+
+    gen = torch.Generator().manual_seed(100 + world)
+    cus = [random_cu_seqlens(gen, CP_ROWS, CP_ROW_LEN, max_doc=40) for _ in range(4)]
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cus[2][:-1], cus[2][1:])])
+    ptrr = host_layout(positions.view(CP_ROWS, CP_ROW_LEN), load_balancer="ptrr",
+                       world_size=world, device="cpu", block_size=8)  # fmt: skip
+    return [
+        ("gdn", "contiguous", cus[0], contiguous_fragments(CP_ROW_LEN, CP_ROWS, world)),
+        ("gdn", "head-tail", cus[1], headtail_fragments(CP_ROW_LEN, CP_ROWS, world)),
+        ("gdn", "ptrr", cus[2], ptrr.fragments),
+        ("kda" if world == 2 else "ssd", "random", cus[3],
+         random_layout(gen, CP_ROWS * CP_ROW_LEN, world)),
+    ]  # fmt: skip
+
+
+def _cp_case(rank, group, kind, cu, table) -> dict[str, float]:
+    from tests.dist_utils import device_routing, local_subsequences, span_index
+    from torchtitan_cp.ops import context_parallel_delta_rule
+    from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
+
+    total, n_docs = cu[-1], len(cu) - 1
+    gen = torch.Generator().manual_seed(total + n_docs)
+    q, k = (F.normalize(torch.randn(1, total, H, K, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(1, total, HV, V, generator=gen)
+    g = -F.softplus(torch.randn(*((1, total, HV, K) if kind == "kda" else (1, total, HV)),
+                                generator=gen)) * 0.5  # fmt: skip
+    beta = torch.sigmoid(torch.randn(1, total, HV, generator=gen))
+    full = [q, k, v, g] if kind == "ssd" else [q, k, v, g, beta]
+    d_o = torch.randn(1, total, HV, V, generator=gen)
+    d_f = torch.randn(n_docs, HV, K, V, generator=gen)
+
+    def run(inputs, **kw):
+        if kind == "ssd":
+            return context_parallel_ssd(*inputs, output_final_state=True, **kw)
+        return context_parallel_delta_rule(*inputs, kind=kind, output_final_state=True, **kw)
+
+    # Unsharded: world 1, one fragment, float64 PyTorch kernel.
+    ref = [x.double().requires_grad_(True) for x in full]
+    o_ref, f_ref = run(ref, routing=device_routing(cu, [[(0, total)]], 0), group=None,
+                       backend="torch")  # fmt: skip
+    ((o_ref * d_o).sum() + (f_ref * d_f).sum()).backward()
+    # This rank's span on the fla backend.
+    routing = device_routing(cu, table, rank)
+    span = torch.tensor(span_index(table[rank]), dtype=torch.int64)
+    loc = [x.index_select(1, span).requires_grad_(True) for x in full]
+    o, fin = run(loc, routing=routing, group=group, backend="fla")
+    subs = local_subsequences(cu, table[rank])
+    term = routing.terminal.tolist()
+    docs = torch.tensor([subs[j][2] if j >= 0 else 0 for j in term], dtype=torch.int64)
+    live = torch.tensor([j >= 0 for j in term]).view(-1, 1, 1, 1)
+    ((o * d_o.index_select(1, span)).sum() + (fin * d_f[docs] * live).sum()).backward()
+
+    def err(a, b):  # a rank may hold no terminal subsequence
+        return rel_err(a, b) if a.numel() else 0.0
+
+    errs = {"o": err(o, o_ref.detach().index_select(1, span)),
+            "final": err(fin * live, f_ref.detach()[docs] * live)}  # fmt: skip
+    for name, x, r in zip(_names(kind), loc, ref):
+        errs["d" + name] = err(x.grad, r.grad.index_select(1, span))
+    return errs
+
+
+def _cp_worker(rank: int, world: int) -> dict[str, float]:
+    why = fla_interpreter.install()  # a fresh (spawned) process: before fla is imported
+    assert why is None, why
+    from tests.dist_utils import prefix_groups
+
+    groups = prefix_groups(world, sizes=(2,))
+    worst: dict[str, float] = {}
+    for w in (2, 3):
+        if rank >= w:
+            continue
+        for kind, name, cu, table in _cp_layouts(w):
+            for key, err in _cp_case(rank, groups[w], kind, cu, table).items():
+                label = f"W{w} {kind} {name} {key}"
+                worst[label] = max(worst.get(label, 0.0), err)
+    return worst
+
+
+def test_cp_driver_on_fla_matches_unsharded():
+    from tests.dist_utils import run_distributed
+
+    per_rank = run_distributed(_cp_worker, 3, timeout=600)
+    worst: dict[str, float] = {}
+    for errs in per_rank:
+        for label, err in errs.items():
+            worst[label] = max(worst.get(label, 0.0), err)
+    cases = sorted({label.rsplit(" ", 1)[0] for label in worst})
+    for case in cases:
+        report(f"CP {case} (worst of o, final, grads)",
+               max(e for lab, e in worst.items() if lab.startswith(case + " ")), TOL)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- trainer
+
+TRAIN_LOSS_TOL = 1e-5  # absolute, on a loss of ~8.8 (float32 model; measured below)
+TRAIN_GRAD_NORM_TOL = 1e-5  # relative
+
+
+def test_trainer_fla_matches_torch_at_cp2(tmp_path):
+    """configs/debug_cpu.toml (KGKA) at CP=2 on 2 gloo ranks, one step of 128 tokens (64 per
+    rank): ``linear_attention.backend = "fla"`` (each rank under the interpreter, through
+    tests/fla_interpreter_train.py) gives the torch backend's loss and gradient norm."""
+    from tests.launch import read_metrics, torchrun_train
+
+    common = ["--config_file", "configs/debug_cpu.toml",
+              "--parallelism.context_parallel_degree", "2", "--training.steps", "1",
+              "--training.seq_len", "128", "--training.local_batch_size", "1",
+              "--validator.no-enable", "--metrics.no-enable-wandb"]  # fmt: skip
+    torchrun_train([*common, "--linear_attention.backend", "torch"], nproc=2,
+                   dump_folder=tmp_path / "torch")  # fmt: skip
+    torchrun_train([*common, "--linear_attention.backend", "fla"], nproc=2,
+                   dump_folder=tmp_path / "fla", module="tests.fla_interpreter_train",
+                   timeout=600)  # fmt: skip
+    (ref,), (got,) = read_metrics(tmp_path / "torch"), read_metrics(tmp_path / "fla")
+    report("trainer CP=2 fla vs torch |loss diff|", abs(got["loss"] - ref["loss"]),
+           TRAIN_LOSS_TOL)  # fmt: skip
+    report("trainer CP=2 fla vs torch grad_norm rel diff",
+           abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"], TRAIN_GRAD_NORM_TOL)  # fmt: skip

@@ -1,0 +1,74 @@
+"""HostSyncRecorder, the CPU dry run of CUDA's sync debug mode (torchtitan_cp.trainer.host_sync).
+
+The device is the CPU named ``cpu:0`` (apart from the host's ``cpu``), as the GPU check's dry run
+names the trainer's device. Each kind of synchronisation is recorded with its calling line, and
+the same operations on host tensors are not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtitan_cp.trainer.host_sync import HostSyncRecorder
+
+DEVICE = torch.device("cpu", 0)
+
+
+def _events(fn) -> list[tuple[str, str]]:
+    weight = torch.nn.Parameter(torch.randn(8))
+    rec = HostSyncRecorder(DEVICE)
+    rec.mark_device(weight)
+    with rec:
+        fn(weight)
+    return [(e.kind, e.op) for e in rec.events]
+
+
+def test_device_values_read_on_the_host_are_recorded():
+    assert _events(lambda w: (w * 2).sum().item()) == [("readback", "aten._local_scalar_dense")]
+    assert _events(lambda w: int(w.argmax())) == [("readback", "aten._local_scalar_dense")]
+    assert _events(lambda w: w.tolist()) == [("readback", "Tensor.tolist")]
+    # .cpu() is the readback; the host copy it returns is host data from then on.
+    assert _events(lambda w: w.cpu().tolist()) == [("readback", "Tensor.cpu")]
+    assert _events(lambda w: w.nonzero()) == [("data-dependent", "aten.nonzero")]
+    assert _events(lambda w: w[w > 0]) == [("data-dependent", "aten.index (boolean mask)")]
+    counts = torch.tensor([1, 2, 0, 1, 1, 0, 2, 1])
+    assert _events(lambda w: w.repeat_interleave(counts.to(DEVICE, non_blocking=True))) == [
+        ("data-dependent", "aten.repeat_interleave")
+    ]
+
+
+def test_blocking_copies_to_the_device_are_recorded_and_non_blocking_ones_not():
+    host = torch.arange(8)
+    assert _events(lambda w: w + host.to(DEVICE)) == [("blocking-h2d", "Tensor.to")]
+    assert _events(lambda w: w + host.to(DEVICE, non_blocking=True)) == []
+    assert _events(lambda w: torch.tensor([1.0], device=DEVICE)) == [
+        ("blocking-h2d", "torch.tensor")
+    ]
+    # A fill on the device carries its value as a kernel argument: no copy.
+    assert _events(lambda w: (torch.full((), 3, device=DEVICE) * w).sum()) == []
+    assert _events(lambda w: w.detach().copy_(host)) == [("blocking-h2d", "aten.copy_")]
+
+
+def test_host_work_is_not_recorded():
+    host = torch.tensor([0, 3, 3, 7])
+
+    def routing_like(w):
+        # What the host routing does on the loader's CPU tensors: free, nothing to wait for.
+        assert host.tolist() == [0, 3, 3, 7] and int(host.max()) == 7
+        (host.diff() > 0).nonzero()
+        host.to("cpu", torch.int32).tolist()
+        idx = host.to(DEVICE, non_blocking=True)  # then one copy to the device, not waited for
+        return w[idx]
+
+    assert _events(routing_like) == []
+
+
+def test_events_name_the_calling_line():
+    rec = HostSyncRecorder(DEVICE)
+    w = torch.ones(2)
+    rec.mark_device(w)
+    with rec:
+        w.sum().item()
+    (event,) = rec.events
+    assert event.site.startswith("tests/test_host_sync.py:") and "test_events_name" in event.site
+    assert str(event).startswith("readback aten._local_scalar_dense at tests/test_host_sync.py:")

@@ -1,0 +1,43 @@
+"""torchtitan_cp.launch (what ./scripts/train.sh runs instead of plain torchrun): which rank
+failures end the launch with their one line and status. The launches themselves are in
+test_runs.py (a refusal inside the ranks, a stopped rank)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from torchtitan_cp.launch import one_line_failure
+
+
+def failure(tmp_path, rank: int, exitcode: int, message: str | None, at: int) -> ProcessFailure:
+    """A worker failure as torchrun reads it back: its error file (as the trainer's
+    ``_record_for_torchrun`` or torch's ``@record`` writes it), or none."""
+    path = tmp_path / f"error-{rank}-{exitcode}-{at}.json"
+    if message is not None:
+        data = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                              "timestamp": str(at)}}}  # fmt: skip
+        path.write_text(json.dumps(data))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_first_failure_with_the_recipes_line_ends_the_launch_with_it(tmp_path):
+    now = int(time.time())
+    line = "torchtitan_cp.train: error: dump folder D is in use by another run (...)"
+    both = {0: failure(tmp_path, 0, 2, line, now), 1: failure(tmp_path, 1, 2, line, now)}
+    assert one_line_failure(both) == (line, 2)
+    stopped = "torchtitan_cp.train: error: rank 0: no answer from rank 1 within 5 s (...)"
+    assert one_line_failure({0: failure(tmp_path, 0, 1, stopped, now)}) == (stopped, 1)
+
+
+def test_any_other_root_cause_keeps_torchruns_report(tmp_path):
+    now = int(time.time())
+    line = "torchtitan_cp.train: error: x"
+    trace = "Traceback (most recent call last):\n  ...\nKeyError: 'files'"
+    # the first failure (rank 1, a traceback) is the root cause, not rank 0's later line
+    mixed = {0: failure(tmp_path, 0, 2, line, now + 5), 1: failure(tmp_path, 1, 1, trace, now)}
+    assert one_line_failure(mixed) is None
+    assert one_line_failure({0: failure(tmp_path, 0, -9, None, now)}) is None  # killed, no file
+    assert one_line_failure({}) is None

@@ -1,0 +1,120 @@
+"""Multi-node launches through ``./scripts/train.sh``: two "nodes" of one process each on this
+machine (two invocations with NNODES=2, NODE_RANK=0/1 and a local rendezvous endpoint), the
+launch geometry refused before torchrun starts, and the pre-launch check for NNODES x NPROC."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from tests.dist_utils import free_port
+from tests.launch import REPO, read_metrics, torchrun_train, train_sh, train_sh_cmd
+from torchtitan_cp.train import main
+
+CONFIG = "configs/debug_cpu.toml"
+ARGS = ["--training.steps", "3", "--parallelism.context_parallel_degree", "2",
+        "--validator.no-enable", "--metrics.no-enable-wandb"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_nodes_give_the_single_node_losses(tmp_path):
+    """CP=2 across two nodes of one process (global ranks 0 and 1 on nodes 0 and 1) trains the
+    same 3 steps as CP=2 on one node of two processes: the same ranks run the same gloo
+    collectives, so the losses are equal bit for bit (tolerance 0)."""
+    one = tmp_path / "one"
+    t0 = time.perf_counter()
+    torchrun_train(["--config_file", CONFIG, *ARGS], nproc=2, dump_folder=one)
+    t1 = time.perf_counter()
+    two = tmp_path / "two"
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = []
+    for node in (0, 1):
+        cmd, env = train_sh_cmd([CONFIG, *ARGS, "--dump_folder", str(two)], NNODES="2",
+                                NODE_RANK=str(node), NPROC_PER_NODE="1",
+                                RDZV_ENDPOINT=endpoint)  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for node, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"node {node}:\n{err[-6000:]}"
+    print(f"one node {t1 - t0:.1f} s, two nodes {time.perf_counter() - t1:.1f} s")
+    # Each node's console shows its own process, by global rank: NODE_RANK decided the ranks.
+    for node, (out, err) in enumerate(outs):
+        assert f"[rank{node}]:" in out + err and f"[rank{1 - node}]:" not in out + err, node
+    single, multi = read_metrics(one), read_metrics(two)
+    assert [r["step"] for r in multi] == [1, 2, 3]
+    assert [r["loss"] for r in multi] == [r["loss"] for r in single], (single, multi)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"NNODES": "2"}, "NNODES=2 needs NODE_RANK, this machine's number (0..1)"),
+        (
+            {"NNODES": "2", "NODE_RANK": "2", "RDZV_ENDPOINT": "h:1"},
+            "NODE_RANK=2 is not a node of NNODES=2 (use 0..1)",
+        ),
+        ({"NNODES": "2", "NODE_RANK": "1"}, "NNODES=2 needs the rendezvous endpoint of node 0"),
+        (
+            {"NNODES": "2", "NODE_RANK": "0", "RDZV_ENDPOINT": "node0"},
+            "RDZV_ENDPOINT=node0 must be host:port",
+        ),
+        ({"NNODES": "two"}, "NNODES must be a whole number >= 1"),
+        ({"NODE_RANK": "1"}, "NODE_RANK=1 but NNODES=1; set NNODES"),
+        ({"NPROC": "2", "NPROC_PER_NODE": "1"}, "NPROC=2 and NPROC_PER_NODE=1 disagree"),
+    ],
+    ids=[
+        "no-node-rank",
+        "node-rank-out-of-range",
+        "no-endpoint",
+        "bad-endpoint",
+        "bad-nnodes",
+        "node-rank-alone",
+        "nproc-disagree",
+    ],  # fmt: skip
+)
+def test_bad_launch_geometry_is_one_line_before_torchrun(tmp_path, env, needle):
+    proc = train_sh([CONFIG, "--dump_folder", str(tmp_path / "run")], check=False, **env)
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("[env]")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("train.sh: error: ") and needle in lines[0], lines
+    assert proc.stdout == "" and not (tmp_path / "run").exists()
+
+
+def check(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["--check", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_check_validates_nnodes_times_nproc(capsys, tmp_path):
+    """``--check --nproc N --nnodes M`` (what train.sh runs) validates a world of N x M."""
+    dump = ["--dump_folder", str(tmp_path / "run")]
+    assert check(capsys, "--nproc", "1", "--nnodes", "2", *dump,
+                 "--parallelism.context_parallel_degree", "2") == (0, "1\n", "")  # fmt: skip
+    code, _, err = check(capsys, "--nproc", "1", "--nnodes", "3", *dump,
+                         "--parallelism.context_parallel_degree", "2")  # fmt: skip
+    assert code == 2 and "does not divide the 3 processes" in err and err.count("\n") == 1, err
+    code, _, err = check(capsys, "--nproc", "2", "--nnodes", "0", *dump)
+    assert code == 2 and "NNODES must be a whole number >= 1" in err, err
+
+
+def test_cp_groups_must_not_straddle_nodes(capsys, tmp_path):
+    """CP is the innermost mesh axis: with 3 processes per node, CP=2 would put one group on
+    two nodes; CP=3 (inside a node) and 6 processes over 2 nodes with CP=6 (whole nodes) pass."""
+    dump = ["--dump_folder", str(tmp_path / "run"), "--training.seq_len", "384"]
+    code, _, err = check(capsys, "--nproc", "3", "--nnodes", "2", *dump,
+                         "--parallelism.context_parallel_degree", "2")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert "context_parallel_degree (2) and the 3 processes per node" in err
+    for cp in ("3", "6"):
+        code, _, err = check(capsys, "--nproc", "3", "--nnodes", "2", *dump,
+                             "--parallelism.context_parallel_degree", cp)  # fmt: skip
+        assert code == 0, (cp, err)

@@ -1,0 +1,58 @@
+"""How softmax attention's keys/values cross CP ranks (``[model] attention_cp``), for every
+attention layer of the recipe (the hybrid decoder's and Qwen3.5's).
+
+``all_gather`` (the default): every rank gathers the whole stream's K/V (flex: torchtitan's
+``apply_cp_to_forward``; sdpa: ``ops.context_parallel_attention``). ``pass_kv``:
+``ops.pass_kv_attention``, each rank keeps its own K/V and blocks travel point to point between
+the ranks whose documents meet, over the host-planned schedule the ``SequenceContext`` carries;
+the per-pair kernel is plain math on sdpa, flex on flex (docs/cp.md, "Pass-KV attention").
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from torchtitan_cp.models.context import SequenceContext
+from torchtitan_cp.ops import pass_kv_attention
+
+__all__ = [
+    "ATTENTION_CP_MODES",
+    "DEFAULT_ATTENTION_CP",
+    "AttentionCP",
+    "check_attention_cp",
+    "routed_pass_kv",
+]
+
+AttentionCP = Literal["all_gather", "pass_kv"]
+ATTENTION_CP_MODES = ("all_gather", "pass_kv")
+DEFAULT_ATTENTION_CP: AttentionCP = "all_gather"
+
+
+def check_attention_cp(mode: str) -> None:
+    """A ValueError naming ``model.attention_cp`` for an unknown mode."""
+    if mode not in ATTENTION_CP_MODES:
+        raise ValueError(f"model.attention_cp must be one of {ATTENTION_CP_MODES}, got {mode!r}")
+
+
+def routed_pass_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: SequenceContext,
+    backend: Literal["flex", "sdpa"],
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Pass-KV attention of ``q [1, T, Hq, D]``, ``k``/``v [1, T, Hkv, ·]`` over ``ctx``'s
+    schedule; the per-pair kernel is flex on the flex backend, plain math on sdpa (which returns
+    no log-sum-exp)."""
+    if ctx.pass_kv is None:
+        raise ValueError(
+            "model.attention_cp = 'pass_kv' under context parallelism needs a SequenceContext "
+            "with the pass-KV schedule (SequencePreprocessor(attention_cp='pass_kv') builds one)"
+        )
+    kernel = "flex" if backend == "flex" else "math"
+    return pass_kv_attention(
+        q, k, v, routing=ctx.pass_kv, group=ctx.group, scale=scale, kernel=kernel
+    )
