@@ -1,11 +1,12 @@
 """torch.compile support: the kernels' custom ops, fixed routing shapes, the compile check.
 
-* The PyTorch kernels' custom ops give the plain kernels' outputs and gradients bit for bit and
-  pass ``torch.library.opcheck`` (schema, fake impl, autograd registration).
+* The PyTorch kernels' custom ops (delta rule, conv, SSD) give the plain kernels' outputs and
+  gradients bit for bit and pass ``torch.library.opcheck`` (schema, fake impl, autograd
+  registration).
 * fla-core's ops: fake impls give the shapes/dtypes fla returns (checked on CPU under
   FakeTensorMode); opcheck against the real Triton kernels runs on CUDA only.
 * The local kernels compile with ``fullgraph=True`` and do not recompile when the document
-  layout changes; the CP delta rule and conv history compile on 2 gloo ranks, match eager
+  layout changes; the CP delta rule, SSD and conv history compile on 2 gloo ranks, match eager
   (outputs and gradients) and do not recompile across layouts with capped routing.
 * ``routing_caps`` bounds every layout of its load balancer; ``check_compile`` rejects
   unsupported combinations with a ConfigError before any process group exists.
@@ -24,6 +25,9 @@ from torchtitan_cp.ops.conv import custom_ops as conv_ops
 from torchtitan_cp.ops.conv.torch_kernel import causal_conv1d_torch
 from torchtitan_cp.ops.delta_rule import custom_ops as delta_ops
 from torchtitan_cp.ops.delta_rule.torch_kernel import chunk_delta_rule_torch
+from torchtitan_cp.ops.ssd import custom_ops as ssd_ops
+from torchtitan_cp.ops.ssd.local import chunk_ssd
+from torchtitan_cp.ops.ssd.torch_kernel import chunk_ssd_torch
 from torchtitan_cp.routing import RoutingPlan, host_layout
 from torchtitan_cp.trainer.compile import CAP_KEYS, check_compile, routing_caps
 from torchtitan_cp.trainer.config import ConfigError
@@ -78,6 +82,22 @@ def test_delta_rule_torch_op_opcheck(kind):
     torch.library.opcheck(delta_ops.delta_rule_torch_op, (*ins[:5], None, None, kind, 0.4))
 
 
+def test_ssd_torch_op_matches_kernel_bitwise_and_opcheck():
+    q, k, v, g, _, h0 = _delta_inputs("gdn", 3)
+    ins = [q, k, v, g, h0]
+    o, fin = chunk_ssd_torch(q, k, v, g, scale=0.4, initial_state=h0, output_final_state=True,
+                             cu_seqlens_cpu=CU)  # fmt: skip
+    assert o is not None and fin is not None
+    o2, fin2 = ssd_ops.ssd_torch_op(*ins, CU, 0.4)
+    assert torch.equal(o, o2) and torch.equal(fin, fin2)
+    cots = [torch.randn_like(o), torch.randn_like(fin)]
+    for a, b in zip(torch.autograd.grad([o, fin], ins, cots), torch.autograd.grad([o2, fin2], ins, cots)):  # fmt: skip
+        assert torch.equal(a, b)
+    f32 = [x.detach().float().requires_grad_(True) for x in ins]
+    torch.library.opcheck(ssd_ops.ssd_torch_op, (*f32, CU, 0.4))
+    torch.library.opcheck(ssd_ops.ssd_torch_op, (*f32[:4], None, None, 0.4))
+
+
 def test_conv_torch_op_matches_kernel_bitwise_and_opcheck():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, T, 5, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -129,6 +149,16 @@ def test_fla_fake_impls_give_fla_shapes(kind):
             x, w, None, torch.empty(3, 5, 4, dtype=bf), cu, cu, None, "silu"
         )
         assert (y.shape, y.dtype) == (x.shape, bf)
+        # SSD (simple GLA): q/k already repeated to the value heads, float32 gate.
+        qs = torch.empty(1, T, HV, K, dtype=bf)
+        gs = torch.empty(1, T, HV)
+        o, fin, g_cum = ssd_ops.ssd_fla_op(qs, qs, v, gs, h0, cu, cu, None, None, 1.0, True)
+        assert (o.shape, o.dtype) == ((1, T, HV, V), bf)
+        assert (fin.shape, fin.dtype) == ((3, HV, K, V), torch.float32)
+        assert (g_cum.shape, g_cum.dtype) == (gs.shape, torch.float32)
+        grads = ssd_ops.ssd_fla_bwd_op(qs, qs, v, g_cum, h0, cu, cu, None, None, o, fin, 1.0)
+        for grad, x in zip(grads, (qs, qs, v, gs, h0)):
+            assert (grad.shape, grad.dtype) == (x.shape, x.dtype)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's Triton kernels need CUDA")
@@ -143,13 +173,20 @@ def test_fla_ops_opcheck_cuda(kind):
     w = torch.randn(64, 4, device="cuda", requires_grad=True)
     h = torch.randn(3, 64, 4, device="cuda", requires_grad=True)
     torch.library.opcheck(conv_ops.causal_conv1d_fla_op, (x, w, None, h, cu, CU, None, "silu"))
+    if kind == "gdn":  # SSD: q/k repeated to the value heads
+        qs, ks = (x.detach().repeat_interleave(HV // H, 2).requires_grad_(True) for x in ins[:2])
+        torch.library.opcheck(
+            ssd_ops.ssd_fla_op, (qs, ks, ins[2], ins[3], ins[5], cu, CU, None, None, 0.4, True)
+        )
 
 
 def _layer(q, k, v, g, beta, w, cu_cpu):
-    """A KDA-like local step: conv over v, then the delta rule, both on host offsets only."""
+    """A KDA-like local step: conv over v, then the delta rule, plus SSD on the same inputs
+    (one compiled graph for every kernel), all on host offsets only."""
     vv = causal_conv1d(v.flatten(-2), w, cu_seqlens_cpu=cu_cpu).unflatten(-1, (HV, V))
     o, _ = chunk_delta_rule(q, k, vv, g, beta, kind="kda", cu_seqlens_cpu=cu_cpu)
-    return o
+    o_ssd, _ = chunk_ssd(q, k, vv, g[..., 0], scale=1.0, cu_seqlens_cpu=cu_cpu)
+    return o + o_ssd
 
 
 def test_local_kernels_compile_fullgraph_without_recompiles():
@@ -177,10 +214,12 @@ def test_local_kernels_compile_fullgraph_without_recompiles():
 
 
 def _cp_compiled(rank: int, world: int) -> dict:
-    """CP delta rule + conv history under compile vs eager, three layouts, capped routing."""
+    """CP delta rule, SSD + conv history under compile vs eager, three layouts, capped
+    routing."""
     import torch.distributed as dist
 
     from torchtitan_cp.ops import context_parallel_conv_history, context_parallel_delta_rule
+    from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
     from torchtitan_cp.routing import headtail_fragments
 
     group = dist.group.WORLD
@@ -196,7 +235,8 @@ def _cp_compiled(rank: int, world: int) -> dict:
         v = y.unflatten(-1, (HV, V))
         o, _ = context_parallel_delta_rule(q, k, v, g, beta, kind="gdn", routing=routing,
                                            group=group)  # fmt: skip
-        return o
+        o_ssd, _ = context_parallel_ssd(q, k, v, g, routing=routing, group=group, scale=1.0)
+        return o + o_ssd
 
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -230,8 +270,8 @@ def _cp_compiled(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_cp_ops_compile_on_gloo_without_recompiles():
-    """2 gloo ranks, head-tail, capped routing: compiled CP conv history + GDN delta rule equal
-    eager within 2e-5 (float32, outputs and every gradient); 3 layouts, one compile."""
+    """2 gloo ranks, head-tail, capped routing: compiled CP conv history + GDN delta rule + SSD
+    equal eager within 2e-5 (float32, outputs and every gradient); 3 layouts, one compile."""
     results = run_distributed(_cp_compiled, 2, timeout=400)
     for rank, res in enumerate(results):
         assert res["worst"] <= 2e-5, (rank, res)
@@ -305,19 +345,31 @@ def test_check_compile_caps_follow_the_config():
     assert check_compile(eager, model_config("debug")) is None
 
 
+# The hybrid with every compiling layer kind (K, G, M, A) on inductor; torchtitan's Qwen3.5
+# (GDN + attention blocks) on aot_eager, which captures the same graphs at a third of the
+# compile time (its kernels are the hybrid's delta-rule and conv custom ops).
+TRAIN_COMPILE = {
+    "hybrid": (["--config_file", "configs/debug_cpu.toml", "--model.layer_pattern", "KGMA",
+                "--model.layer_options.mamba2.head_dim", "16",
+                "--model.layer_options.mamba2.state_dim", "16"], "inductor"),
+    "qwen3_5": (["--config_file", "configs/qwen35_debug_cpu.toml"], "aot_eager"),
+}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_compiled_training_matches_eager_without_recompiles(tmp_path):
-    """The debug config with K, G and A layers, 2 CPU ranks, CP=2 head-tail, 4 steps:
-    ``--compile.enable`` (inductor) gives eager's losses within 1e-5, and after step 1 dynamo
-    compiles nothing more although every step brings a new document layout."""
+@pytest.mark.parametrize("model", sorted(TRAIN_COMPILE))
+def test_compiled_training_matches_eager_without_recompiles(tmp_path, model):
+    """2 CPU ranks, CP=2 head-tail, 4 steps: ``--compile.enable`` gives eager's losses within
+    1e-5, and after step 1 dynamo compiles nothing more although every step brings a new
+    document layout."""
     from tests.launch import read_metrics, torchrun_train
 
-    common = ["--config_file", "configs/debug_cpu.toml", "--model.layer_pattern", "KGA",
-              "--training.steps", "4", "--validator.no-enable", "--metrics.no-enable-wandb",
-              "--parallelism.context_parallel_degree", "2"]  # fmt: skip
+    config, backend = TRAIN_COMPILE[model]
+    common = [*config, "--training.steps", "4", "--validator.no-enable",
+              "--metrics.no-enable-wandb", "--parallelism.context_parallel_degree", "2"]  # fmt: skip
     torchrun_train(common, nproc=2, dump_folder=tmp_path / "eager")
-    torchrun_train([*common, "--compile.enable"], nproc=2, dump_folder=tmp_path / "compiled",
-                   timeout=900)  # fmt: skip
+    torchrun_train([*common, "--compile.enable", "--compile.backend", backend], nproc=2,
+                   dump_folder=tmp_path / "compiled", timeout=900)  # fmt: skip
     eager, compiled = read_metrics(tmp_path / "eager"), read_metrics(tmp_path / "compiled")
     assert [r["step"] for r in compiled] == [1, 2, 3, 4]
     for a, b in zip(eager, compiled, strict=True):

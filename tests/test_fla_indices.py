@@ -29,6 +29,8 @@ from torchtitan_cp.ops.conv import custom_ops as conv_ops
 from torchtitan_cp.ops.conv.fla_kernel import causal_conv1d_fla
 from torchtitan_cp.ops.conv.local import causal_conv1d
 from torchtitan_cp.ops.delta_rule.fla_kernel import chunk_delta_rule_fla
+from torchtitan_cp.ops.ssd.fla_kernel import chunk_ssd_fla
+from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
 from torchtitan_cp.routing import (
     RoutingCaps,
     RoutingPlan,
@@ -87,6 +89,7 @@ def fla_recorder(monkeypatch):
     import fla.modules.causal_conv1d  # noqa: F401
     import fla.ops.gated_delta_rule  # noqa: F401
     import fla.ops.kda  # noqa: F401
+    import fla.ops.simple_gla  # noqa: F401
 
     import torchtitan_cp.ops.fla_compat  # noqa: F401
 
@@ -130,14 +133,20 @@ def check_launches(rec: Recorder, cu_expected: list[torch.Tensor] | None) -> dic
         if cu_expected is not None:
             assert any(cu is c for c in cu_expected), f"{ln.kernel} got foreign cu_seqlens"
         bt = ln.kwargs.get("BT")
-        for key, ref_fn in (("chunk_indices", REF_CHUNK_INDICES), ("chunk_offsets", REF_CHUNK_OFFSETS)):  # fmt: skip
+        for key, ref_fn in (("chunk_indices", REF_CHUNK_INDICES), ("chunk_offsets", REF_CHUNK_OFFSETS),
+                            ("split_offsets", REF_CHUNK_OFFSETS)):  # fmt: skip
             if key not in ln.kwargs:
                 continue
             got = ln.kwargs[key]
-            assert bt is not None, f"{ln.kernel} takes {key} but no BT"
-            ref = ref_fn(cu, bt)
+            size = ln.kwargs.get("BS") if key == "split_offsets" else bt
+            assert size is not None, f"{ln.kernel} takes {key} but no BT"
+            ref = ref_fn(cu, size)
             assert got is not None and got.dtype == ref.dtype, f"{ln.kernel} {ln.phase} {key}"
             assert torch.equal(got, ref), f"{ln.kernel} ({ln.phase}) {key} differs from fla's"
+            if key == "split_offsets":  # the per-chunk state buffers: one row per chunk
+                for buf in ("h", "dh"):
+                    if ln.kwargs.get(buf) is not None:
+                        assert ln.kwargs[buf].shape[1] == int(ref[-1]), f"{ln.kernel} {buf}"
             checked[ln.phase].add(f"{ln.kernel.rsplit('.', 1)[-1]}:{key}")
     return checked
 
@@ -149,6 +158,23 @@ def _inputs(kind: str, T: int, N: int, H=2, K=32, V=16):
     beta = torch.rand(1, T, H)
     h0 = torch.zeros(N, H, K, V)
     return q, k, v, g.requires_grad_(), beta.requires_grad_(), h0.requires_grad_()
+
+
+def _ssd_inputs(T: int, N: int, H=1, HV=2, K=32, V=16):
+    q, k = (torch.randn(1, T, H, K, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, T, HV, V, requires_grad=True)
+    g = (-torch.rand(1, T, HV)).requires_grad_()
+    h0 = torch.zeros(N, HV, K, V, requires_grad=True)
+    return q, k, v, g, h0
+
+
+# What SSD's fla path launches (fla's simple GLA): the gate cumsum, the state pass, the output;
+# backward: the state pass again, the state gradients, dq/dk/dg, dv and the reverse cumsum.
+SSD_FWD = {"chunk_local_cumsum_scalar_kernel:chunk_indices", "chunk_fwd_kernel_h:split_offsets",
+           "chunk_fwd_kernel_o:chunk_indices"}  # fmt: skip
+SSD_BWD = {"chunk_fwd_kernel_h:split_offsets", "chunk_bwd_kernel_dh:split_offsets",
+           "chunk_bwd_kernel_dqkwg:chunk_indices", "chunk_bwd_kernel_dv:chunk_indices",
+           "chunk_local_cumsum_scalar_kernel:chunk_indices"}  # fmt: skip
 
 
 def _backward(*outs: torch.Tensor | None) -> None:
@@ -215,7 +241,30 @@ def test_conv_adapter_gets_precomputed_tables(fla_recorder):
     assert fla_recorder.offsets_calls == []
 
 
-@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_ssd_adapter_gets_precomputed_tables(fla_recorder):
+    # Mamba2's SSD on fla's simple GLA: every launch gets fla-equal tables, the state passes
+    # the routing's own chunk offsets (fla would read its chunk count back with .item()) and
+    # state buffers of exactly one row per chunk.
+    torch.manual_seed(0)
+    caps = loose_caps(CU, TABLE)
+    r = RoutingPlan.build(CU, TABLE, 0).to_device("cpu", caps=caps, chunk_size=FLA_CHUNK_SIZE)
+    N = r.cu_seqlens.numel() - 1
+    q, k, v, g, h0 = _ssd_inputs(r.num_tokens, N)
+    o, fin = chunk_ssd_fla(
+        q, k, v, g, 1.0, h0, True, r.cu_seqlens, r.cu_seqlens_cpu,
+        chunk_indices=r.chunk_indices, chunk_offsets=r.chunk_offsets,
+    )  # fmt: skip
+    fla_recorder.phase = "bwd"
+    _backward(o, fin)
+    assert all(x.grad is not None for x in (q, k, v, g, h0))
+    checked = check_launches(fla_recorder, [r.cu_seqlens])
+    assert checked == {"fwd": SSD_FWD, "bwd": SSD_BWD}
+    offsets = [ln.kwargs["split_offsets"] for ln in fla_recorder.launches if "split_offsets" in ln.kwargs]  # fmt: skip
+    assert len(offsets) == 3 and all(t is r.chunk_offsets for t in offsets)
+    assert fla_recorder.offsets_calls == []
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn", "ssd"])
 def test_cp_driver_passes_tables_for_both_passes(fla_recorder, monkeypatch, kind):
     # World 1 with out-of-order fragments: the first fragment's last document continues in the
     # third, so both the summary pass and the main pass run. fla's kernels need CUDA; on CPU
@@ -224,13 +273,19 @@ def test_cp_driver_passes_tables_for_both_passes(fla_recorder, monkeypatch, kind
     torch.manual_seed(0)
     r = RoutingPlan.build(CU, TABLE, 0).to_device("cpu", chunk_size=FLA_CHUNK_SIZE)
     assert r.summary_cu_seqlens.numel() > 1  # a published summary
-    q, k, v, g, beta, _ = _inputs(kind, r.num_tokens, 1)
-    o, fin = context_parallel_delta_rule(
-        q, k, v, g, beta, kind=kind, routing=r, group=None, output_final_state=True
-    )
+    if kind == "ssd":
+        q, k, v, g, _ = _ssd_inputs(r.num_tokens, 1)
+        o, fin = context_parallel_ssd(q, k, v, g, routing=r, group=None, output_final_state=True)
+    else:
+        q, k, v, g, beta, _ = _inputs(kind, r.num_tokens, 1)
+        o, fin = context_parallel_delta_rule(
+            q, k, v, g, beta, kind=kind, routing=r, group=None, output_final_state=True
+        )
     fla_recorder.phase = "bwd"
     _backward(o, fin)
-    check_launches(fla_recorder, [r.cu_seqlens, r.summary_cu_seqlens])
+    checked = check_launches(fla_recorder, [r.cu_seqlens, r.summary_cu_seqlens])
+    if kind == "ssd":
+        assert checked == {"fwd": SSD_FWD, "bwd": SSD_BWD}
     for cu in (r.cu_seqlens, r.summary_cu_seqlens):
         for phase in ("fwd", "bwd"):
             hits = [
@@ -312,7 +367,7 @@ def test_adapter_rejects_tables_for_another_chunk_size():
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("op", ["kda", "gdn", "conv"])
+@pytest.mark.parametrize("op", ["kda", "gdn", "conv", "ssd"])
 def test_without_tables_fla_builds_its_own(fla_recorder, op):
     # The recorder bites: without the routing's tables each entry point calls fla's host helper.
     r = RoutingPlan.build(CU, TABLE, 0).to_device("cpu")
@@ -320,6 +375,9 @@ def test_without_tables_fla_builds_its_own(fla_recorder, op):
     with pytest.raises(AssertionError, match="host-index helper prepare_chunk_indices"):
         if op == "conv":
             causal_conv1d_fla(torch.randn(1, r.num_tokens, 8), torch.randn(8, 4), **cu)
+        elif op == "ssd":
+            q, k, v, g, _ = _ssd_inputs(r.num_tokens, 1)
+            chunk_ssd_fla(q, k, v, g, 1.0, None, False, cu["cu_seqlens"], cu["cu_seqlens_cpu"])
         else:
             q, k, v, g, beta, _ = _inputs(op, r.num_tokens, 1)
             chunk_delta_rule_fla(q, k, v, g, beta, kind=op, **cu)
@@ -327,12 +385,13 @@ def test_without_tables_fla_builds_its_own(fla_recorder, op):
 
 @pytest.mark.slow
 def test_model_layers_pass_tables(fla_recorder, monkeypatch):
-    # The decoder's KDA, GDN and short-conv layers (unsharded path) hand fla the routing's tables.
+    # The decoder's KDA, GDN, Mamba2 and short-conv layers (unsharded path) hand fla the
+    # routing's tables.
     from torchtitan_cp.models import model_config
 
     monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")
     torch.manual_seed(0)
-    model = model_config("debug", layer_pattern="KG", vocab_size=97).build()
+    model = model_config("debug", layer_pattern="KGM", vocab_size=97).build()
     model.init_states()
     positions = torch.cat([torch.arange(n) for n in (70, 1, 129)]).unsqueeze(0)
     logits = model(torch.randint(0, 97, (1, 200)), positions)
@@ -341,7 +400,8 @@ def test_model_layers_pass_tables(fla_recorder, monkeypatch):
     checked = check_launches(fla_recorder, None)
     names = {c.split(":")[0] for phase in ("fwd", "bwd") for c in checked[phase]}
     for kernel in ("causal_conv1d_fwd_kernel", "causal_conv1d_bwd_kernel",
-                   "chunk_kda_bwd_kernel_intra", "chunk_bwd_kernel_dqkwg"):  # fmt: skip
+                   "chunk_kda_bwd_kernel_intra", "chunk_bwd_kernel_dqkwg", "chunk_fwd_kernel_h",
+                   "chunk_bwd_kernel_dh"):  # fmt: skip
         assert kernel in names, kernel
 
 
@@ -398,6 +458,29 @@ def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
     assert mode.seen and all("_to_copy" in s for s in mode.seen), mode.seen
 
 
+def test_ssd_no_host_device_transfer_on_meta(fla_recorder, monkeypatch):
+    # As above for Mamba2's SSD through the CP driver (summary + main pass, forward and
+    # backward): no host<->device copy, and no device value read back, which fla's own state
+    # passes do (``.item()`` of the chunk count: impossible on meta).
+    monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")
+    r = RoutingPlan.build(CU, TABLE, 0).to_device("meta", chunk_size=FLA_CHUNK_SIZE)
+    q, k, v, g, _ = (t.detach().to("meta").requires_grad_() for t in _ssd_inputs(r.num_tokens, 1))  # fmt: skip
+    with _Transfers() as mode:
+        o, fin = context_parallel_ssd(q, k, v, g, routing=r, group=None, output_final_state=True)
+        assert fin is not None
+        (o.sum() + fin.sum()).backward()
+    assert mode.seen == []
+    assert q.grad is not None and g.grad is not None
+    assert any("split_offsets" in ln.kwargs for ln in fla_recorder.launches)
+    # Sensitivity: fla's public chunk_simple_gla, given the chunk table fla would build (so
+    # that no helper raises), still reads its chunk count from the device.
+    import fla.ops.simple_gla.chunk as simple_gla_chunk
+
+    monkeypatch.setattr(simple_gla_chunk, "prepare_chunk_indices", lambda *a, **kw: r.chunk_indices)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"item\(\) cannot be called on meta tensors"):
+        chunk_ssd_fla(q, k, v, g, 1.0, None, False, r.cu_seqlens, r.cu_seqlens_cpu)
+
+
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_compiled_path_ops_get_the_routing_table(fla_recorder, kind):
     # The custom ops torch.compile calls (ops/<family>/custom_ops.py) take the routing's table, padded to a
@@ -426,6 +509,24 @@ def test_compiled_path_ops_get_the_routing_table(fla_recorder, kind):
     for phase in ("fwd", "bwd"):
         assert "causal_conv1d_fwd_kernel:chunk_indices" in checked[phase]
         assert len(checked[phase]) >= 3, checked
+
+
+def test_compiled_path_ssd_ops_get_the_routing_tables(fla_recorder):
+    # The same for SSD's custom ops: the padded table cut to NT rows, the routing's offsets.
+    from torchtitan_cp.ops.ssd import custom_ops
+
+    r = RoutingPlan.build(CU, TABLE, 0).to_device(
+        "cpu", caps=loose_caps(CU, TABLE), chunk_size=FLA_CHUNK_SIZE
+    )
+    cu, cu_cpu, ci, co = r.cu_seqlens, r.cu_seqlens_cpu, r.chunk_indices, r.chunk_offsets
+    N = cu.numel() - 1
+    q, k, v, g, h0 = (t.detach() for t in _ssd_inputs(r.num_tokens, N, H=2))
+    o, fin, g_cum = custom_ops.ssd_fla_op(q, k, v, g, h0, cu, cu_cpu, ci, co, 1.0, True)
+    fla_recorder.phase = "bwd"
+    custom_ops.ssd_fla_bwd_op(
+        q, k, v, g_cum, h0, cu, cu_cpu, ci, co, torch.zeros_like(o), torch.zeros_like(fin), 1.0
+    )
+    assert check_launches(fla_recorder, [cu]) == {"fwd": SSD_FWD, "bwd": SSD_BWD}
 
 
 @pytest.mark.slow

@@ -180,10 +180,11 @@ def test_retention_on_fla_matches_torch_and_fla_chunk_retention():
             report(f"retention varlen {name} vs {ref_name}", rel_err(a, b), TOL)
 
 
-@pytest.mark.parametrize("kind", ["kda", "gdn"])
+@pytest.mark.parametrize("kind", ["kda", "gdn", "ssd"])
 def test_routing_tables_give_fla_results_bitwise(kind):
     """With the routing's host-built tables (KDA through ``fla_compat.chunk_kda_indexed``, GDN
-    through fla's ``chunk_indices``) the results are fla's own, bit for bit."""
+    through fla's ``chunk_indices``, SSD through ``fla_compat.chunk_simple_gla_indexed``) the
+    results are fla's own, bit for bit."""
     o, fin, grads = recurrence(kind, "varlen", "fla", tables=True)
     o_own, fin_own, grads_own = recurrence(kind, "varlen", "fla", tables=False)
     assert torch.equal(o, o_own) and torch.equal(fin, fin_own)
@@ -227,7 +228,7 @@ def test_fla_conv_matches_torch_backend(layout):
 
 
 # ----------------------------------------------------------------------------- custom ops
-# ops/delta_rule/custom_ops.py, ops/conv/custom_ops.py: what torch.compile runs instead of
+# ops/delta_rule/, ops/conv/, ops/ssd/custom_ops.py: what torch.compile runs instead of
 # fla's autograd functions.
 
 CU_OP = [0, 0, 20, 20, 64]  # two empty sequences
@@ -243,15 +244,25 @@ def _op_args(kind: str) -> tuple:
     h0 = torch.randn(N, HV, K, V, generator=gen) * 0.1
     cu = torch.tensor(CU_OP, dtype=torch.int32)
     leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    if kind == "ssd":  # ssd_fla's arguments: q/k repeated to the value heads, both tables
+        qr, kr = (x.detach().repeat_interleave(HV // H, 2).requires_grad_(True) for x in (q, k))
+        tables = (chunk_indices(cu, 64), chunk_offsets(cu, 64))
+        return (qr, kr, v, g, h0, cu, cu, *tables, K**-0.5, True)
     return (*leaves, cu, cu, None, kind, K**-0.5, True)
 
 
-@pytest.mark.parametrize("kind", ["kda", "gdn"])
-def test_fla_delta_rule_op_writes_every_output_element(kind, monkeypatch):
+def _fla_op(kind: str):
+    from torchtitan_cp.ops.delta_rule import custom_ops as delta_ops
+    from torchtitan_cp.ops.ssd import custom_ops as ssd_ops
+
+    return ssd_ops.ssd_fla_op if kind == "ssd" else delta_ops.delta_rule_fla_op
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn", "ssd"])
+def test_fla_op_writes_every_output_element(kind, monkeypatch):
     """Every allocation fla makes is NaN-filled: finite outputs mean each element the op returns
     was written (an op returning uninitialised memory differs from run to run)."""
-    from torchtitan_cp.ops.delta_rule import custom_ops
-
+    op = _fla_op(kind)
     for name in ("empty", "empty_like"):
         real = getattr(torch, name)
 
@@ -261,16 +272,14 @@ def test_fla_delta_rule_op_writes_every_output_element(kind, monkeypatch):
 
         monkeypatch.setattr(torch, name, poisoned)
     args = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in _op_args(kind))
-    outs = custom_ops.delta_rule_fla_op(*args)
+    outs = op(*args)
     for name, out in zip(("o", "final", "g_cumsum", "A1", "A2"), outs):
         assert torch.isfinite(out).all(), f"{kind} {name}: {int(out.isnan().sum())} unwritten"
 
 
-@pytest.mark.parametrize("kind", ["kda", "gdn"])
-def test_fla_delta_rule_op_opcheck(kind):
-    from torchtitan_cp.ops.delta_rule import custom_ops
-
-    torch.library.opcheck(custom_ops.delta_rule_fla_op, _op_args(kind))
+@pytest.mark.parametrize("kind", ["kda", "gdn", "ssd"])
+def test_fla_op_opcheck(kind):
+    torch.library.opcheck(_fla_op(kind), _op_args(kind))
 
 
 def test_fla_conv_op_opcheck():
@@ -287,8 +296,8 @@ def test_fla_conv_op_opcheck():
 
 
 def _block(x, w, g_kda, g_gdn, beta, h0, cu, ci, co, backend="fla"):
-    """A KDA + GDN block as models/mixers/delta_net.py feeds the kernels: the routing's chunk tables
-    (eager KDA goes through ``fla_compat.chunk_kda_indexed``), conv over [q|k|v], q/k/v split
+    """A KDA + GDN + SSD block as models/mixers/ feeds the kernels: the routing's chunk tables
+    (eager KDA and SSD go through ``fla_compat``'s shims), conv over [q|k|v], q/k/v split
     views of its output (v non-contiguous), final states requested."""
     T = x.shape[1]
     kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu, chunk_indices=ci, backend=backend)
@@ -302,7 +311,9 @@ def _block(x, w, g_kda, g_gdn, beta, h0, cu, ci, co, backend="fla"):
         o, fin = chunk_delta_rule(q, k, v, g, beta, kind=kind, initial_state=h0,
                                   output_final_state=True, chunk_offsets=co, **kw)  # fmt: skip
         outs += [o, fin]
-    return outs
+    o, fin = chunk_ssd(q, k, v, g_gdn, scale=1.0, initial_state=h0, output_final_state=True,
+                       chunk_offsets=co, **kw)  # fmt: skip
+    return outs + [o, fin]
 
 
 def _block_leaves():
@@ -322,17 +333,16 @@ def _block_grads(fn, backend="fla") -> list[torch.Tensor]:
     0 over sequences, K and V; one value per head) for the final states, as a reduction gives."""
     leaves = _block_leaves()
     cu = torch.tensor(CU_OP, dtype=torch.int32)
-    o1, f1, o2, f2 = fn(*leaves, cu, chunk_indices(cu, 64), chunk_offsets(cu, 64), backend)
+    outs = fn(*leaves, cu, chunk_indices(cu, 64), chunk_offsets(cu, 64), backend)
     gen = torch.Generator().manual_seed(14)
-    do, c = torch.randn(o1.shape, generator=gen), torch.randn(HV, generator=gen)
-    loss = (o1 * do).sum() + (o2 * do).sum()
-    loss = loss + (f1.sum((0, 2, 3)) * c).sum() + (f2.sum((0, 2, 3)) * c).sum()
-    return [o1.detach(), f1.detach(), o2.detach(), f2.detach(),
-            *torch.autograd.grad(loss, leaves)]  # fmt: skip
+    do, c = torch.randn(outs[0].shape, generator=gen), torch.randn(HV, generator=gen)
+    loss = sum((o * do).sum() + (f.sum((0, 2, 3)) * c).sum() for o, f in zip(outs[::2], outs[1::2]))
+    assert isinstance(loss, torch.Tensor)
+    return [*(x.detach() for x in outs), *torch.autograd.grad(loss, leaves)]
 
 
-BLOCK_NAMES = ["o_kda", "final_kda", "o_gdn", "final_gdn", "dx", "dw", "dg_kda", "dg_gdn",
-               "dbeta", "dh0"]  # fmt: skip
+BLOCK_NAMES = ["o_kda", "final_kda", "o_gdn", "final_gdn", "o_ssd", "final_ssd", "dx", "dw",
+               "dg_kda", "dg_gdn", "dbeta", "dh0"]  # fmt: skip
 
 
 @functools.cache

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tests.reference import conv_reference, delta_rule_reference, rel_err
 from torchtitan_cp.ops.conv.local import causal_conv1d
 from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule
+from torchtitan_cp.ops.ssd.local import chunk_ssd
 from torchtitan_cp.routing import chunk_indices, chunk_offsets
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core needs CUDA")
@@ -82,7 +83,8 @@ def test_fla_conv_matches_oracle(tables):
 
 
 def _delta_and_conv_step(with_tables: bool) -> None:
-    """KDA, GDN and the conv, forward and backward, on fresh offsets (fla caches by identity)."""
+    """KDA, GDN, SSD and the conv, forward and backward, on fresh offsets (fla caches by
+    identity)."""
     cu = torch.tensor(CU, dtype=torch.int32).pin_memory()
     tables = {}
     if with_tables:  # pinned host tables, copied without waiting, as RoutingPlan.to_device does
@@ -100,6 +102,9 @@ def _delta_and_conv_step(with_tables: bool) -> None:
         o, _ = chunk_delta_rule(q, k, v, g, torch.rand(1, T, H, device="cuda"), kind=kind,
                                 **tables, **kw)  # fmt: skip
         loss = loss + o.sum()
+    # SSD on fla's simple GLA: without the tables it also reads its chunk count back (.item()).
+    o, _ = chunk_ssd(q, k, v, -torch.rand(1, T, H, device="cuda"), **tables, **kw)
+    loss = loss + o.sum()
     loss.backward()
 
 

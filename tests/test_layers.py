@@ -149,13 +149,21 @@ def test_mamba2_mixer_matches_reference(n_groups: int) -> None:
     _check_on_documents(mixer, 16, lambda m, x, cu, pos: _reference_layer(m, x, cu))
 
 
-def test_compile_with_mamba2_is_a_config_error() -> None:
-    # SSD has no torch.compile custom op yet (ops/<family>/custom_ops.py): refuse before launch, naming it.
+def test_every_shipped_kind_compiles(monkeypatch) -> None:
+    # Every registered letter has torch.compile custom ops (ops/<family>/custom_ops.py), so
+    # compile.enable passes the config check with Mamba2 layers; a kind without them would be
+    # refused before launch, naming it.
+    from torchtitan_cp.models.hybrid.layers import Kernels
     from torchtitan_cp.train import load_config
     from torchtitan_cp.trainer.config import ConfigError
 
+    assert all(kind.compiles for kind in LAYERS.values())
+    args = ["--config_file", "configs/debug_mamba2_cpu.toml", "--compile.enable"]
+    assert load_config(args).compile.enable
+    no_ops = Kernels(LAYERS["M"].kernels.backends, compiles=False)
+    monkeypatch.setitem(LAYERS, "M", dataclasses.replace(LAYERS["M"], kernels=no_ops))
     with pytest.raises(ConfigError, match=r"without torch.compile custom ops: M \(Mamba2"):
-        load_config(["--config_file", "configs/debug_mamba2_cpu.toml", "--compile.enable"])
+        load_config(args)
 
 
 def test_a_kind_has_only_its_backends(monkeypatch) -> None:

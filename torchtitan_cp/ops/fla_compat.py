@@ -1,26 +1,54 @@
 """fla-core 0.6.0 compatibility: the one place that reaches below fla's public functions.
 
-Imported only by ``ops.delta_rule.fla_kernel`` inside its function (it loads fla, hence Triton).
+Imported only inside the fla adapters and custom ops (``ops/<family>/fla_kernel.py``,
+``custom_ops.py``) and at their call (it loads fla, hence Triton). Each shim is the computation
+of one public fla function for our call's options, with the chunk tables supplied by the caller
+(``DeviceRouting``, built on the host) where the public function builds its own:
 
-Reason: ``fla.ops.kda.chunk_kda`` 0.6.0 has no ``chunk_indices`` parameter; its autograd
-Function always calls ``prepare_chunk_indices``, which ends in a blocking pageable host-to-device
-copy (a host sync per call). :func:`chunk_kda_indexed` is the same computation with the chunk
-table (and chunk offsets) supplied by the caller: fla's own ``chunk_kda_fwd`` /
-``chunk_kda_bwd`` with every option chunk_kda would pass for our call (no in-kernel l2norm, gate
-or beta sigmoid; no CP context; no graph mode). Tested in tests/test_fla_indices.py.
+* :func:`chunk_kda_indexed`. Reason: ``fla.ops.kda.chunk_kda`` 0.6.0 has no ``chunk_indices``
+  parameter; its autograd Function always calls ``prepare_chunk_indices``, which ends in a
+  blocking pageable host-to-device copy (a host sync per call). It is fla's own
+  ``chunk_kda_fwd`` / ``chunk_kda_bwd`` with every option chunk_kda would pass for our call (no
+  in-kernel l2norm, gate or beta sigmoid; no CP context; no graph mode).
+* :func:`chunk_simple_gla_indexed` (with :func:`simple_gla_fwd_indexed` /
+  :func:`simple_gla_bwd_indexed`, which the SSD custom ops call). Reason:
+  ``fla.ops.simple_gla.chunk_simple_gla`` 0.6.0 has no ``chunk_indices`` parameter either (the
+  same host copy per call), and its state passes (``fla.ops.common.chunk_h.chunk_fwd_h`` /
+  ``chunk_bwd_dh``, forward and backward) read the chunk count back with ``.item()`` on the
+  device's chunk offsets, a device-to-host sync per call. The shim launches fla's own state
+  kernels with the caller's chunk offsets and the chunk count of the caller's (already cut) chunk
+  table, and calls fla's ``chunk_local_cumsum``, ``chunk_fwd_o``, ``chunk_bwd_dqkwg`` and
+  ``chunk_bwd_dv`` with the chunk table, in ``chunk_simple_gla``'s order with its options for
+  our call (scalar gate ``g``, no ``g_gamma``, states ``[K, V]``).
+
+Tested in tests/test_fla_indices.py (fla's host-index helpers made to raise, every kernel launch
+recorded and its tables compared with fla's own).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import triton
+from fla.ops.common import chunk_h
+from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv, chunk_fwd_o
 from fla.ops.kda.chunk_bwd import chunk_kda_bwd
 from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+from fla.ops.utils.constant import RCP_LN2
+from fla.ops.utils.cumsum import chunk_local_cumsum
+from fla.ops.utils.index import prepare_chunk_offsets
 from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 from torch import Tensor
 
 from .common.fla import FLA_CHUNK_SIZE, contiguous
 
-__all__ = ["chunk_kda_indexed"]
+__all__ = [
+    "chunk_kda_indexed",
+    "chunk_simple_gla_indexed",
+    "simple_gla_bwd_indexed",
+    "simple_gla_fwd_indexed",
+]
 
 
 class _ChunkKDAIndexed(torch.autograd.Function):
@@ -127,6 +155,225 @@ def chunk_kda_indexed(
         output_final_state,
         cu_seqlens,
         cu_seqlens_cpu,
+        chunk_indices,
+        chunk_offsets,
+    )
+
+
+# ----------------------------------------------------------------------------- simple GLA (SSD)
+# fla's bare ``@dispatch`` decorator hides these functions' signatures from type checkers.
+_chunk_local_cumsum: Any = chunk_local_cumsum
+_chunk_bwd_dv: Any = chunk_bwd_dv
+
+
+def _state_split(
+    k: Tensor, cu_seqlens: Tensor | None, chunk_indices: Tensor | None, chunk_offsets: Tensor | None
+) -> tuple[int, int, Tensor | None]:
+    """(N sequences, NT chunks, chunk offsets) as fla's ``chunk_fwd_h`` computes them, without
+    its ``.item()``: NT is the row count of the caller's chunk table (cut to the real chunks from
+    the host offsets), the offsets the caller's or fla's own device computation (no host read)."""
+    B, T = k.shape[:2]
+    if cu_seqlens is None:
+        return B, triton.cdiv(T, FLA_CHUNK_SIZE), None
+    if chunk_indices is None:
+        raise ValueError("simple GLA over cu_seqlens needs chunk_indices (routing.chunks)")
+    if chunk_offsets is None:
+        chunk_offsets = prepare_chunk_offsets(cu_seqlens, FLA_CHUNK_SIZE)
+    return cu_seqlens.shape[0] - 1, chunk_indices.shape[0], chunk_offsets
+
+
+def _chunk_states(
+    k: Tensor,
+    v: Tensor,
+    g_cumsum: Tensor,
+    h0: Tensor | None,
+    output_final_state: bool,
+    split: tuple[int, int, Tensor | None],
+    cu_seqlens: Tensor | None,
+    states_in_fp32: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """fla's ``chunk_fwd_h`` (scalar gate, ``[K, V]`` states): the state entering every chunk
+    ``[B, NT, H, K, V]`` and the final states ``[N, H, K, V]`` float32 (or None)."""
+    B, T, H, K, V = *k.shape, v.shape[-1]
+    N, NT, offsets = split
+    h = k.new_empty(B, NT, H, K, V, dtype=torch.float if states_in_fp32 else k.dtype)
+    ht = k.new_empty(N, H, K, V, dtype=torch.float) if output_final_state else None
+
+    def grid(meta):
+        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
+
+    # Looked up at the call (not imported by name), so patched kernel objects are seen.
+    chunk_h.chunk_fwd_kernel_h[grid](
+        k=k, v=v, h=h, g=g_cumsum, g_gamma=None, gk=None, gv=None, h0=h0, ht=ht,
+        cu_seqlens=cu_seqlens, split_offsets=offsets, T=T, H=H, K=K, V=V, BT=FLA_CHUNK_SIZE,
+        BS=FLA_CHUNK_SIZE, USE_G=True, USE_G_GAMMA=False, USE_GK=False, USE_GV=False,
+        STATE_V_FIRST=False,
+    )  # fmt: skip
+    return h, ht
+
+
+def _chunk_state_grads(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_cumsum: Tensor,
+    h0: Tensor | None,
+    do: Tensor,
+    dht: Tensor | None,
+    scale: float,
+    split: tuple[int, int, Tensor | None],
+    cu_seqlens: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """fla's ``chunk_bwd_dh`` (scalar gate, float32 states): the state gradient of every chunk
+    ``[B, NT, H, K, V]`` and ``dh0 [N, H, K, V]`` float32 (None without h0)."""
+    B, T, H, K, V = *k.shape, v.shape[-1]
+    N, NT, offsets = split
+    dh = k.new_empty(B, NT, H, K, V, dtype=torch.float)
+    dh0 = torch.empty_like(h0, dtype=torch.float) if h0 is not None else None
+
+    def grid(meta):
+        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
+
+    chunk_h.chunk_bwd_kernel_dh[grid](
+        q=q, g=g_cumsum, g_gamma=None, gk=None, gv=None, do=do, dh=dh, dht=dht, dh0=dh0,
+        cu_seqlens=cu_seqlens, split_offsets=offsets, scale=scale, T=T, HQ=H, H=H, K=K, V=V,
+        BT=FLA_CHUNK_SIZE, BS=FLA_CHUNK_SIZE, NG=1, USE_G=True, USE_G_GAMMA=False, USE_GK=False,
+        USE_GV=False, STATE_V_FIRST=False,
+    )  # fmt: skip
+    return dh, dh0
+
+
+def simple_gla_fwd_indexed(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    *,
+    scale: float,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: Tensor | None,
+    chunk_indices: Tensor | None,
+    chunk_offsets: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """``chunk_simple_gla``'s forward for contiguous inputs: ``(o [1,T,H,V] in v's dtype,
+    final [N,H,K,V] float32 | None, g_cumsum [1,T,H] float32)``; g_cumsum (the chunk-local
+    cumulative gate in log2 units) is what :func:`simple_gla_bwd_indexed` reads."""
+    ci = chunk_indices if cu_seqlens is not None else None
+    split = _state_split(k, cu_seqlens, ci, chunk_offsets)
+    # fla pre-scales the gate by 1/ln 2 so its kernels use exp2.
+    g_cumsum = _chunk_local_cumsum(
+        g, chunk_size=FLA_CHUNK_SIZE, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=ci
+    )
+    h, ht = _chunk_states(k, v, g_cumsum, initial_state, output_final_state, split, cu_seqlens,
+                          states_in_fp32=False)  # fmt: skip
+    o = chunk_fwd_o(
+        q=q, k=k, v=v, h=h, g=g_cumsum, scale=scale, cu_seqlens=cu_seqlens,
+        chunk_size=FLA_CHUNK_SIZE, chunk_indices=ci,
+    )  # fmt: skip
+    return o, ht, g_cumsum
+
+
+def simple_gla_bwd_indexed(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_cumsum: Tensor,
+    do: Tensor,
+    dht: Tensor | None,
+    *,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    chunk_indices: Tensor | None,
+    chunk_offsets: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """``chunk_simple_gla``'s backward for contiguous inputs: ``(dq, dk, dv, dg float32,
+    dh0 float32 | None)``, dg the gradient of the forward's (natural-log) ``g``."""
+    ci = chunk_indices if cu_seqlens is not None else None
+    split = _state_split(k, cu_seqlens, ci, chunk_offsets)
+    h, _ = _chunk_states(k, v, g_cumsum, initial_state, False, split, cu_seqlens,
+                         states_in_fp32=True)  # fmt: skip
+    dh, dh0 = _chunk_state_grads(q, k, v, g_cumsum, initial_state, do, dht, scale, split,
+                                 cu_seqlens)  # fmt: skip
+    common: dict[str, Any] = dict(
+        g=g_cumsum, do=do, dh=dh, scale=scale, cu_seqlens=cu_seqlens,
+        chunk_size=FLA_CHUNK_SIZE, chunk_indices=ci,
+    )  # fmt: skip
+    dq, dk, _, dg = chunk_bwd_dqkwg(q=q, k=k, v=v, h=h, **common)
+    dv = _chunk_bwd_dv(q=q, k=k, **common)
+    dg = _chunk_local_cumsum(
+        dg, chunk_size=FLA_CHUNK_SIZE, reverse=True, cu_seqlens=cu_seqlens, chunk_indices=ci
+    )
+    return dq, dk, dv, dg, dh0
+
+
+class _ChunkSimpleGLAIndexed(torch.autograd.Function):
+    # Saved set and gradient dtypes follow fla's ChunkSimpleGLAFunction for our options.
+
+    @staticmethod
+    @input_guard  # pyrefly: ignore[bad-argument-type]
+    @autocast_custom_fwd
+    def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+                chunk_indices, chunk_offsets):  # fmt: skip
+        o, final, g_cumsum = simple_gla_fwd_indexed(
+            q, k, v, g, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, g_cumsum, initial_state, cu_seqlens, chunk_indices,
+                              chunk_offsets)  # fmt: skip
+        ctx.scale, ctx.g_dtype = scale, g.dtype
+        return o.to(q.dtype), final
+
+    @staticmethod
+    @input_guard  # pyrefly: ignore[bad-argument-type]
+    @autocast_custom_bwd
+    def backward(ctx, do, dht):  # pyrefly: ignore[bad-override]
+        q, k, v, g_cumsum, h0, cu, ci, co = ctx.saved_tensors
+        dq, dk, dv, dg, dh0 = simple_gla_bwd_indexed(
+            q, k, v, g_cumsum, do, dht, scale=ctx.scale, initial_state=h0, cu_seqlens=cu,
+            chunk_indices=ci, chunk_offsets=co,
+        )  # fmt: skip
+        grads = (dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), None, dh0)
+        return grads + (None,) * 4
+
+
+# Opaque to dynamo exactly like the public chunk_simple_gla it stands in for.
+@torch.compiler.disable
+def chunk_simple_gla_indexed(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    *,
+    scale: float | None,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: Tensor,
+    chunk_indices: Tensor,
+    chunk_offsets: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """``chunk_simple_gla`` (head-wise natural-log gate ``g``) over packed sequences with the
+    caller's chunk tables.
+
+    Shapes as ``chunk_simple_gla``: q, k ``[1,T,H,K]``; v ``[1,T,H,V]``; g ``[1,T,H]``;
+    initial_state float32 ``[N,H,K,V]``; cu_seqlens ``[N+1]`` on q's device; chunk_indices
+    exactly ``[NT,2]`` (cut with ``common.fla.chunk_table``) and chunk_offsets ``[N+1]`` (or
+    None: derived on the device) with ``FLA_CHUNK_SIZE``, on q's device. Returns
+    ``(o [1,T,H,V], final_state [N,H,K,V] | None)``.
+    """
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise ValueError(f"initial_state must be float32 for fla, got {initial_state.dtype}")
+    return _ChunkSimpleGLAIndexed.apply(
+        q,
+        k,
+        v,
+        g,
+        q.shape[-1] ** -0.5 if scale is None else scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
         chunk_indices,
         chunk_offsets,
     )

@@ -466,13 +466,6 @@ def check_model(config: Any) -> tuple[Any, bool]:
 
         try:
             check_qwen35_parallelism(spec.model, config.parallelism)
-            if config.compile.enable and "model" in config.compile.components:
-                # Untested: the swapped GatedDeltaNet layers pass the microbatch context
-                # through a Python attribute for the duration of each call.
-                raise ValueError(
-                    "compile.enable is not supported for model.name = 'qwen3_5' yet; "
-                    "use --compile.no-enable"
-                )
             ckpt = config.checkpoint
             if ckpt.enable and ckpt.initial_load_in_hf:
                 from torchtitan_cp.models.qwen35.hf import check_hf_folder

@@ -63,7 +63,7 @@ class Kernels:
 
 
 DELTA_RULE = Kernels(("torch", "fla"), compiles=True)  # ops/delta_rule (+ ops/conv)
-SSD = Kernels(("torch", "fla"), compiles=False)  # ops/ssd (+ ops/conv): no custom ops yet
+SSD = Kernels(("torch", "fla"), compiles=True)  # ops/ssd (+ ops/conv)
 ATTENTION = Kernels((), compiles=True)  # its backend is model.attention_backend
 
 

@@ -6,8 +6,8 @@ changes only what crosses the module boundaries torchtitan provides:
 
 * ``Qwen35TextModel.forward(tokens, positions, seq_ctx)`` takes the microbatch's
   ``SequenceContext`` (built by ``SequencePreprocessor`` from the loader's host positions) and
-  hands every layer a ``RoutedVarlenMetadata``: the device *and* host document offsets of this
-  rank's span, taken from the routing — no ``nonzero``/``.tolist()`` on device positions
+  hands every layer a ``RoutedVarlenMetadata`` carrying it: the routing has the device *and*
+  host document offsets of this rank's span — no ``nonzero``/``.tolist()`` on device positions
   (upstream's ``create_varlen_metadata_for_document``).
 * ``GatedDeltaNet.kernel`` becomes ``RoutedGatedDeltaKernel``: the same math as upstream's
   ``chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)`` (q/k heads repeated to the value
@@ -68,32 +68,23 @@ L2NORM_EPS = 1e-6  # fla-core's l2norm_fwd default, used by use_qk_l2norm_in_ker
 
 @dataclass(frozen=True, eq=False)
 class RoutedVarlenMetadata:
-    """What upstream's ``GatedDeltaNet`` reads from its ``VarlenMetadata`` (this rank's local
-    document offsets) plus the microbatch's ``SequenceContext`` for the swapped layers.
+    """What every layer receives where upstream passes its ``VarlenMetadata``: the microbatch's
+    ``SequenceContext``, whose routing holds this rank's document offsets (device and host).
 
-    A plain dataclass rather than a ``VarlenMetadata`` subclass: pytree maps over a block's
-    inputs (FSDP's input cast, activation checkpointing) rebuild NamedTuples from their fields
-    and would drop ``seq_ctx``; a dataclass is a leaf and passes through whole. (Upstream's
-    isinstance check runs only under ``spmd_backend = "spmd_types"``, which this recipe does not
-    use.)"""
+    Upstream's own ``GatedDeltaNet`` code reads none of it (its kernel and conv, which would
+    take the offsets, are swapped for ones that read the routing), so no per-layout host value
+    enters a compiled block. A plain dataclass rather than a ``VarlenMetadata`` subclass: pytree
+    maps over a block's inputs (FSDP's input cast, activation checkpointing) rebuild NamedTuples
+    from their fields and would drop ``seq_ctx``; a dataclass is a leaf and passes through
+    whole."""
 
-    cu_seq_q: torch.Tensor
-    """[N+1] int32 local span offsets of the subsequences (device)."""
-    cu_seq_k: torch.Tensor
-    max_q: int
-    max_k: int
-    cu_seq_q_host: tuple[int, ...]
-    """The same offsets as Python ints, from the routing's host copy."""
     seq_ctx: SequenceContext
 
 
 def routed_varlen_metadata(ctx: SequenceContext) -> RoutedVarlenMetadata:
-    """The varlen metadata of this rank's span from ``ctx.routing``: device offsets and the same
-    numbers as host ints read from the routing's host copy (no device read)."""
-    r = ctx.routing
-    host = tuple(int(c) for c in r.cu_seqlens_cpu.tolist())  # host tensor: no sync
-    longest = max((b - a for a, b in zip(host[:-1], host[1:], strict=True)), default=0)
-    return RoutedVarlenMetadata(r.cu_seqlens, r.cu_seqlens, longest, longest, host, ctx)
+    """The per-layer metadata of this microbatch (no device read: the routing is built on the
+    host)."""
+    return RoutedVarlenMetadata(ctx)
 
 
 def _seq_ctx(masks: Any, where: str) -> SequenceContext:
@@ -196,7 +187,9 @@ def _routed_delta_net_forward(
     kernel = cast(RoutedGatedDeltaKernel, self.kernel)
     kernel.seq_ctx = _seq_ctx(attention_masks, "Qwen3.5 GatedDeltaNet")
     try:
-        return GatedDeltaNet.forward(self, x_BLD, attention_masks)
+        # No metadata for upstream's own code: it would only turn the offsets into the
+        # cu_seqlens arguments of the kernel and conv, which read the routing instead.
+        return GatedDeltaNet.forward(self, x_BLD, None)
     finally:
         kernel.seq_ctx = None
 

@@ -5,10 +5,12 @@ Shapes and the recurrence: ``ops/ssd/recurrence.py``.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..common import checks
 from ..common.checks import Backend
+from . import custom_ops
 from .fla_kernel import chunk_ssd_fla
 from .torch_kernel import chunk_ssd_torch
 
@@ -27,6 +29,8 @@ def chunk_ssd(
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
     backend: Backend = "auto",
+    chunk_indices: Tensor | None = None,
+    chunk_offsets: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """SSD over packed sequences.
 
@@ -37,6 +41,9 @@ def chunk_ssd(
         initial_state: ``[N, HV, K, V]``, one per sequence (zeros when None).
         cu_seqlens / cu_seqlens_cpu: ``[N+1]`` offsets on the device / host.
         backend: "auto" (fla on CUDA, torch otherwise), "torch" or "fla".
+        chunk_indices, chunk_offsets: ``[NT, 2]`` int32 / ``[N+1]`` int64 chunk tables of
+            cu_seqlens on its device (``DeviceRouting.chunk_indices`` ...), so the fla kernels
+            derive nothing from cu_seqlens on the host; the torch backend does not need them.
 
     Returns:
         ``(o [1, T, HV, V], final_state [N, HV, K, V] float32/float64 or None)``.
@@ -46,9 +53,19 @@ def chunk_ssd(
         raise ValueError(f"g must be {[1, T, HV]}, got shape {checks.shape(g)}")
     N = checks.check_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
     checks.check_initial_state(initial_state, N, HV, K, V)
-    if checks.resolve_backend(backend, q) == "fla":
-        return chunk_ssd_fla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
-                              cu_seqlens_cpu)  # fmt: skip
+    resolved = checks.resolve_backend(backend, q)
+    if torch.compiler.is_compiling():
+        return _compiled_ssd(
+            resolved, q, k, v, g, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+            chunk_offsets=chunk_offsets,
+        )  # fmt: skip
+    if resolved == "fla":
+        return chunk_ssd_fla(
+            q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+            chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
+        )  # fmt: skip
     o, fin = chunk_ssd_torch(
         q, k, v, g, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -56,3 +73,41 @@ def chunk_ssd(
     )  # fmt: skip
     assert o is not None
     return o, fin
+
+
+# ----------------------------------------------------------------------------- torch.compile
+# While dynamo traces, the kernel runs as the custom ops of ``ssd.custom_ops`` (opaque to the
+# compiler, no graph break); eager calls above keep their plain autograd.
+
+
+def _compiled_ssd(
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    *,
+    scale: float | None,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None,
+    chunk_offsets: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    cu_cpu = checks.host_offsets(cu_seqlens, cu_seqlens_cpu)
+    if backend == "fla":
+        from ..common.fla import device_cu_seqlens
+
+        cu_dev, cu_cpu = device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
+        rep = v.shape[2] // q.shape[2]  # as chunk_ssd_fla: one q/k head per value head
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        h0 = initial_state.float() if initial_state is not None else None
+        o, final, _ = custom_ops.ssd_fla_op(
+            q, k, v, g.float(), h0, cu_dev, cu_cpu, chunk_indices, chunk_offsets, scale,
+            output_final_state,
+        )  # fmt: skip
+        return o, (final if output_final_state else None)
+    o, final = custom_ops.ssd_torch_op(q, k, v, g, initial_state, cu_cpu, scale)
+    return o, (final if output_final_state else None)

@@ -31,7 +31,6 @@ from ..common.checks import Backend
 from ..common.dtypes import compute_dtype
 from ..cp.driver import context_parallel_recurrence
 from ..cp.recurrence import SequenceTables
-from .fla_kernel import chunk_ssd_fla
 from .local import chunk_ssd
 from .torch_kernel import chunk_ssd_torch
 
@@ -78,6 +77,7 @@ class SSD:
             *self.gated(inputs), scale=self.scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=tables.cu_seqlens,
             cu_seqlens_cpu=tables.cu_seqlens_cpu, backend=self.backend,
+            chunk_indices=tables.chunk_indices, chunk_offsets=tables.chunk_offsets,
         )  # fmt: skip
 
     def identity(self, state_shape: tuple[int, int, int], dtype, device) -> Tensor:
@@ -87,14 +87,19 @@ class SSD:
     def summarize(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Tensor:
         q, k, v, g = self.gated(inputs)
         dt = compute_dtype(v.dtype)
-        if checks.resolve_backend(self.backend, q) == "torch":
+        if checks.resolve_backend(self.backend, q) == "torch" and not torch.compiler.is_compiling():
             _, E = chunk_ssd_torch(
                 q, k, v, g, cu_seqlens=tables.cu_seqlens,
                 cu_seqlens_cpu=tables.cu_seqlens_cpu, states_only=True,
             )  # fmt: skip
-        else:  # fla: no state-only autograd entry point; the [.., V] output is discarded
-            _, E = chunk_ssd_fla(q, k, v, g, None, None, True, tables.cu_seqlens,
-                                  tables.cu_seqlens_cpu)  # fmt: skip
+        else:
+            # fla has no state-only autograd entry point, and under torch.compile the local
+            # kernel runs as an opaque custom op: both compute, and discard, the [.., V] output.
+            _, E = chunk_ssd(
+                q, k, v, g, output_final_state=True, cu_seqlens=tables.cu_seqlens,
+                cu_seqlens_cpu=tables.cu_seqlens_cpu, backend=self.backend,
+                chunk_indices=tables.chunk_indices, chunk_offsets=tables.chunk_offsets,
+            )  # fmt: skip
         assert E is not None
         # Log decay of every sequence: differences of a float64 prefix sum at the offsets
         # (a device gather, no host read; float64 so long ranges lose no precision).

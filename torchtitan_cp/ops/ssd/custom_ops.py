@@ -1,0 +1,246 @@
+"""The SSD kernels as ``torch.library`` custom ops (``ops/common/custom_ops.py`` says why):
+
+==========================================  ==============================================
+op (namespace ``torchtitan_cp``)            backward
+==========================================  ==============================================
+``ssd_torch`` (PyTorch)                     ``ssd_torch_bwd``: re-runs the forward under
+                                            autograd (costs one extra forward)
+``ssd_fla`` (fla-core's simple GLA, CUDA)   ``ssd_fla_bwd``: fla's own simple-GLA backward
+                                            (``fla_compat.simple_gla_bwd_indexed``) on the
+                                            cumulative gate the forward returned
+==========================================  ==============================================
+
+The fla ops hand fla's internal functions contiguous tensors only (``common.fla.contiguous``)
+and return only memory fla wrote (tests/test_fla_interpreter.py checks both on CPU, with
+opcheck and compiled against eager).
+
+Shapes and conventions are those of ``ops.ssd.local`` (docs/CONTRACTS.md), except that the fla
+ops take q/k already repeated to the value heads (simple GLA has one q/k head per value head;
+the repeat stays in the traced graph, so autograd sums its gradient) and a float32 gate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..common.custom_ops import NS, autograd_inside_op, input_grads, num_seqs
+from ..common.dtypes import compute_dtype
+from ..common.fla import chunk_table, contiguous, fla_chunk_indices
+from .torch_kernel import chunk_ssd_torch
+
+__all__ = ["ssd_fla_op", "ssd_torch_op"]
+
+
+# ----------------------------------------------------------------------------- SSD, torch
+
+
+@torch.library.custom_op(f"{NS}::ssd_torch", mutates_args=())
+def ssd_torch_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    initial_state: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """``chunk_ssd_torch``; returns ``(o [1,T,HV,V], final_state [N,HV,K,V])`` (the final state
+    always: it costs nothing extra here and keeps one output signature)."""
+    o, final = chunk_ssd_torch(
+        q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=True,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )  # fmt: skip
+    assert o is not None and final is not None
+    if initial_state is not None and final.data_ptr() == initial_state.data_ptr():
+        final = final.clone()  # an op output must not alias an input
+    return o, final
+
+
+@ssd_torch_op.register_fake
+def _(q, k, v, g, initial_state, cu_seqlens_cpu, scale):
+    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
+    final = q.new_empty(num_seqs(cu_seqlens_cpu), HV, K, V, dtype=compute_dtype(q.dtype))
+    return torch.empty_like(v), final
+
+
+@torch.library.custom_op(f"{NS}::ssd_torch_bwd", mutates_args=())
+def ssd_torch_bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    initial_state: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    do: Tensor | None,
+    dfinal: Tensor | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv, dg, dh0)`` by re-running the forward under autograd (dh0 is
+    ``[N,HV,K,V]`` zeros without an initial state)."""
+    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
+    h0 = initial_state
+    if h0 is None:
+        h0 = q.new_zeros(num_seqs(cu_seqlens_cpu), HV, K, V, dtype=compute_dtype(q.dtype))
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, h0)]
+    with autograd_inside_op():
+        o, final = chunk_ssd_torch(
+            *leaves[:4], scale=scale, initial_state=leaves[4], output_final_state=True,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+        )  # fmt: skip
+        assert o is not None and final is not None
+        grads = input_grads([o, final], [do, dfinal], leaves)
+    return tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, h0)))  # type: ignore[return-value]
+
+
+@ssd_torch_bwd_op.register_fake
+def _(q, k, v, g, initial_state, cu_seqlens_cpu, do, dfinal, scale):
+    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
+    if initial_state is None:
+        dh0 = q.new_empty(num_seqs(cu_seqlens_cpu), HV, K, V, dtype=compute_dtype(q.dtype))
+    else:
+        dh0 = torch.empty_like(initial_state)
+    return tuple(torch.empty_like(x) for x in (q, k, v, g)) + (dh0,)
+
+
+def _setup_ssd_torch(ctx, inputs, output) -> None:
+    q, k, v, g, h0, cu_cpu, scale = inputs
+    ctx.save_for_backward(q, k, v, g, h0, cu_cpu)
+    ctx.scale = scale
+
+
+def _backward_ssd_torch(ctx, do, dfinal):
+    q, k, v, g, h0, cu_cpu = ctx.saved_tensors
+    dq, dk, dv, dg, dh0 = ssd_torch_bwd_op(q, k, v, g, h0, cu_cpu, do, dfinal, ctx.scale)
+    return dq, dk, dv, dg, (dh0 if h0 is not None else None), None, None
+
+
+ssd_torch_op.register_autograd(_backward_ssd_torch, setup_context=_setup_ssd_torch)
+
+
+# ----------------------------------------------------------------------------- SSD, fla
+
+
+def _tables(
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None,
+    chunk_offsets: Tensor | None,
+    num_tokens: int,
+) -> tuple[Tensor | None, Tensor | None]:
+    """The routing's chunk table cut to its real rows (or fla's own, a host sync) and the chunk
+    offsets checked against the host offsets; None, None for a single sequence."""
+    if cu_seqlens is None:
+        return None, None
+    if chunk_offsets is not None:
+        chunk_table(cu_seqlens_cpu, num_tokens, None, chunk_offsets)  # shape check only
+    return fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, num_tokens), chunk_offsets
+
+
+@torch.library.custom_op(f"{NS}::ssd_fla", mutates_args=())
+def ssd_fla_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None,
+    chunk_offsets: Tensor | None,
+    scale: float,
+    output_final_state: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fla-core's simple-GLA forward (``fla_compat.simple_gla_fwd_indexed``) on q, k, v
+    ``[1,T,HV,·]`` and a float32 gate ``[1,T,HV]``. Returns ``(o, final_state, g_cumsum)``: the
+    output in q's dtype, the float32 final states ``[N,HV,K,V]`` (``[0]`` when not requested)
+    and the chunk-local cumulative gate fla's backward reads instead of recomputing."""
+    from ..fla_compat import simple_gla_fwd_indexed
+
+    q, k, v, g, initial_state = contiguous(q, k, v, g, initial_state)
+    ci, co = _tables(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets, q.shape[1])
+    o, final, g_cum = simple_gla_fwd_indexed(
+        q, k, v, g, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=ci,
+        chunk_offsets=co,
+    )  # fmt: skip
+    if final is None:
+        final = q.new_empty(0, dtype=torch.float32)
+    return o.to(q.dtype), final, g_cum
+
+
+@ssd_fla_op.register_fake
+def _(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets, scale,
+      output_final_state):  # fmt: skip
+    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
+    if output_final_state:
+        final = q.new_empty(num_seqs(cu_seqlens), HV, K, V, dtype=torch.float32)
+    else:
+        final = q.new_empty(0, dtype=torch.float32)
+    return q.new_empty(v.shape), final, torch.empty_like(g, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NS}::ssd_fla_bwd", mutates_args=())
+def ssd_fla_bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_cumsum: Tensor,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None,
+    chunk_offsets: Tensor | None,
+    do: Tensor,
+    dfinal: Tensor | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fla-core's own simple-GLA backward: ``(dq, dk, dv, dg, dh0)``, dg float32 for the
+    forward's gate, dh0 ``[0]`` without an initial state."""
+    from ..fla_compat import simple_gla_bwd_indexed
+
+    ci, co = _tables(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets, q.shape[1])
+    q, k, v, g_cumsum, initial_state, do, dfinal = contiguous(
+        q, k, v, g_cumsum, initial_state, do, dfinal
+    )
+    dq, dk, dv, dg, dh0 = simple_gla_bwd_indexed(
+        q, k, v, g_cumsum, do, dfinal, scale=scale, initial_state=initial_state,
+        cu_seqlens=cu_seqlens, chunk_indices=ci, chunk_offsets=co,
+    )  # fmt: skip
+    if dh0 is None or initial_state is None:
+        dh0 = q.new_empty(0, dtype=torch.float32)
+    else:
+        dh0 = dh0.to(initial_state.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.float(), dh0
+
+
+@ssd_fla_bwd_op.register_fake
+def _(q, k, v, g_cumsum, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets,
+      do, dfinal, scale):  # fmt: skip
+    dh0 = (
+        torch.empty_like(initial_state)
+        if initial_state is not None
+        else q.new_empty(0, dtype=torch.float32)
+    )
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(g_cumsum), dh0)  # fmt: skip
+
+
+def _setup_ssd_fla(ctx, inputs, output) -> None:
+    q, k, v, g, h0, cu, cu_cpu, ci, co, scale, _ = inputs
+    ctx.save_for_backward(q, k, v, output[2], h0, cu, cu_cpu, ci, co)
+    ctx.scale, ctx.g_dtype = scale, g.dtype
+
+
+def _backward_ssd_fla(ctx, do, dfinal, _):
+    q, k, v, g_cum, h0, cu, cu_cpu, ci, co = ctx.saved_tensors
+    if dfinal is not None and dfinal.numel() == 0:
+        dfinal = None
+    dq, dk, dv, dg, dh0 = ssd_fla_bwd_op(
+        q, k, v, g_cum, h0, cu, cu_cpu, ci, co, do, dfinal, ctx.scale
+    )
+    dh0 = dh0 if h0 is not None else None
+    return dq, dk, dv, dg.to(ctx.g_dtype), dh0, None, None, None, None, None, None
+
+
+ssd_fla_op.register_autograd(_backward_ssd_fla, setup_context=_setup_ssd_fla)
