@@ -32,6 +32,16 @@ def test_first_failure_with_the_recipes_line_ends_the_launch_with_it(tmp_path):
     assert one_line_failure({0: failure(tmp_path, 0, 1, stopped, now)}) == (stopped, 1)
 
 
+def test_a_rank_torchrun_killed_in_the_same_second_is_not_the_root_cause(tmp_path):
+    """torchrun SIGTERMs the other ranks after the first failure; a killed rank has no error
+    file and its timestamp is when torchrun noticed it: the same second as the rank that failed
+    on its own, and a lower rank. (CI once ended this way with torchrun's block and exit 1.)"""
+    now = int(time.time())
+    line = "torchtitan_cp.train: error: dump folder D: its lock names pid 4242 on host h (...)"
+    killed_first = {0: failure(tmp_path, 0, -15, None, now), 1: failure(tmp_path, 1, 2, line, now)}
+    assert one_line_failure(killed_first) == (line, 2)
+
+
 def test_any_other_root_cause_keeps_torchruns_report(tmp_path):
     now = int(time.time())
     line = "torchtitan_cp.train: error: x"

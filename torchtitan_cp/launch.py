@@ -24,7 +24,10 @@ def one_line_failure(failures: dict[int, Any]) -> tuple[str, int] | None:
     the recipe's one-line errors, else None. ``failures``: rank -> torchrun's ProcessFailure."""
     if not failures:
         return None
-    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    # A rank killed by a signal (torchrun's SIGTERM after the first failure) is a consequence,
+    # never the root cause; its timestamp is when torchrun noticed it, often the same second as
+    # the rank that failed on its own (timestamps are whole seconds).
+    rank = min(failures, key=lambda r: (failures[r].exitcode <= 0, failures[r].timestamp, r))
     failure = failures[rank]
     message = failure.message
     if isinstance(message, dict):
