@@ -24,12 +24,23 @@ Only APIs present since torch 2.4 are used (``torch.library.custom_op``, ``regis
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 from torch import Tensor
 
-__all__ = ["NS", "autograd_inside_op", "input_grads", "num_seqs"]
+from .dtypes import compute_dtype
+
+__all__ = [
+    "NS",
+    "autograd_inside_op",
+    "input_grads",
+    "num_seqs",
+    "op_outputs",
+    "recompute_grads",
+    "recompute_grads_fake",
+    "state_like",
+]
 
 NS = "torchtitan_cp"
 """The custom ops' namespace (``torch.ops.torchtitan_cp``)."""
@@ -65,3 +76,66 @@ def input_grads(
         [o for o, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True
     )
     return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, got)]
+
+
+# ------------------------------------------------- PyTorch kernels as ops (recompute backward)
+# The torch kernels of every family (delta rule, SSD) take ``(q, k, v, ...)`` with q ``[1, T, H,
+# K]`` and v ``[1, T, HV, V]``, keep states ``[N, HV, K, V]`` in the compute dtype, and run as a
+# forward op that always returns the final state plus a backward op that re-runs the forward
+# under autograd. What is the same for all of them lives here.
+
+Kernel = Callable[..., tuple[Tensor | None, Tensor | None]]
+"""``kernel(*inputs, initial_state=h0) -> (o, final)`` with the output and the final state."""
+
+
+def state_like(
+    inputs: tuple[Tensor, ...], cu_seqlens: Tensor | None, zeros: bool = False
+) -> Tensor:
+    """A state ``[N, HV, K, V]`` for ``inputs = (q, k, v, ...)`` in q's compute dtype: empty
+    (for a fake) or zeros (the entry state when the caller gives none)."""
+    q, v = inputs[0], inputs[2]
+    new = q.new_zeros if zeros else q.new_empty
+    shape = (num_seqs(cu_seqlens), v.shape[2], q.shape[3], v.shape[3])
+    return new(shape, dtype=compute_dtype(q.dtype))
+
+
+def op_outputs(
+    o: Tensor | None, final: Tensor | None, initial_state: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """A forward op's ``(o, final)``; ``final`` copied where the kernel returned the entry state
+    itself (zero-length sequences): an op output must not alias an input."""
+    assert o is not None and final is not None  # output_final_state=True
+    if initial_state is not None and final.data_ptr() == initial_state.data_ptr():
+        final = final.clone()
+    return o, final
+
+
+def recompute_grads(
+    kernel: Kernel,
+    inputs: tuple[Tensor, ...],
+    initial_state: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    do: Tensor | None,
+    dfinal: Tensor | None,
+) -> tuple[Tensor, ...]:
+    """A backward op's body: ``(d inputs..., dh0)`` by re-running ``kernel`` under autograd, each
+    in its input's dtype (dh0 ``[N, HV, K, V]`` zeros-based without an initial state)."""
+    h0 = state_like(inputs, cu_seqlens_cpu, zeros=True) if initial_state is None else initial_state
+    primals = (*inputs, h0)
+    leaves = [x.detach().requires_grad_(True) for x in primals]
+    with autograd_inside_op():
+        o, final = kernel(*leaves[:-1], initial_state=leaves[-1])
+        assert o is not None and final is not None
+        grads = input_grads([o, final], [do, dfinal], leaves)
+    return tuple(gr.to(x.dtype) for gr, x in zip(grads, primals))
+
+
+def recompute_grads_fake(
+    inputs: tuple[Tensor, ...], initial_state: Tensor | None, cu_seqlens_cpu: Tensor | None
+) -> tuple[Tensor, ...]:
+    """The fake of ``recompute_grads``: its outputs' shapes and dtypes."""
+    if initial_state is None:
+        dh0 = state_like(inputs, cu_seqlens_cpu)
+    else:
+        dh0 = torch.empty_like(initial_state)
+    return tuple(torch.empty_like(x) for x in inputs) + (dh0,)

@@ -20,13 +20,20 @@ Shapes and conventions are those of ``ops.delta_rule.local`` (docs/CONTRACTS.md)
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from ..common.custom_ops import NS, autograd_inside_op, input_grads, num_seqs
-from ..common.dtypes import compute_dtype
+from ..common.custom_ops import (
+    NS,
+    num_seqs,
+    op_outputs,
+    recompute_grads,
+    recompute_grads_fake,
+    state_like,
+)
 from ..common.fla import FLA_CHUNK_SIZE, contiguous, fla_chunk_indices
 from .torch_kernel import chunk_delta_rule_torch
 
@@ -53,18 +60,12 @@ def delta_rule_torch_op(
         q, k, v, g, beta, kind=kind, scale=scale, initial_state=initial_state,
         output_final_state=True, cu_seqlens_cpu=cu_seqlens_cpu,
     )  # fmt: skip
-    assert final is not None
-    if initial_state is not None and final.data_ptr() == initial_state.data_ptr():
-        final = final.clone()  # an op output must not alias an input
-    return o, final
+    return op_outputs(o, final, initial_state)
 
 
 @delta_rule_torch_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens_cpu, kind, scale):
-    HV, V = v.shape[2], v.shape[3]
-    K = q.shape[3]
-    final = q.new_empty(num_seqs(cu_seqlens_cpu), HV, K, V, dtype=compute_dtype(q.dtype))
-    return torch.empty_like(v), final
+    return torch.empty_like(v), state_like((q, k, v), cu_seqlens_cpu)
 
 
 @torch.library.custom_op(f"{NS}::delta_rule_torch_bwd", mutates_args=())
@@ -83,29 +84,17 @@ def delta_rule_torch_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` by re-running the forward under autograd
     (dh0 is ``[N,HV,K,V]`` zeros without an initial state)."""
-    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
-    h0 = initial_state
-    if h0 is None:
-        h0 = q.new_zeros(num_seqs(cu_seqlens_cpu), HV, K, V, dtype=compute_dtype(q.dtype))
-    leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
-    with autograd_inside_op():
-        o, final = chunk_delta_rule_torch(
-            *leaves[:5], kind=kind, scale=scale, initial_state=leaves[5],
-            output_final_state=True, cu_seqlens_cpu=cu_seqlens_cpu,
-        )  # fmt: skip
-        assert final is not None
-        grads = input_grads([o, final], [do, dfinal], leaves)
-    return tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta, h0)))  # type: ignore[return-value]
+    kernel = partial(
+        chunk_delta_rule_torch, kind=kind, scale=scale, output_final_state=True,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )  # fmt: skip
+    grads = recompute_grads(kernel, (q, k, v, g, beta), initial_state, cu_seqlens_cpu, do, dfinal)
+    return grads  # type: ignore[return-value]
 
 
 @delta_rule_torch_bwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens_cpu, do, dfinal, kind, scale):
-    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
-    if initial_state is None:
-        dh0 = q.new_empty(num_seqs(cu_seqlens_cpu), HV, K, V, dtype=compute_dtype(q.dtype))
-    else:
-        dh0 = torch.empty_like(initial_state)
-    return tuple(torch.empty_like(x) for x in (q, k, v, g, beta)) + (dh0,)
+    return recompute_grads_fake((q, k, v, g, beta), initial_state, cu_seqlens_cpu)
 
 
 def _setup_delta_rule_torch(ctx, inputs, output) -> None:

@@ -21,7 +21,7 @@ from ..common.dtypes import compute_dtype
 from ..cp.driver import context_parallel_recurrence
 from ..cp.recurrence import SequenceTables
 from .local import chunk_delta_rule
-from .torch_kernel import delta_rule_final_states_torch
+from .torch_kernel import chunk_delta_rule_torch
 
 if TYPE_CHECKING:
     from torchtitan_cp.routing import DeviceRouting
@@ -78,10 +78,13 @@ class DeltaRule:
         vs = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)  # [v | 0]
         h0 = self.identity((HV, K, V), dt, v.device).expand(n, -1, -1, -1).contiguous()
         if checks.resolve_backend(self.backend, q) == "torch" and not torch.compiler.is_compiling():
-            return delta_rule_final_states_torch(
+            _, fin = chunk_delta_rule_torch(
                 q, k, vs, g, beta, kind=self.kind, initial_state=h0,
                 cu_seqlens=tables.cu_seqlens, cu_seqlens_cpu=tables.cu_seqlens_cpu,
+                states_only=True,
             )  # fmt: skip
+            assert fin is not None  # states_only=True
+            return fin
         # fla-core 0.6.0 has no differentiable state-only entry point (its chunk_*_fwd_h are
         # forward-only pieces of the autograd Function), and under torch.compile the local
         # kernel runs as an opaque custom op: both compute, and discard, the [.., V+K] output.

@@ -33,7 +33,7 @@ from ..common.dtypes import compute_dtype
 from ..common.scores import causal_mask, gdn_scores
 from ..common.varlen import chunk_layout, host_cu_seqlens
 
-__all__ = ["chunk_delta_rule_torch", "delta_rule_final_states_torch"]
+__all__ = ["chunk_delta_rule_torch"]
 
 
 def _kda_scores(a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
@@ -94,7 +94,8 @@ def chunk_delta_rule_torch(
     cu_seqlens_cpu: Tensor | None = None,
     chunk_size: int = 64,
     sub_chunk_size: int = 8,
-) -> tuple[Tensor, Tensor | None]:
+    states_only: bool = False,
+) -> tuple[Tensor | None, Tensor | None]:
     """Chunked KDA / GDN forward (autograd gives the backward).
 
     Args:
@@ -106,64 +107,14 @@ def chunk_delta_rule_torch(
         cu_seqlens / cu_seqlens_cpu: ``[N+1]`` sequence offsets (host copy preferred).
         chunk_size: tokens per chunk; ``sub_chunk_size`` (KDA only) must divide it, otherwise
             the whole chunk is one sub-block.
+        states_only: return ``(None, final)`` without computing any output (no query
+            products, no per-chunk entry states kept): the CP summary pass.
 
     Returns:
-        ``o [1, T, HV, V]`` in v's dtype and, if ``output_final_state``, the final states
-        ``[N, HV, K, V]`` in the compute dtype (float64 for float64 inputs, else float32).
-        Zero-length sequences return their initial state.
+        ``(o [1, T, HV, V] in v's dtype or None, final [N, HV, K, V] or None)``: the final
+        states (when ``output_final_state`` or ``states_only``) in the compute dtype (float64
+        for float64 inputs, else float32). Zero-length sequences return their initial state.
     """
-    o, final = _delta_rule_torch(
-        q, k, v, g, beta, kind=kind, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, sub_chunk_size=sub_chunk_size,
-        states_only=False,
-    )  # fmt: skip
-    assert o is not None
-    return o, final
-
-
-def delta_rule_final_states_torch(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    kind: str,
-    initial_state: Tensor | None = None,
-    cu_seqlens: Tensor | None = None,
-    cu_seqlens_cpu: Tensor | None = None,
-    chunk_size: int = 64,
-    sub_chunk_size: int = 8,
-) -> Tensor:
-    """Final states ``[N, HV, K, V]`` of ``chunk_delta_rule_torch`` without computing outputs
-    (no query products, no per-chunk entry states kept): the CP summary pass."""
-    _, final = _delta_rule_torch(
-        q, k, v, g, beta, kind=kind, scale=None, initial_state=initial_state,
-        output_final_state=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-        chunk_size=chunk_size, sub_chunk_size=sub_chunk_size, states_only=True,
-    )  # fmt: skip
-    assert final is not None
-    return final
-
-
-def _delta_rule_torch(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    kind: str,
-    scale: float | None,
-    initial_state: Tensor | None,
-    output_final_state: bool,
-    cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | None,
-    chunk_size: int,
-    sub_chunk_size: int,
-    states_only: bool,
-) -> tuple[Tensor | None, Tensor | None]:
     if kind not in ("kda", "gdn"):
         raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
     T, H, K = q.shape[1:]
@@ -175,6 +126,7 @@ def _delta_rule_torch(
     sub = sub_chunk_size if (sub_chunk_size and C % sub_chunk_size == 0) else C
     cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
     N = len(cu) - 1
+    output_final_state = output_final_state or states_only
 
     if initial_state is None:
         state0 = torch.zeros(N, HV, K, V, dtype=cd, device=dev)
