@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .dtypes import compute_dtype
+
 
 def host_cu_seqlens(
     total: int, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None
@@ -25,6 +27,24 @@ def host_cu_seqlens(
     else:
         return [0, total]
     return [int(c) for c in cu]
+
+
+def entry_states(
+    q: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    initial_state: Tensor | None,
+) -> tuple[list[int], Tensor]:
+    """The host offsets (``host_cu_seqlens``) and every sequence's entry state ``[N, HV, K, V]``
+    in the compute dtype (zeros when ``initial_state`` is None), for a chunked kernel over
+    ``q [1, T, H, K]`` and ``v [1, T, HV, V]``."""
+    cu = host_cu_seqlens(q.shape[1], cu_seqlens, cu_seqlens_cpu)
+    cd = compute_dtype(q.dtype)
+    if initial_state is not None:
+        return cu, initial_state.to(cd)
+    HV, V = v.shape[2:]
+    return cu, torch.zeros(len(cu) - 1, HV, q.shape[3], V, dtype=cd, device=q.device)
 
 
 def seq_ids_and_positions(cu: list[int]) -> tuple[Tensor, Tensor]:

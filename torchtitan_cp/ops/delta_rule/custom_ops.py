@@ -26,14 +26,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ..common.custom_ops import (
-    NS,
-    num_seqs,
-    op_outputs,
-    recompute_grads,
-    recompute_grads_fake,
-    state_like,
-)
+from ..common import custom_ops as shared
+from ..common.custom_ops import NS, num_seqs
 from ..common.fla import FLA_CHUNK_SIZE, contiguous, fla_chunk_indices
 from .torch_kernel import chunk_delta_rule_torch
 
@@ -60,12 +54,12 @@ def delta_rule_torch_op(
         q, k, v, g, beta, kind=kind, scale=scale, initial_state=initial_state,
         output_final_state=True, cu_seqlens_cpu=cu_seqlens_cpu,
     )  # fmt: skip
-    return op_outputs(o, final, initial_state)
+    return shared.op_outputs(o, final, initial_state)
 
 
 @delta_rule_torch_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens_cpu, kind, scale):
-    return torch.empty_like(v), state_like((q, k, v), cu_seqlens_cpu)
+    return torch.empty_like(v), shared.state_like((q, k, v), cu_seqlens_cpu)
 
 
 @torch.library.custom_op(f"{NS}::delta_rule_torch_bwd", mutates_args=())
@@ -88,13 +82,15 @@ def delta_rule_torch_bwd_op(
         chunk_delta_rule_torch, kind=kind, scale=scale, output_final_state=True,
         cu_seqlens_cpu=cu_seqlens_cpu,
     )  # fmt: skip
-    grads = recompute_grads(kernel, (q, k, v, g, beta), initial_state, cu_seqlens_cpu, do, dfinal)
+    grads = shared.recompute_grads(
+        kernel, (q, k, v, g, beta), initial_state, cu_seqlens_cpu, do, dfinal
+    )
     return grads  # type: ignore[return-value]
 
 
 @delta_rule_torch_bwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens_cpu, do, dfinal, kind, scale):
-    return recompute_grads_fake((q, k, v, g, beta), initial_state, cu_seqlens_cpu)
+    return shared.recompute_grads_fake((q, k, v, g, beta), initial_state, cu_seqlens_cpu)
 
 
 def _setup_delta_rule_torch(ctx, inputs, output) -> None:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..common.dtypes import compute_dtype
 from ..common.scores import causal_mask, gdn_scores
-from ..common.varlen import chunk_layout, host_cu_seqlens
+from ..common.varlen import chunk_layout, entry_states
 
 __all__ = ["chunk_delta_rule_torch"]
 
@@ -124,14 +124,8 @@ def chunk_delta_rule_torch(
     dev = q.device
     C = chunk_size
     sub = sub_chunk_size if (sub_chunk_size and C % sub_chunk_size == 0) else C
-    cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
-    N = len(cu) - 1
+    cu, state0 = entry_states(q, v, cu_seqlens, cu_seqlens_cpu, initial_state)
     output_final_state = output_final_state or states_only
-
-    if initial_state is None:
-        state0 = torch.zeros(N, HV, K, V, dtype=cd, device=dev)
-    else:
-        state0 = initial_state.to(cd)
     if T == 0:
         o = None if states_only else v.new_zeros(1, 0, HV, V)
         return o, (state0.clone() if output_final_state else None)

@@ -26,14 +26,8 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from ..common.custom_ops import (
-    NS,
-    num_seqs,
-    op_outputs,
-    recompute_grads,
-    recompute_grads_fake,
-    state_like,
-)
+from ..common import custom_ops as shared
+from ..common.custom_ops import NS, num_seqs
 from ..common.fla import chunk_table, contiguous, fla_chunk_indices
 from .torch_kernel import chunk_ssd_torch
 
@@ -59,12 +53,12 @@ def ssd_torch_op(
         q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=True,
         cu_seqlens_cpu=cu_seqlens_cpu,
     )  # fmt: skip
-    return op_outputs(o, final, initial_state)
+    return shared.op_outputs(o, final, initial_state)
 
 
 @ssd_torch_op.register_fake
 def _(q, k, v, g, initial_state, cu_seqlens_cpu, scale):
-    return torch.empty_like(v), state_like((q, k, v), cu_seqlens_cpu)
+    return torch.empty_like(v), shared.state_like((q, k, v), cu_seqlens_cpu)
 
 
 @torch.library.custom_op(f"{NS}::ssd_torch_bwd", mutates_args=())
@@ -84,13 +78,13 @@ def ssd_torch_bwd_op(
     kernel = partial(
         chunk_ssd_torch, scale=scale, output_final_state=True, cu_seqlens_cpu=cu_seqlens_cpu
     )
-    grads = recompute_grads(kernel, (q, k, v, g), initial_state, cu_seqlens_cpu, do, dfinal)
+    grads = shared.recompute_grads(kernel, (q, k, v, g), initial_state, cu_seqlens_cpu, do, dfinal)
     return grads  # type: ignore[return-value]
 
 
 @ssd_torch_bwd_op.register_fake
 def _(q, k, v, g, initial_state, cu_seqlens_cpu, do, dfinal, scale):
-    return recompute_grads_fake((q, k, v, g), initial_state, cu_seqlens_cpu)
+    return shared.recompute_grads_fake((q, k, v, g), initial_state, cu_seqlens_cpu)
 
 
 def _setup_ssd_torch(ctx, inputs, output) -> None:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..common.dtypes import compute_dtype
 from ..common.scores import gdn_scores
-from ..common.varlen import chunk_layout, host_cu_seqlens
+from ..common.varlen import chunk_layout, entry_states
 
 __all__ = ["chunk_ssd_torch"]
 
@@ -51,15 +51,9 @@ def chunk_ssd_torch(
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale
     cd = compute_dtype(q.dtype)
-    dev = q.device
     C = chunk_size
-    cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
-    N = len(cu) - 1
+    cu, state0 = entry_states(q, v, cu_seqlens, cu_seqlens_cpu, initial_state)
     want_final = output_final_state or states_only
-    if initial_state is None:
-        state0 = torch.zeros(N, HV, K, V, dtype=cd, device=dev)
-    else:
-        state0 = initial_state.to(cd)
     if T == 0:
         o = None if states_only else v.new_zeros(1, 0, HV, V)
         return o, (state0.clone() if want_final else None)
