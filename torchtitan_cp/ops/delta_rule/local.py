@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..common import checks
 from ..common.checks import Backend
+from ..common.fla import device_cu_seqlens
 from . import custom_ops
 from .torch_kernel import chunk_delta_rule_torch
 
@@ -76,11 +77,22 @@ def chunk_delta_rule(
     checks.check_initial_state(initial_state, N, HV, K, V)
     resolved = checks.resolve_backend(backend, q)
     if torch.compiler.is_compiling():
-        return _compiled_delta_rule(
-            resolved, q, k, v, g, beta, kind=kind, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-        )  # fmt: skip
+        # While dynamo traces, the kernel runs as the custom ops of ``delta_rule.custom_ops``
+        # (opaque to the compiler, no graph break); eager calls keep their plain autograd.
+        scale = K**-0.5 if scale is None else float(scale)
+        cu_cpu = checks.host_offsets(cu_seqlens, cu_seqlens_cpu)
+        if resolved == "fla":
+            cu_dev, cu_cpu = device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
+            h0 = initial_state.float() if initial_state is not None else None
+            o, final, *_ = custom_ops.delta_rule_fla_op(
+                q, k, v, g, beta, h0, cu_dev, cu_cpu, chunk_indices, kind, scale,
+                output_final_state,
+            )  # fmt: skip
+        else:
+            o, final = custom_ops.delta_rule_torch_op(
+                q, k, v, g, beta, initial_state, cu_cpu, kind, scale
+            )
+        return o, (final if output_final_state else None)
     common = dict(
         kind=kind, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -95,39 +107,3 @@ def chunk_delta_rule(
     o, final = chunk_delta_rule_torch(q, k, v, g, beta, **common)
     assert o is not None  # not states_only
     return o, final
-
-
-# ----------------------------------------------------------------------------- torch.compile
-# While dynamo traces, the kernel runs as the custom ops of ``delta_rule.custom_ops`` (opaque to
-# the compiler, no graph break); eager calls above keep their plain autograd.
-
-
-def _compiled_delta_rule(
-    backend: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    kind: str,
-    scale: float | None,
-    initial_state: Tensor | None,
-    output_final_state: bool,
-    cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | None,
-    chunk_indices: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    cu_cpu = checks.host_offsets(cu_seqlens, cu_seqlens_cpu)
-    if backend == "fla":
-        from ..common.fla import device_cu_seqlens
-
-        cu_dev, cu_cpu = device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
-        h0 = initial_state.float() if initial_state is not None else None
-        o, final, *_ = custom_ops.delta_rule_fla_op(
-            q, k, v, g, beta, h0, cu_dev, cu_cpu, chunk_indices, kind, scale, output_final_state
-        )
-        return o, (final if output_final_state else None)
-    o, final = custom_ops.delta_rule_torch_op(q, k, v, g, beta, initial_state, cu_cpu, kind, scale)
-    return o, (final if output_final_state else None)

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..common import checks
 from ..common.checks import Backend
+from ..common.fla import device_cu_seqlens
 from . import custom_ops
 from .fla_kernel import chunk_ssd_fla
 from .torch_kernel import chunk_ssd_torch
@@ -55,12 +56,22 @@ def chunk_ssd(
     checks.check_initial_state(initial_state, N, HV, K, V)
     resolved = checks.resolve_backend(backend, q)
     if torch.compiler.is_compiling():
-        return _compiled_ssd(
-            resolved, q, k, v, g, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-            chunk_offsets=chunk_offsets,
-        )  # fmt: skip
+        # While dynamo traces, the kernel runs as the custom ops of ``ssd.custom_ops`` (opaque
+        # to the compiler, no graph break); eager calls keep their plain autograd.
+        scale = K**-0.5 if scale is None else float(scale)
+        cu_cpu = checks.host_offsets(cu_seqlens, cu_seqlens_cpu)
+        if resolved == "fla":
+            cu_dev, cu_cpu = device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
+            rep = HV // H  # as chunk_ssd_fla: one q/k head per value head
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+            h0 = initial_state.float() if initial_state is not None else None
+            o, final, _ = custom_ops.ssd_fla_op(
+                q, k, v, g.float(), h0, cu_dev, cu_cpu, chunk_indices, chunk_offsets, scale,
+                output_final_state,
+            )  # fmt: skip
+        else:
+            o, final = custom_ops.ssd_torch_op(q, k, v, g, initial_state, cu_cpu, scale)
+        return o, (final if output_final_state else None)
     if resolved == "fla":
         return chunk_ssd_fla(
             q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
@@ -73,41 +84,3 @@ def chunk_ssd(
     )  # fmt: skip
     assert o is not None
     return o, fin
-
-
-# ----------------------------------------------------------------------------- torch.compile
-# While dynamo traces, the kernel runs as the custom ops of ``ssd.custom_ops`` (opaque to the
-# compiler, no graph break); eager calls above keep their plain autograd.
-
-
-def _compiled_ssd(
-    backend: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    *,
-    scale: float | None,
-    initial_state: Tensor | None,
-    output_final_state: bool,
-    cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | None,
-    chunk_indices: Tensor | None,
-    chunk_offsets: Tensor | None,
-) -> tuple[Tensor, Tensor | None]:
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    cu_cpu = checks.host_offsets(cu_seqlens, cu_seqlens_cpu)
-    if backend == "fla":
-        from ..common.fla import device_cu_seqlens
-
-        cu_dev, cu_cpu = device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
-        rep = v.shape[2] // q.shape[2]  # as chunk_ssd_fla: one q/k head per value head
-        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        h0 = initial_state.float() if initial_state is not None else None
-        o, final, _ = custom_ops.ssd_fla_op(
-            q, k, v, g.float(), h0, cu_dev, cu_cpu, chunk_indices, chunk_offsets, scale,
-            output_final_state,
-        )  # fmt: skip
-        return o, (final if output_final_state else None)
-    o, final = custom_ops.ssd_torch_op(q, k, v, g, initial_state, cu_cpu, scale)
-    return o, (final if output_final_state else None)
