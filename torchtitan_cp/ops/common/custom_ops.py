@@ -29,13 +29,16 @@ from collections.abc import Callable, Generator
 import torch
 from torch import Tensor
 
+from . import checks
 from .dtypes import compute_dtype
+from .fla import device_cu_seqlens
 
 __all__ = [
     "NS",
     "autograd_inside_op",
     "input_grads",
     "num_seqs",
+    "op_offsets",
     "op_outputs",
     "recompute_grads",
     "recompute_grads_fake",
@@ -50,6 +53,17 @@ def num_seqs(cu_seqlens: Tensor | None) -> int:
     """N of ``cu_seqlens [N+1]`` (1 without offsets)."""
     # A shape, not a value: stays static (or symbolic) under tracing.
     return 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def op_offsets(
+    backend: str, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, device: torch.device
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(device offsets, host offsets)`` as a family's ops take them under torch.compile: the
+    host copy always (``checks.host_offsets``), the device copy for the fla ops only."""
+    cu_cpu = checks.host_offsets(cu_seqlens, cu_seqlens_cpu)
+    if backend != "fla":
+        return None, cu_cpu
+    return device_cu_seqlens(cu_seqlens, cu_cpu, device)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..common import checks
 from ..common.checks import Backend
-from ..common.fla import device_cu_seqlens
+from ..common.custom_ops import op_offsets
 from . import custom_ops
 from .torch_kernel import chunk_delta_rule_torch
 
@@ -80,9 +80,8 @@ def chunk_delta_rule(
         # While dynamo traces, the kernel runs as the custom ops of ``delta_rule.custom_ops``
         # (opaque to the compiler, no graph break); eager calls keep their plain autograd.
         scale = K**-0.5 if scale is None else float(scale)
-        cu_cpu = checks.host_offsets(cu_seqlens, cu_seqlens_cpu)
+        cu_dev, cu_cpu = op_offsets(resolved, cu_seqlens, cu_seqlens_cpu, q.device)
         if resolved == "fla":
-            cu_dev, cu_cpu = device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
             h0 = initial_state.float() if initial_state is not None else None
             o, final, *_ = custom_ops.delta_rule_fla_op(
                 q, k, v, g, beta, h0, cu_dev, cu_cpu, chunk_indices, kind, scale,

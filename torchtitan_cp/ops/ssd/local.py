@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..common import checks
 from ..common.checks import Backend
-from ..common.fla import device_cu_seqlens
+from ..common.custom_ops import op_offsets
 from . import custom_ops
 from .fla_kernel import chunk_ssd_fla
 from .torch_kernel import chunk_ssd_torch
@@ -59,9 +59,8 @@ def chunk_ssd(
         # While dynamo traces, the kernel runs as the custom ops of ``ssd.custom_ops`` (opaque
         # to the compiler, no graph break); eager calls keep their plain autograd.
         scale = K**-0.5 if scale is None else float(scale)
-        cu_cpu = checks.host_offsets(cu_seqlens, cu_seqlens_cpu)
+        cu_dev, cu_cpu = op_offsets(resolved, cu_seqlens, cu_seqlens_cpu, q.device)
         if resolved == "fla":
-            cu_dev, cu_cpu = device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
             rep = HV // H  # as chunk_ssd_fla: one q/k head per value head
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
             h0 = initial_state.float() if initial_state is not None else None
