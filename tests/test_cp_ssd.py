@@ -7,7 +7,7 @@ retention runs).
 
 Tolerances (max abs difference against the unsharded run): float64 <= 1e-10, float32 <= 2e-5,
 as for the delta rule (tests/test_cp_delta_rule.py). One float64 case per world is also checked
-against the token-by-token oracle (tests/reference_ssd.py).
+against the token-by-token oracle (tests/reference.py).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_single_rank_out_of_order_span() -> None:
 def test_fla_backend_matches_oracle() -> None:
     # fla-core's chunk_simple_gla as the SSD backend, local and through the CP driver (world 1,
     # out-of-order span). Tolerance as tests/test_kernels_fla.py (TF32): 5e-3 relative.
-    from tests.reference_ssd import ssd_reference
+    from tests.reference import ssd_reference
     from torchtitan_cp.ops.ssd.local import chunk_ssd
     from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
     from torchtitan_cp.routing import RoutingPlan
