@@ -24,6 +24,7 @@ caller, and the violations with their caller.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -175,13 +176,13 @@ class Tracker:
             self.violations.append({"op": op, "where": where, "group": group, "host": shapes})
 
     def __enter__(self) -> Tracker:
+        self._stack = contextlib.ExitStack()
         for mode in self._modes:
-            mode.__enter__()
+            self._stack.enter_context(mode)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for mode in reversed(self._modes):
-            mode.__exit__(*exc)
+        self._stack.__exit__(*exc)
 
 
 def _dump_folder(argv: list[str]) -> str:

@@ -12,8 +12,8 @@
   take the ``interpreter_off`` fixture.
 * Shared helpers are imported one way, as ``tests.<module>`` (``tests`` is a package):
   ``tests.dist_utils`` (gloo ranks, layout cases), ``tests.launch`` (the real entry points),
-  ``tests.helpers`` (batches, files), ``tests.reference`` / ``tests.reference_ssd`` (float64
-  oracles), ``tests.fla_interpreter`` (the tier's interpreter set-up).
+  ``tests.helpers`` (batches, files), ``tests.reference`` (float64 oracles),
+  ``tests.fla_interpreter`` (the tier's interpreter set-up).
 """
 
 from __future__ import annotations

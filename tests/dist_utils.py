@@ -319,3 +319,75 @@ def balanced_layouts(
         ("head-tail", random_cu_seqlens(gen, rows, row_len, max_doc),
          headtail_fragments(row_len, rows, world)),
     ]  # fmt: skip
+
+
+def random_case(
+    gen: Any, rows: int, row_len: int, world: int, name: str = "random", tiny: float = 0.5
+) -> tuple[str, list[int], list[list[tuple[int, int]]]]:
+    """(name, cu_seqlens, table): random documents of up to 40 tokens on a random table
+    (``random_layout``), drawn in that order from ``gen``."""
+    cu = random_cu_seqlens(gen, rows, row_len, 40)
+    return name, cu, random_layout(gen, rows * row_len, world, tiny=tiny)
+
+
+def attention_span_errors(
+    qkv: list[Any], d_o: Any, cu: list[int], span: Any, attend: Callable[..., Any]
+) -> dict[str, float]:
+    """Max abs errors of ``attend(q, k, v)`` on one rank's ``span`` (int64 global token ids)
+    against unsharded ``context_parallel_attention(group=None)`` over the whole stream: the
+    output ``o`` and the gradients ``dq``, ``dk``, ``dv`` of ``sum(o * d_o)``."""
+    import torch
+
+    from torchtitan_cp.ops import context_parallel_attention
+
+    total = cu[-1]
+    ref = [x.clone().requires_grad_(True) for x in qkv]
+    o_ref = context_parallel_attention(
+        *ref, token_ids=torch.arange(total), doc_ids=doc_ids_of(cu, list(range(total))), group=None
+    )
+    (o_ref * d_o).sum().backward()
+    loc = [x.index_select(1, span).clone().requires_grad_(True) for x in qkv]
+    o = attend(*loc)
+    (o * d_o.index_select(1, span)).sum().backward()
+    errs = {"o": max_abs(o, o_ref.index_select(1, span))}
+    for nm, a, r in zip(("dq", "dk", "dv"), loc, ref):
+        errs[nm] = max_abs(a.grad, r.grad.index_select(1, span))
+    return errs
+
+
+def sweep_worlds(
+    rank: int,
+    world: int,
+    tol: dict,
+    layouts: Callable[[int], list[tuple]],
+    check: Callable[..., float],
+    worlds: tuple[int, ...] = (2, 3, 4),
+) -> dict[str, float]:
+    """The context-parallel tests' worker loop, on every rank of a ``world``-rank spawn: for each
+    world size ``w`` in ``worlds`` this rank belongs to, each case of ``layouts(w)`` (a tuple,
+    name first) and each dtype of ``tol``, call ``check(rank, group, case, dtype, seed)`` with the
+    group of ranks ``[0, w)``, the case renamed ``W{w}/name`` and its index as ``seed``. Returns
+    the worst error ``check`` returned per dtype (``str(dtype)`` keys, for ``report_worst``).
+    Collective: every rank calls it (one spawn serves every world size)."""
+    groups = prefix_groups(world, tuple(w for w in worlds if w != world))
+    worst = {str(dt): 0.0 for dt in tol}
+    for w in worlds:
+        if rank >= w:
+            continue
+        for seed, (name, *rest) in enumerate(layouts(w)):
+            for dtype in tol:
+                err = check(rank, groups[w], (f"W{w}/{name}", *rest), dtype, seed)
+                worst[str(dtype)] = max(worst[str(dtype)], err)
+    return worst
+
+
+def _sweep_worker(rank: int, world: int, tol: dict, layouts: Callable, check: Callable) -> dict:
+    return sweep_worlds(rank, world, tol, layouts, check)
+
+
+def run_sweep(
+    tol: dict, layouts: Callable, check: Callable, world: int = 4, timeout: float = 240.0
+) -> None:
+    """``sweep_worlds`` on ``world`` spawned gloo ranks, then ``report_worst`` over them.
+    ``layouts`` and ``check`` must be picklable (module-level functions or partials of them)."""
+    report_worst(tol, run_distributed(_sweep_worker, world, tol, layouts, check, timeout=timeout))

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tests.reference import delta_rule_reference
-from tests.reference_ssd import ssd_reference
+from tests.reference import delta_rule_reference, ssd_reference
 
 __all__ = ["CASES", "H", "HV", "K", "V", "RecurrenceCase", "ssd_inputs"]
 

@@ -7,13 +7,13 @@ hundred, a couple of heads, K, V ≤ 32).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["conv_reference", "delta_rule_reference", "rel_err", "seq_bounds"]
+__all__ = ["conv_reference", "delta_rule_reference", "rel_err", "seq_bounds", "ssd_reference"]
 
 
 def rel_err(actual: Tensor, ref: Tensor) -> float:
@@ -56,28 +56,69 @@ def delta_rule_reference(
     """
     if kind not in ("kda", "gdn"):
         raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
+    T, HV, K = q.shape[1], v.shape[2], k.shape[3]
+    g64 = g[0].double()
+    if kind == "gdn":
+        g64 = g64[..., None].expand(T, HV, K)
+    b64 = beta[0].double()
+
+    def step(S: Tensor, t: int, kt: Tensor, vt: Tensor) -> Tensor:  # kt [HV,K], vt [HV,V]
+        S = g64[t].exp()[..., None] * S  # decay first
+        pred = torch.einsum("hk,hkv->hv", kt, S)  # current read-out of key k_t
+        return S + b64[t][:, None, None] * kt[..., None] * (vt - pred)[:, None, :]
+
+    return _scan(q, k, v, step, scale, initial_state, cu_seqlens)
+
+
+def ssd_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """SSD (Mamba2's recurrence), one token at a time, in float64:
+    ``S_t = exp(g_t) S_{t-1} + k_t v_tᵀ``, ``o_t = S_tᵀ (scale q_t)``.
+
+    q, k ``[1,T,H,K]``; v ``[1,T,HV,V]``; g ``[1,T,HV]``; initial_state ``[N,HV,K,V]``.
+    Returns ``(o [1,T,HV,V] float64, final_states [N,HV,K,V] float64)``; differentiable.
+    """
+    g64 = g[0].double()
+
+    def step(S: Tensor, t: int, kt: Tensor, vt: Tensor) -> Tensor:
+        return g64[t].exp()[:, None, None] * S + kt[..., None] * vt[:, None, :]
+
+    return _scan(q, k, v, step, scale, initial_state, cu_seqlens)
+
+
+def _scan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    step: Callable[[Tensor, int, Tensor, Tensor], Tensor],
+    scale: float | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | Sequence[int] | None,
+) -> tuple[Tensor, Tensor]:
+    """The token loop both state oracles share: per sequence, the state ``S [HV,K,V]`` starts at
+    ``initial_state[n]`` (zeros when None), becomes ``step(S, t, k_t, v_t)`` at every token and
+    is read out as ``o_t = S_tᵀ (scale q_t)``. q/k heads are repeated to the HV value heads
+    (q/k head ``h`` serves value heads ``h*G .. h*G+G-1``); everything is float64."""
     T, H, K = q.shape[1:]
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale
     rep = HV // H
     q64 = q[0].double().repeat_interleave(rep, dim=1) * scale
     k64 = k[0].double().repeat_interleave(rep, dim=1)
-    v64, b64 = v[0].double(), beta[0].double()
-    g64 = g[0].double()
-    if kind == "gdn":
-        g64 = g64[..., None].expand(T, HV, K)
-    bounds = seq_bounds(cu_seqlens, T)
+    v64 = v[0].double()
     outs, finals = [], []
-    for n, (bos, eos) in enumerate(bounds):
-        if initial_state is None:
-            S = q64.new_zeros(HV, K, V)
-        else:
-            S = initial_state[n].double()
+    for n, (bos, eos) in enumerate(seq_bounds(cu_seqlens, T)):
+        S = q64.new_zeros(HV, K, V) if initial_state is None else initial_state[n].double()
         for t in range(bos, eos):
-            kt, bt = k64[t], b64[t]  # [HV,K], [HV]
-            S = g64[t].exp()[..., None] * S  # decay first
-            pred = torch.einsum("hk,hkv->hv", kt, S)  # current read-out of key k_t
-            S = S + bt[:, None, None] * kt[..., None] * (v64[t] - pred)[:, None, :]
+            S = step(S, t, k64[t], v64[t])
             outs.append(torch.einsum("hk,hkv->hv", q64[t], S))
         finals.append(S)
     o = torch.stack(outs, 0) if outs else v64.new_zeros(0, HV, V)

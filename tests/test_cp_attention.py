@@ -11,20 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist_utils import (
-    balanced_layouts,
-    device_routing,
-    doc_ids_of,
-    empty_rank_layout,
-    explicit_layout_4,
-    max_abs,
-    prefix_groups,
-    random_cu_seqlens,
-    random_layout,
-    report_worst,
-    run_distributed,
-    span_index,
-)
+from tests import dist_utils as du
 from torchtitan_cp.ops import context_parallel_attention
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
@@ -43,10 +30,10 @@ def _tensors(batch: int, total: int, dtype: torch.dtype, seed: int):
 def test_unsharded_matches_sdpa_with_document_mask(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)
     batch, total = 2, 40
-    cus = [random_cu_seqlens(gen, 1, total, 12) for _ in range(batch)]  # one layout per row
+    cus = [du.random_cu_seqlens(gen, 1, total, 12) for _ in range(batch)]  # one layout per row
     (q, k, v), d_o = _tensors(batch, total, dtype, 4)
     tok = torch.arange(total).expand(batch, total)
-    doc = torch.stack([doc_ids_of(cu, list(range(total))) for cu in cus])
+    doc = torch.stack([du.doc_ids_of(cu, list(range(total))) for cu in cus])
 
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     o = context_parallel_attention(*leaves, token_ids=tok, doc_ids=doc, group=None)
@@ -74,58 +61,36 @@ def _layouts(world: int):
     rows, row_len = 2, 24
     total = rows * row_len
     cases = [
-        *balanced_layouts(gen, rows, row_len, world, max_doc=30),
-        ("random", random_cu_seqlens(gen, rows, row_len, 40), random_layout(gen, total, world)),
+        *du.balanced_layouts(gen, rows, row_len, world, max_doc=30),
+        du.random_case(gen, rows, row_len, world),
     ]
     if world == 3:
-        cases.append(("empty-rank", cases[0][1], empty_rank_layout(total)))
+        cases.append(("empty-rank", cases[0][1], du.empty_rank_layout(total)))
     if world == 4:
-        cases.append(("explicit", *explicit_layout_4()))
+        cases.append(("explicit", *du.explicit_layout_4()))
     return cases
 
 
-def _check(rank, group, name, cu, table, dtype, seed) -> float:
-    total = cu[-1]
+def _check(rank, group, case, dtype, seed) -> float:
+    name, cu, table = case
+    du.device_routing(cu, table, rank)  # the routing package accepts the same table
     batch = 2  # two independent streams sharing the layout (exercises the B > 1 gather)
-    (q, k, v), d_o = _tensors(batch, total, dtype, seed)
-    all_ids = list(range(total))
-    ref = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    o_ref = context_parallel_attention(
-        *ref, token_ids=torch.arange(total), doc_ids=doc_ids_of(cu, all_ids), group=None
-    )
-    (o_ref * d_o).sum().backward()
+    qkv, d_o = _tensors(batch, cu[-1], dtype, seed)
+    mine = du.span_index(table[rank])
+    span, doc = torch.tensor(mine, dtype=torch.int64), du.doc_ids_of(cu, mine)
 
-    mine = span_index(table[rank])
-    span = torch.tensor(mine, dtype=torch.int64)
-    loc = [x.index_select(1, span).clone().requires_grad_(True) for x in (q, k, v)]
-    o = context_parallel_attention(*loc, token_ids=span, doc_ids=doc_ids_of(cu, mine), group=group)
-    (o * d_o.index_select(1, span)).sum().backward()
-    errs = {"o": max_abs(o, o_ref.index_select(1, span))}
-    for nm, a, r in zip(("dq", "dk", "dv"), loc, ref):
-        errs[nm] = max_abs(a.grad, r.grad.index_select(1, span))
+    def attend(q, k, v):
+        return context_parallel_attention(q, k, v, token_ids=span, doc_ids=doc, group=group)
+
+    errs = du.attention_span_errors(qkv, d_o, cu, span, attend)
     worst = max(errs.values())
     assert worst <= TOL[dtype], f"{name} {dtype} rank {rank}: {errs}"
     return worst
 
 
-def _worker(rank: int, world: int) -> float:
-    groups = prefix_groups(world)
-    worst = {str(dt): 0.0 for dt in TOL}  # observed max abs error per dtype
-    for w in (2, 3, 4):
-        if rank >= w:
-            continue
-        for ci, (name, cu, table) in enumerate(_layouts(w)):
-            device_routing(cu, table, rank)  # the routing package accepts the same table
-            for dtype in (torch.float64, torch.float32):
-                worst[str(dtype)] = max(
-                    worst[str(dtype)], _check(rank, groups[w], f"W{w}/{name}", cu, table, dtype, ci)
-                )
-    return worst
-
-
 @pytest.mark.slow
 def test_cp_attention_matches_unsharded() -> None:
-    report_worst(TOL, run_distributed(_worker, 4, timeout=240))
+    du.run_sweep(TOL, _layouts, _check, timeout=240)
 
 
 def test_query_blocks_give_the_unblocked_result(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,20 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import (
-    balanced_layouts,
-    device_routing,
-    empty_rank_layout,
-    explicit_layout_4,
-    loose_caps,
-    max_abs,
-    prefix_groups,
-    random_cu_seqlens,
-    random_layout,
-    report_worst,
-    run_distributed,
-    span_index,
-)
+from tests import dist_utils as du
 
 pytestmark = pytest.mark.slow
 
@@ -38,29 +25,30 @@ def _layouts(world: int):
     rows, row_len = 2, 24
     total = rows * row_len
     cases = [
-        *balanced_layouts(gen, rows, row_len, world, max_doc=30),
+        *du.balanced_layouts(gen, rows, row_len, world, max_doc=30),
         # Mostly 1-3 token fragments: histories of width 5 cross several fragments and ranks.
-        (
-            "tiny",
-            random_cu_seqlens(gen, rows, row_len, 40),
-            random_layout(gen, total, world, tiny=0.9),
-        ),
-        ("one-doc", [0, total], random_layout(gen, total, world, tiny=0.9)),
+        du.random_case(gen, rows, row_len, world, name="tiny", tiny=0.9),
+        ("one-doc", [0, total], du.random_layout(gen, total, world, tiny=0.9)),
     ]
     cases = [(*c, False) for c in cases]
-    cases.append(("tiny-capped", cases[2][1], random_layout(gen, total, world, tiny=0.9), True))
+    cases.append(("tiny-capped", cases[2][1], du.random_layout(gen, total, world, tiny=0.9), True))
     if world == 3:
-        cases.append(("empty-rank", cases[0][1], empty_rank_layout(total), True))
+        cases.append(("empty-rank", cases[0][1], du.empty_rank_layout(total), True))
     if world == 4:
-        cases.append(("explicit", *explicit_layout_4(), False))
+        cases.append(("explicit", *du.explicit_layout_4(), False))
     return cases
 
 
-def _check(rank, group, name, cu, table, capped, width, dtype, seed) -> float:
+def _check(rank, group, case, dtype, seed) -> float:
+    return max(_check_width(rank, group, case, width, dtype, seed) for width in (4, 6))
+
+
+def _check_width(rank, group, case, width, dtype, seed) -> float:
     import torch.distributed as dist
 
     from torchtitan_cp.ops import causal_conv1d, context_parallel_conv_history
 
+    name, cu, table, capped = case
     total = cu[-1]
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, total, D, generator=gen, dtype=torch.float64).to(dtype)
@@ -73,9 +61,9 @@ def _check(rank, group, name, cu, table, capped, width, dtype, seed) -> float:
     y_ref = causal_conv1d(*ref, cu_seqlens=cu_t, cu_seqlens_cpu=cu_t, backend="torch")
     (y_ref * dy).sum().backward()
 
-    caps = loose_caps(cu, table) if capped else None
-    routing = device_routing(cu, table, rank, conv_history=width - 1, caps=caps)
-    span = torch.tensor(span_index(table[rank]), dtype=torch.int64)
+    caps = du.loose_caps(cu, table) if capped else None
+    routing = du.device_routing(cu, table, rank, conv_history=width - 1, caps=caps)
+    span = torch.tensor(du.span_index(table[rank]), dtype=torch.int64)
     xl = x.index_select(1, span).clone().requires_grad_(True)
     wl, bl = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
     hist = context_parallel_conv_history(xl, routing=routing, group=group)
@@ -94,31 +82,15 @@ def _check(rank, group, name, cu, table, capped, width, dtype, seed) -> float:
     dist.all_reduce(dw, group=group)
     dist.all_reduce(db, group=group)
     errs = {
-        "y": max_abs(y, y_ref.index_select(1, span)),
-        "dx": max_abs(xl.grad, ref[0].grad.index_select(1, span)),
-        "dw": max_abs(dw, ref[1].grad),
-        "db": max_abs(db, ref[2].grad),
+        "y": du.max_abs(y, y_ref.index_select(1, span)),
+        "dx": du.max_abs(xl.grad, ref[0].grad.index_select(1, span)),
+        "dw": du.max_abs(dw, ref[1].grad),
+        "db": du.max_abs(db, ref[2].grad),
     }
     worst = max(errs.values())
     assert worst <= TOL[dtype], f"{name} W={width} {dtype} rank {rank}: {errs}"
     return worst
 
 
-def _worker(rank: int, world: int) -> float:
-    groups = prefix_groups(world)
-    worst = {str(dt): 0.0 for dt in TOL}  # observed max abs error per dtype
-    for w in (2, 3, 4):
-        if rank >= w:
-            continue
-        for ci, (name, cu, table, capped) in enumerate(_layouts(w)):
-            for width in (4, 6):
-                for dtype in (torch.float64, torch.float32):
-                    err = _check(
-                        rank, groups[w], f"W{w}/{name}", cu, table, capped, width, dtype, ci
-                    )
-                    worst[str(dtype)] = max(worst[str(dtype)], err)
-    return worst
-
-
 def test_cp_conv_matches_unsharded() -> None:
-    report_worst(TOL, run_distributed(_worker, 4, timeout=240))
+    du.run_sweep(TOL, _layouts, _check, timeout=240)

@@ -11,24 +11,13 @@ oracle (tests/reference.py) to the same 1e-10.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist_utils import (
-    device_routing,
-    empty_rank_layout,
-    explicit_layout_4,
-    local_subsequences,
-    loose_caps,
-    max_abs,
-    prefix_groups,
-    random_cu_seqlens,
-    random_layout,
-    report_worst,
-    run_distributed,
-    span_index,
-)
+from tests import dist_utils as du
 from torchtitan_cp.routing import contiguous_fragments, headtail_fragments
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
@@ -41,20 +30,20 @@ def _layouts(world: int) -> list[Case]:
     gen = torch.Generator().manual_seed(1000 * world)
     rows, row_len = 2, 48  # B > 1: two rows flattened into one stream
     total = rows * row_len
-    cu = [random_cu_seqlens(gen, rows, row_len, max_doc=40) for _ in range(4)]
+    cu = [du.random_cu_seqlens(gen, rows, row_len, max_doc=40) for _ in range(4)]
     cases: list[Case] = [
         ("contiguous", cu[0], contiguous_fragments(row_len, rows, world), False),
         ("head-tail", cu[1], headtail_fragments(row_len, rows, world), False),
-        ("random", cu[2], random_layout(gen, total, world), False),
-        ("random-capped", cu[3], random_layout(gen, total, world), True),
+        ("random", cu[2], du.random_layout(gen, total, world), False),
+        ("random-capped", cu[3], du.random_layout(gen, total, world), True),
         # One document over everything: every fragment continues and is continued.
-        ("one-doc", [0, total // 2], random_layout(gen, total // 2, world), False),
+        ("one-doc", [0, total // 2], du.random_layout(gen, total // 2, world), False),
     ]
     if world == 3:
-        cases.append(("empty-rank", cu[0], empty_rank_layout(total), True))
+        cases.append(("empty-rank", cu[0], du.empty_rank_layout(total), True))
     if world == 4:
-        cases.append(("explicit", *explicit_layout_4(), False))
-        cases.append(("explicit-capped", *explicit_layout_4(), True))
+        cases.append(("explicit", *du.explicit_layout_4(), False))
+        cases.append(("explicit-capped", *du.explicit_layout_4(), True))
     return cases
 
 
@@ -72,7 +61,7 @@ def _inputs(kind: str, total: int, dtype: torch.dtype, seed: int):
     return [x.to(dtype) for x in (q, k, v, g, beta)]
 
 
-def _check_case(rank, group, case: Case, kind, dtype, seed) -> float:
+def _check_case(rank, group, case: Case, dtype, seed, *, kind: str) -> float:
     import torch.distributed as dist
 
     from tests.reference import delta_rule_reference
@@ -100,10 +89,10 @@ def _check_case(rank, group, case: Case, kind, dtype, seed) -> float:
     ref_grads = [x.grad for x in leaves]
 
     # This rank's span, through the CP op.
-    caps = loose_caps(cu, table) if capped else None
-    routing = device_routing(cu, table, rank, caps=caps)
-    span = torch.tensor(span_index(table[rank]), dtype=torch.int64)
-    subs = local_subsequences(cu, table[rank])
+    caps = du.loose_caps(cu, table) if capped else None
+    routing = du.device_routing(cu, table, rank, caps=caps)
+    span = torch.tensor(du.span_index(table[rank]), dtype=torch.int64)
+    subs = du.local_subsequences(cu, table[rank])
     offsets = [0]
     for a, b, _ in subs:
         offsets.append(offsets[-1] + b - a)
@@ -118,14 +107,14 @@ def _check_case(rank, group, case: Case, kind, dtype, seed) -> float:
     loss = (o * d_o.index_select(1, span)).sum() + (fin * d_f[docs] * live).sum()
     loss.backward()
 
-    errs = {"o": max_abs(o, o_ref.index_select(1, span))}
-    errs["final"] = max_abs(fin * live, f_ref[docs] * live)
-    errs["pad-final"] = max_abs(fin * ~live, 0 * fin)  # -1 terminal padding returns zeros
+    errs = {"o": du.max_abs(o, o_ref.index_select(1, span))}
+    errs["final"] = du.max_abs(fin * live, f_ref[docs] * live)
+    errs["pad-final"] = du.max_abs(fin * ~live, 0 * fin)  # -1 terminal padding returns zeros
     for nm, x, gr in zip("q k v g beta".split(), loc, ref_grads):
-        errs["d" + nm] = max_abs(x.grad, gr.index_select(1, span))
+        errs["d" + nm] = du.max_abs(x.grad, gr.index_select(1, span))
     if name == "explicit" and dtype == torch.float64:
         o_orc, _ = delta_rule_reference(*full, kind=kind, cu_seqlens=cu)
-        errs["oracle"] = max_abs(o, o_orc.index_select(1, span))
+        errs["oracle"] = du.max_abs(o, o_orc.index_select(1, span))
     worst = max(errs.values())
     assert worst <= TOL[dtype], f"{name} {kind} {dtype} rank {rank}: {errs}"
 
@@ -136,25 +125,10 @@ def _check_case(rank, group, case: Case, kind, dtype, seed) -> float:
     return worst
 
 
-def _worker(rank: int, world: int, kind: str) -> float:
-    groups = prefix_groups(world)
-    worst = {str(dt): 0.0 for dt in TOL}  # observed max abs error per dtype
-    for w in (2, 3, 4):
-        if rank >= w:
-            continue
-        for ci, case in enumerate(_layouts(w)):
-            for dtype in (torch.float64, torch.float32):
-                case_w = (f"W{w}/{case[0]}", *case[1:])
-                worst[str(dtype)] = max(
-                    worst[str(dtype)], _check_case(rank, groups[w], case_w, kind, dtype, ci)
-                )
-    return worst
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_cp_delta_rule_matches_unsharded(kind: str) -> None:
-    report_worst(TOL, run_distributed(_worker, 4, kind, timeout=240))
+    du.run_sweep(TOL, _layouts, functools.partial(_check_case, kind=kind), timeout=240)
 
 
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
@@ -162,35 +136,35 @@ def test_single_rank_out_of_order_span(kind: str) -> None:
     # World 1 (group=None) but the span lists its fragments out of token order: the fold
     # still has to carry document [3, 17) from fragment (0, 6) into (6, 11) and (11, 20).
     cu, table = [0, 3, 17, 20], [[(11, 20), (0, 6), (6, 11)]]
-    routing = device_routing(cu, table, 0)
+    routing = du.device_routing(cu, table, 0)
     full = _inputs(kind, 20, torch.float64, 5)
     from torchtitan_cp.ops import chunk_delta_rule, context_parallel_delta_rule
 
     cu_t = torch.tensor(cu, dtype=torch.int32)
     o_ref, _ = chunk_delta_rule(*full, kind=kind, cu_seqlens=cu_t, cu_seqlens_cpu=cu_t)
-    span = torch.tensor(span_index(table[0]))
+    span = torch.tensor(du.span_index(table[0]))
     loc = [x.index_select(1, span) for x in full]
     o, fin = context_parallel_delta_rule(*loc, kind=kind, routing=routing, group=None)
     assert fin is None
-    assert max_abs(o, o_ref.index_select(1, span)) <= TOL[torch.float64]
+    assert du.max_abs(o, o_ref.index_select(1, span)) <= TOL[torch.float64]
 
 
 def test_bfloat16_inputs_fold_in_float32() -> None:
     # Smoke test of the mixed-precision path: bf16 activations, float32 summaries and states.
     cu, table = [0, 3, 17, 20], [[(11, 20), (0, 6), (6, 11)]]
-    routing = device_routing(cu, table, 0)
+    routing = du.device_routing(cu, table, 0)
     full = _inputs("kda", 20, torch.float64, 6)
     from torchtitan_cp.ops import chunk_delta_rule, context_parallel_delta_rule
 
     cu_t = torch.tensor(cu, dtype=torch.int32)
     o_ref, f_ref = chunk_delta_rule(*full, kind="kda", cu_seqlens=cu_t, output_final_state=True)
-    span = torch.tensor(span_index(table[0]))
+    span = torch.tensor(du.span_index(table[0]))
     loc = [x.index_select(1, span).to(torch.bfloat16).requires_grad_(True) for x in full]
     o, fin = context_parallel_delta_rule(
         *loc, kind="kda", routing=routing, group=None, output_final_state=True
     )
     assert o.dtype == torch.bfloat16 and fin.dtype == torch.float32
-    assert max_abs(o.double(), o_ref.index_select(1, span)) <= 0.05  # bf16 inputs
+    assert du.max_abs(o.double(), o_ref.index_select(1, span)) <= 0.05  # bf16 inputs
     o.float().sum().backward()
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in loc)
 
@@ -198,7 +172,7 @@ def test_bfloat16_inputs_fold_in_float32() -> None:
 def test_routing_for_another_rank_is_rejected() -> None:
     from torchtitan_cp.ops import context_parallel_delta_rule
 
-    routing = device_routing([0, 8], [[(0, 4)], [(4, 8)]], 1)
+    routing = du.device_routing([0, 8], [[(0, 4)], [(4, 8)]], 1)
     x = _inputs("gdn", 4, torch.float64, 0)
     with pytest.raises(ValueError, match="routing is for rank 1 of 2"):
         context_parallel_delta_rule(*x, kind="gdn", routing=routing, group=None)
@@ -228,7 +202,7 @@ def test_fla_backend_out_of_order_span(kind: str) -> None:
     full = [q, k, v, g, beta]
     o_ref, _ = delta_rule_reference(*full, kind=kind, cu_seqlens=cu)
     routing = RoutingPlan.build(cu, table, 0).to_device(torch.device("cuda"))
-    span = torch.tensor(span_index(table[0]))
+    span = torch.tensor(du.span_index(table[0]))
     loc = [x.index_select(1, span).float().cuda() for x in full]
     o, _ = context_parallel_delta_rule(*loc, kind=kind, routing=routing, group=None, backend="fla")
     ref = o_ref.index_select(1, span)

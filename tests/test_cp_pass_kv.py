@@ -14,19 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import (
-    doc_ids_of,
-    empty_rank_layout,
-    explicit_layout_4,
-    max_abs,
-    prefix_groups,
-    ptrr_layout,
-    random_cu_seqlens,
-    random_layout,
-    report_worst,
-    run_distributed,
-    span_index,
-)
+from tests import dist_utils as du
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 HQ, HKV, DK, DV = 4, 2, 8, 6  # GQA: two query heads per key/value head
@@ -34,27 +22,24 @@ EXAMPLE_CU = [0, 6, 10, 16, 22, 26, 32]  # docs/cp.md's worked example (W = 4, h
 
 
 def _layouts(world: int):
-    from torchtitan_cp.routing import contiguous_fragments, headtail_fragments
+    from torchtitan_cp.routing import headtail_fragments
 
     gen = torch.Generator().manual_seed(21 + world)
     rows, row_len = 2, 8 * world
     total = rows * row_len
     cases = [
-        ("contiguous", random_cu_seqlens(gen, rows, row_len, 30),
-         contiguous_fragments(row_len, rows, world)),
-        ("head-tail", random_cu_seqlens(gen, rows, row_len, 30),
-         headtail_fragments(row_len, rows, world)),
-        ("ptrr", *ptrr_layout(gen, rows, row_len, world)),
-        ("random", random_cu_seqlens(gen, rows, row_len, 40), random_layout(gen, total, world)),
+        *du.balanced_layouts(gen, rows, row_len, world, max_doc=30),
+        ("ptrr", *du.ptrr_layout(gen, rows, row_len, world)),
+        du.random_case(gen, rows, row_len, world),
         ("one document", [0, total], headtail_fragments(total, 1, world)),
-        ("short documents", random_cu_seqlens(gen, rows, row_len, 3),
+        ("short documents", du.random_cu_seqlens(gen, rows, row_len, 3),
          headtail_fragments(row_len, rows, world)),
-        ("one-token documents", list(range(total + 1)), random_layout(gen, total, world)),
+        ("one-token documents", list(range(total + 1)), du.random_layout(gen, total, world)),
     ]  # fmt: skip
     if world == 3:
-        cases.append(("empty rank", [0, 7, 30, total], empty_rank_layout(total)))
+        cases.append(("empty rank", [0, 7, 30, total], du.empty_rank_layout(total)))
     if world == 4:
-        cases.append(("explicit", *explicit_layout_4()))
+        cases.append(("explicit", *du.explicit_layout_4()))
     return cases
 
 
@@ -68,29 +53,23 @@ def _tensors(batch: int, total: int, dtype: torch.dtype, seed: int):
 def _schedule(cu, table, rank):
     from torchtitan_cp.routing import RoutingPlan
 
-    span = torch.tensor(span_index(table[rank]), dtype=torch.int64)
+    span = torch.tensor(du.span_index(table[rank]), dtype=torch.int64)
     sched = RoutingPlan.build(cu, table, rank).pass_kv
-    return span, sched.to_device("cpu", span, doc_ids_of(cu, span.tolist()))
+    return span, sched.to_device("cpu", span, du.doc_ids_of(cu, span.tolist()))
 
 
-def _check(rank, group, name, cu, table, dtype, batch, seed) -> float:
-    from torchtitan_cp.ops import context_parallel_attention, pass_kv_attention
+def _check(rank, group, case, dtype, seed) -> float:
+    from torchtitan_cp.ops import pass_kv_attention
 
-    total = cu[-1]
-    q, k, v, d_o = _tensors(batch, total, dtype, seed)
-    ref = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    o_ref = context_parallel_attention(
-        *ref, token_ids=torch.arange(total), doc_ids=doc_ids_of(cu, list(range(total))), group=None
-    )
-    (o_ref * d_o).sum().backward()
-
+    name, cu, table = case
+    batch = 1 + seed % 2  # B = 2 streams sharing the layout on every other case
+    q, k, v, d_o = _tensors(batch, cu[-1], dtype, seed)
     span, routing = _schedule(cu, table, rank)
-    loc = [x.index_select(1, span).clone().requires_grad_(True) for x in (q, k, v)]
-    o = pass_kv_attention(*loc, routing=routing, group=group)
-    (o * d_o.index_select(1, span)).sum().backward()
-    errs = {"o": max_abs(o, o_ref.index_select(1, span))}
-    for nm, a, r in zip(("dq", "dk", "dv"), loc, ref):
-        errs[nm] = max_abs(a.grad, r.grad.index_select(1, span))
+
+    def attend(*loc):
+        return pass_kv_attention(*loc, routing=routing, group=group)
+
+    errs = du.attention_span_errors([q, k, v], d_o, cu, span, attend)
     worst = max(errs.values())
     assert worst <= TOL[dtype], f"{name} {dtype} rank {rank}: {errs}"
     return worst
@@ -180,21 +159,14 @@ def _full_ring_checks(rank: int, group) -> None:
 
 
 def _worker(rank: int, world: int) -> dict:
-    groups = prefix_groups(world)
-    worst = {str(dt): 0.0 for dt in TOL}
-    for w in (2, 3, 4):
-        if rank >= w:
-            continue
-        for ci, (name, cu, table) in enumerate(_layouts(w)):
-            for dtype in (torch.float64, torch.float32):
-                batch = 1 + ci % 2  # B = 2 streams sharing the layout on every other case
-                err = _check(rank, groups[w], f"W{w}/{name}", cu, table, dtype, batch, ci)
-                worst[str(dtype)] = max(worst[str(dtype)], err)
-    _count_checks(rank, groups[4])
-    _full_ring_checks(rank, groups[4])
+    import torch.distributed as dist
+
+    worst = du.sweep_worlds(rank, world, TOL, _layouts, _check)
+    _count_checks(rank, dist.group.WORLD)
+    _full_ring_checks(rank, dist.group.WORLD)
     return worst
 
 
 @pytest.mark.slow
 def test_pass_kv_matches_unsharded_and_skips_empty_rounds() -> None:
-    report_worst(TOL, run_distributed(_worker, 4, timeout=300))
+    du.report_worst(TOL, du.run_distributed(_worker, 4, timeout=300))

@@ -7,26 +7,18 @@ retention runs).
 
 Tolerances (max abs difference against the unsharded run): float64 <= 1e-10, float32 <= 2e-5,
 as for the delta rule (tests/test_cp_delta_rule.py). One float64 case per world is also checked
-against the token-by-token oracle (tests/reference_ssd.py).
+against the token-by-token oracle (tests/reference.py).
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from tests.dist_utils import (
-    device_routing,
-    local_subsequences,
-    max_abs,
-    prefix_groups,
-    random_cu_seqlens,
-    random_layout,
-    report_worst,
-    run_distributed,
-    span_index,
-)
-from tests.recurrences import CASES, HV, K, RecurrenceCase, V, ssd_inputs
+from tests import dist_utils as du
+from tests.recurrences import CASES, HV, K, V, ssd_inputs
 from torchtitan_cp.routing import (
     contiguous_fragments,
     headtail_fragments,
@@ -62,20 +54,21 @@ def _layouts(world: int):
     gen = torch.Generator().manual_seed(2000 * world)
     rows, row_len = 2, 48
     total = rows * row_len
-    cu = [random_cu_seqlens(gen, rows, row_len, max_doc=40) for _ in range(4)]
+    cu = [du.random_cu_seqlens(gen, rows, row_len, max_doc=40) for _ in range(4)]
     return [
         ("contiguous", cu[0], contiguous_fragments(row_len, rows, world)),
         ("head-tail", cu[1], headtail_fragments(row_len, rows, world)),
         ("ptrr", cu[2], ptrr_layout(cu[2], rows, row_len, world)),
-        ("random", cu[3], random_layout(gen, total, world)),
-        ("one-doc", [0, total // 2], random_layout(gen, total // 2, world)),
+        ("random", cu[3], du.random_layout(gen, total, world)),
+        ("one-doc", [0, total // 2], du.random_layout(gen, total // 2, world)),
     ]
 
 
-def _check_case(rank, group, rc: RecurrenceCase, case, dtype, seed) -> float:
+def _check_case(rank, group, case, dtype, seed, *, case_id: str) -> float:
     from torchtitan_cp.ops.cp.driver import context_parallel_recurrence
     from torchtitan_cp.ops.cp.recurrence import SequenceTables, recurrence
 
+    rc = SSD_CASES[case_id]
     name, cu, table = case
     total = cu[-1]
     cu_t = torch.tensor(cu, dtype=torch.int32)
@@ -89,9 +82,9 @@ def _check_case(rank, group, rc: RecurrenceCase, case, dtype, seed) -> float:
     o_ref, f_ref = rec.local(tuple(leaves), SequenceTables(cu_t, cu_t, None, None), None, True)
     ((o_ref * d_o).sum() + (f_ref * d_f).sum()).backward()
 
-    routing = device_routing(cu, table, rank)
-    span = torch.tensor(span_index(table[rank]), dtype=torch.int64)
-    subs = local_subsequences(cu, table[rank])
+    routing = du.device_routing(cu, table, rank)
+    span = torch.tensor(du.span_index(table[rank]), dtype=torch.int64)
+    subs = du.local_subsequences(cu, table[rank])
     loc = [x.index_select(1, span).clone().requires_grad_(True) for x in full]
     o, fin = context_parallel_recurrence(
         rec, tuple(loc), routing=routing, group=group, output_final_state=True
@@ -101,37 +94,22 @@ def _check_case(rank, group, rc: RecurrenceCase, case, dtype, seed) -> float:
     live = torch.tensor([j >= 0 for j in term], dtype=torch.bool).view(-1, 1, 1, 1)
     ((o * d_o.index_select(1, span)).sum() + (fin * d_f[docs] * live).sum()).backward()
 
-    errs = {"o": max_abs(o, o_ref.index_select(1, span))}
-    errs["final"] = max_abs(fin * live, f_ref[docs] * live)
+    errs = {"o": du.max_abs(o, o_ref.index_select(1, span))}
+    errs["final"] = du.max_abs(fin * live, f_ref[docs] * live)
     for i, (x, ref) in enumerate(zip(loc, leaves)):
-        errs[f"d{i}"] = max_abs(x.grad, ref.grad.index_select(1, span))
+        errs[f"d{i}"] = du.max_abs(x.grad, ref.grad.index_select(1, span))
     if name.endswith("ptrr") and dtype == torch.float64:
         o_orc, _ = rc.oracle(*full, cu_seqlens=cu)
-        errs["oracle"] = max_abs(o, o_orc.index_select(1, span))
+        errs["oracle"] = du.max_abs(o, o_orc.index_select(1, span))
     worst = max(errs.values())
     assert worst <= TOL[dtype], f"{rc.id} {name} {dtype} rank {rank}: {errs}"
-    return worst
-
-
-def _worker(rank: int, world: int, case_id: str) -> dict[str, float]:
-    rc = SSD_CASES[case_id]
-    groups = prefix_groups(world)
-    worst = {str(dt): 0.0 for dt in TOL}
-    for w in (2, 3, 4):
-        if rank >= w:
-            continue
-        for ci, case in enumerate(_layouts(w)):
-            for dtype in TOL:
-                case_w = (f"W{w}/{case[0]}", *case[1:])
-                err = _check_case(rank, groups[w], rc, case_w, dtype, ci)
-                worst[str(dtype)] = max(worst[str(dtype)], err)
     return worst
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case_id", sorted(SSD_CASES))
 def test_cp_ssd_matches_unsharded(case_id: str) -> None:
-    report_worst(TOL, run_distributed(_worker, 4, case_id, timeout=240))
+    du.run_sweep(TOL, _layouts, functools.partial(_check_case, case_id=case_id), timeout=240)
 
 
 def test_single_rank_out_of_order_span() -> None:
@@ -140,23 +118,23 @@ def test_single_rank_out_of_order_span() -> None:
     from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
 
     cu, table = [0, 3, 17, 20], [[(11, 20), (0, 6), (6, 11)]]
-    routing = device_routing(cu, table, 0)
+    routing = du.device_routing(cu, table, 0)
     full = ssd_inputs(20, 5)
     cu_t = torch.tensor(cu, dtype=torch.int32)
     o_ref, _ = chunk_ssd(*full, cu_seqlens=cu_t)
-    span = torch.tensor(span_index(table[0]))
+    span = torch.tensor(du.span_index(table[0]))
     o, fin = context_parallel_ssd(
         *[x.index_select(1, span) for x in full], routing=routing, group=None
     )
     assert fin is None
-    assert max_abs(o, o_ref.index_select(1, span)) <= TOL[torch.float64]
+    assert du.max_abs(o, o_ref.index_select(1, span)) <= TOL[torch.float64]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core needs CUDA")
 def test_fla_backend_matches_oracle() -> None:
     # fla-core's chunk_simple_gla as the SSD backend, local and through the CP driver (world 1,
     # out-of-order span). Tolerance as tests/test_kernels_fla.py (TF32): 5e-3 relative.
-    from tests.reference_ssd import ssd_reference
+    from tests.reference import ssd_reference
     from torchtitan_cp.ops.ssd.local import chunk_ssd
     from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
     from torchtitan_cp.routing import RoutingPlan
@@ -180,7 +158,7 @@ def test_fla_backend_matches_oracle() -> None:
 
     assert rel(o, o_ref) < 5e-3 and rel(f, f_ref) < 5e-3
     routing = RoutingPlan.build(cu, table, 0).to_device(torch.device("cuda"))
-    span = torch.tensor(span_index(table[0]))
+    span = torch.tensor(du.span_index(table[0]))
     loc = [x.index_select(1, span.cuda()) for x in dev]
     o_cp, _ = context_parallel_ssd(*loc, routing=routing, group=None, backend="fla")
     assert rel(o_cp, o_ref.index_select(1, span)) < 5e-3

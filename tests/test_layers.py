@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.reference_ssd import ssd_reference
+from tests.reference import ssd_reference
 from torchtitan_cp.models import model_config, parse_layer_pattern
 from torchtitan_cp.models.hybrid.decoder import HybridDecoder
 from torchtitan_cp.models.hybrid.layers import LAYERS, LayerOptions

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tests.reference_ssd import ssd_reference
+from tests.reference import ssd_reference
 from tests.test_layers import _check_on_documents
 from torchtitan_cp.models.mixers.retention import RetentionMixer
 

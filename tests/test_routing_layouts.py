@@ -6,16 +6,7 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
     _HeadTailLoadBalancer,
 )
 
-from torchtitan_cp.routing import (
-    contiguous_fragments,
-    cu_seqlens_from_positions,
-    cu_seqlens_tensor_from_positions,
-    format_fragments,
-    fragments_from_indices,
-    headtail_fragments,
-    parse_fragments,
-    ptrr_fragments_from_indices,
-)
+from torchtitan_cp import routing
 
 
 def _span_tokens(frags):
@@ -36,7 +27,7 @@ def _sharded_tokens(indices, world, batch, seq_len):
 @pytest.mark.parametrize("batch", [1, 2, 3])
 def test_headtail_matches_torch_balancer(world, batch):
     seq_len = 2 * world * 3
-    table = headtail_fragments(seq_len, batch, world)
+    table = routing.headtail_fragments(seq_len, batch, world)
     indices = _HeadTailLoadBalancer(seq_len, world, "cpu")._generate_indices()
     expected = _sharded_tokens(indices, world, batch, seq_len)
     assert [_span_tokens(f) for f in table] == expected
@@ -50,7 +41,7 @@ def test_headtail_matches_torch_balancer(world, batch):
 
 
 def test_fragments_are_maximal_runs():
-    table = headtail_fragments(8, 1, 2)  # indices 0 1 6 7 | 2 3 4 5
+    table = routing.headtail_fragments(8, 1, 2)  # indices 0 1 6 7 | 2 3 4 5
     assert table == [[(0, 2), (6, 8)], [(2, 6)]]
     for frags in table:  # no two span-adjacent fragments continue each other
         assert all(b1 != a2 for (_, b1), (a2, _) in zip(frags, frags[1:]))
@@ -59,7 +50,7 @@ def test_fragments_are_maximal_runs():
 @pytest.mark.parametrize("world,batch", [(1, 1), (2, 2), (4, 3)])
 def test_contiguous(world, batch):
     seq_len = 4 * world
-    table = contiguous_fragments(seq_len, batch, world)
+    table = routing.contiguous_fragments(seq_len, batch, world)
     identity = torch.arange(seq_len).unsqueeze(0)
     assert [_span_tokens(f) for f in table] == _sharded_tokens(identity, world, batch, seq_len)
     if world > 1:
@@ -71,7 +62,7 @@ def test_per_row_indices():
     gen = torch.Generator().manual_seed(0)
     batch, seq_len, world = 3, 12, 3
     indices = torch.stack([torch.randperm(seq_len, generator=gen) for _ in range(batch)])
-    table = fragments_from_indices(indices, world, batch, seq_len)
+    table = routing.fragments_from_indices(indices, world, batch, seq_len)
     assert [_span_tokens(f) for f in table] == _sharded_tokens(indices, world, batch, seq_len)
 
 
@@ -89,7 +80,7 @@ def test_ptrr_layout():
 
     mask = create_block_mask(mask_mod, 1, 1, seq_len, seq_len, device="cpu", BLOCK_SIZE=16)
     indices = _PTRRLoadBalancer(mask, world)._generate_indices()
-    table = ptrr_fragments_from_indices(indices, world, 1, seq_len)
+    table = routing.ptrr_fragments_from_indices(indices, world, 1, seq_len)
     assert [_span_tokens(f) for f in table] == _sharded_tokens(indices, world, 1, seq_len)
 
 
@@ -98,40 +89,40 @@ def test_divisibility_errors_name_the_numbers():
     with pytest.raises(
         ValueError, match=r"seq_len \(10\) .*2 x context_parallel_degree \(4\).*8 or 16"
     ):
-        headtail_fragments(10, 1, 4)
+        routing.headtail_fragments(10, 1, 4)
     with pytest.raises(
         ValueError, match=r"seq_len \(10\) .*context_parallel_degree \(3\).*9 or 12"
     ):
-        contiguous_fragments(10, 1, 3)
+        routing.contiguous_fragments(10, 1, 3)
     with pytest.raises(ValueError, match=r"shape"):
-        fragments_from_indices(torch.arange(8).view(1, 8), 2, 1, 6)
+        routing.fragments_from_indices(torch.arange(8).view(1, 8), 2, 1, 6)
     with pytest.raises(ValueError, match=r"row 0 is not a permutation"):
-        fragments_from_indices(torch.zeros(1, 4, dtype=torch.long), 2, 1, 4)
+        routing.fragments_from_indices(torch.zeros(1, 4, dtype=torch.long), 2, 1, 4)
 
 
 def test_parse_and_format_round_trip():
     text = "0:96,288:384;96:192,192:288"
-    table = parse_fragments(text)
+    table = routing.parse_fragments(text)
     assert table == [[(0, 96), (288, 384)], [(96, 192), (192, 288)]]
-    assert format_fragments(table) == text
-    assert parse_fragments("0:4;;4:8") == [[(0, 4)], [], [(4, 8)]]
+    assert routing.format_fragments(table) == text
+    assert routing.parse_fragments("0:4;;4:8") == [[(0, 4)], [], [(4, 8)]]
     for bad in ("0:4;4-8", "0:4:5", "a:b"):
         with pytest.raises(ValueError, match="cannot parse fragment"):
-            parse_fragments(bad)
+            routing.parse_fragments(bad)
 
 
 def test_cu_seqlens_from_positions():
     positions = torch.tensor([[0, 1, 2, 0, 1], [0, 0, 1, 2, 3]])
-    assert cu_seqlens_from_positions(positions) == [0, 3, 5, 6, 10]
-    assert cu_seqlens_tensor_from_positions(positions).tolist() == [0, 3, 5, 6, 10]
+    assert routing.cu_seqlens_from_positions(positions) == [0, 3, 5, 6, 10]
+    assert routing.cu_seqlens_tensor_from_positions(positions).tolist() == [0, 3, 5, 6, 10]
     # every row start is a document start even when the document runs on across rows
-    assert cu_seqlens_from_positions(torch.arange(4).repeat(2, 1)) == [0, 4, 8]
+    assert routing.cu_seqlens_from_positions(torch.arange(4).repeat(2, 1)) == [0, 4, 8]
 
 
 def test_cu_seqlens_from_positions_errors():
     with pytest.raises(ValueError, match="2-D"):
-        cu_seqlens_from_positions(torch.arange(4))
+        routing.cu_seqlens_from_positions(torch.arange(4))
     with pytest.raises(ValueError, match="row 1 starts at position 5"):
-        cu_seqlens_from_positions(torch.tensor([[0, 1], [5, 6]]))
+        routing.cu_seqlens_from_positions(torch.tensor([[0, 1], [5, 6]]))
     with pytest.raises(ValueError, match="row 1 has negative position -1 at column 1"):
-        cu_seqlens_from_positions(torch.tensor([[0, 1], [0, -1]]))
+        routing.cu_seqlens_from_positions(torch.tensor([[0, 1], [0, -1]]))

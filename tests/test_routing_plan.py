@@ -109,72 +109,36 @@ def test_zero_conv_history_and_fragmentless_rank():
     assert r.halo_index.shape == (1, 0) and r.pred_slots.shape == (1, 0)
 
 
+# Tables as parse_fragments text ("rank 0 fragments;rank 1 fragments", each "start:stop"),
+# except where the table is not even a list of pairs.
 @pytest.mark.parametrize(
     "cu,table,rank,message",
     [
-        (
-            [0, 40, 384],
-            [[(0, 96), (288, 384)], [(96, 192), (192, 290)]],
-            1,
-            r"overlap: rank 0 fragment 1 \[288, 384\) overlaps rank 1 fragment 1 \[192, 290\)",
-        ),
-        (
-            [0, 40, 384],
-            [[(0, 96), (288, 384)], [(96, 192), (192, 280)]],
-            0,
-            r"gap: tokens \[280, 288\)",
-        ),
-        (
-            [0, 40, 384],
-            [[(0, 96), (290, 384)], [(96, 192), (192, 288)]],
-            0,
-            r"gap: tokens \[288, 290\)",
-        ),
-        (
-            [0, 40, 384],
-            [[(4, 96), (288, 384)], [(96, 192), (192, 288)]],
-            0,
-            r"gap: tokens \[0, 4\)",
-        ),
-        (
-            [0, 40, 400],
-            [[(0, 96), (288, 384)], [(96, 192), (192, 288)]],
-            0,
-            r"end at 384, short of cu_seqlens\[-1\] = T = 400",
-        ),
-        (
-            [0, 40, 300],
-            [[(0, 96), (288, 384)], [(96, 192), (192, 288)]],
-            0,
-            r"end at 384, past cu_seqlens\[-1\] = T = 300",
-        ),
-        (
-            [0, 40, 384],
-            [[(0, 96), (288, 384)], [(96, 96), (96, 288)]],
-            0,
-            r"rank 1 fragment 0 \(96, 96\) is empty",
-        ),
-        (
-            [0, 40, 384],
-            [[(0, 96), (384, 288)], [(96, 288)]],
-            0,
-            r"rank 0 fragment 1 \(384, 288\) is start > stop",
-        ),
+        ([0, 40, 384], "0:96,288:384;96:192,192:290", 1,
+         r"overlap: rank 0 fragment 1 \[288, 384\) overlaps rank 1 fragment 1 \[192, 290\)"),
+        ([0, 40, 384], "0:96,288:384;96:192,192:280", 0, r"gap: tokens \[280, 288\)"),
+        ([0, 40, 384], "0:96,290:384;96:192,192:288", 0, r"gap: tokens \[288, 290\)"),
+        ([0, 40, 384], "4:96,288:384;96:192,192:288", 0, r"gap: tokens \[0, 4\)"),
+        ([0, 40, 400], "0:96,288:384;96:192,192:288", 0,
+         r"end at 384, short of cu_seqlens\[-1\] = T = 400"),
+        ([0, 40, 300], "0:96,288:384;96:192,192:288", 0,
+         r"end at 384, past cu_seqlens\[-1\] = T = 300"),
+        ([0, 40, 384], "0:96,288:384;96:96,96:288", 0, r"rank 1 fragment 0 \(96, 96\) is empty"),
+        ([0, 40, 384], "0:96,384:288;96:288", 0,
+         r"rank 0 fragment 1 \(384, 288\) is start > stop"),
         ([0, 40, 384], TABLE, 2, r"rank 2 is out of range for 2 ranks"),
         ([0, 40, 384], TABLE, -1, r"rank -1 is out of range"),
         ([1, 40, 384], TABLE, 0, r"must start at 0, starts at 1"),
-        (
-            [0, 40, 40, 384],
-            TABLE,
-            0,
-            r"strictly increasing: cu_seqlens\[1\] = 40, cu_seqlens\[2\] = 40",
-        ),
+        ([0, 40, 40, 384], TABLE, 0,
+         r"strictly increasing: cu_seqlens\[1\] = 40, cu_seqlens\[2\] = 40"),
         ([0, 50, 40, 384], TABLE, 0, r"strictly increasing"),
         ([0], TABLE, 0, r"at least 2 entries"),
         ([0, 40, 384], [[(0, 96, 1)], [(96, 384)]], 0, r"\(start, stop\) pair"),
     ],
-)
+)  # fmt: skip
 def test_validation_errors(cu, table, rank, message):
+    if isinstance(table, str):
+        table = parse_fragments(table)
     with pytest.raises(ValueError, match=message):
         RoutingPlan.build(cu, table, rank)
 

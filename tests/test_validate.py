@@ -233,28 +233,25 @@ def test_bad_validation_file_is_named_under_its_own_key(capsys, tmp_path):
     assert_one_line(code, err, f'validator.dataloader.dataset_path: {path}:2: no "text" key')
 
 
-def test_dataset_smaller_than_the_data_parallel_ranks(capsys, tmp_path):
-    path = tmp_path / "one.jsonl"
-    path.write_text(json.dumps({"text": "a single document"}) + "\n")
-    args = ["--dump_folder", str(tmp_path), "--dataloader.dataset", "jsonl",
-            "--dataloader.dataset_path", str(path)]  # fmt: skip
-    code, _, err = check(capsys, *args, nproc="2")
-    assert_one_line(code, err, "1 document(s) for 2 data-parallel ranks")
-    # With CP = 2 the two processes are one data-parallel rank: the file is enough.
-    code, _, err = check(capsys, *args, "--parallelism.context_parallel_degree", "2", nproc="2")
-    assert code == 0, err
-
-
-def test_rank_whose_share_is_all_empty(capsys, tmp_path):
-    """The check finds what the loader would find on one rank only (the other rank would see a
-    lost connection): rank 0's two documents are empty."""
-    path = tmp_path / "half.jsonl"
-    texts = ["", "", "real words here", "and more words"]
+@pytest.mark.parametrize(
+    "texts, message",
+    [
+        # One document for two data-parallel ranks.
+        (["a single document"], "1 document(s) for 2 data-parallel ranks"),
+        # The check finds what the loader would find on one rank only (the other rank would see a
+        # lost connection): rank 0's two documents are empty.
+        (["", "", "real words here", "and more words"],
+         'the 2 documents of data-parallel rank 0 all have an empty "text"'),
+    ],
+)  # fmt: skip
+def test_dataset_too_small_for_the_data_parallel_ranks(capsys, tmp_path, texts, message):
+    path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     args = ["--dump_folder", str(tmp_path), "--dataloader.dataset", "jsonl",
             "--dataloader.dataset_path", str(path)]  # fmt: skip
     code, _, err = check(capsys, *args, nproc="2")
-    assert_one_line(code, err, 'the 2 documents of data-parallel rank 0 all have an empty "text"')
+    assert_one_line(code, err, message)
+    # With CP = 2 the two processes are one data-parallel rank: the file is enough.
     code, _, err = check(capsys, *args, "--parallelism.context_parallel_degree", "2", nproc="2")
     assert code == 0, err
 
