@@ -133,7 +133,8 @@ def recompute_grads(
     dfinal: Tensor | None,
 ) -> tuple[Tensor, ...]:
     """A backward op's body: ``(d inputs..., dh0)`` by re-running ``kernel`` under autograd, each
-    in its input's dtype (dh0 ``[N, HV, K, V]`` zeros-based without an initial state)."""
+    in its input's dtype; without an initial state, dh0 ``[N, HV, K, V]`` is the gradient at a
+    zero entry state."""
     h0 = state_like(inputs, cu_seqlens_cpu, zeros=True) if initial_state is None else initial_state
     primals = (*inputs, h0)
     leaves = [x.detach().requires_grad_(True) for x in primals]
