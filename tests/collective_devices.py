@@ -190,6 +190,7 @@ def _dump_folder(argv: list[str]) -> str:
 
 
 if __name__ == "__main__":
+    from torchtitan_cp.run.process_exit import exit_process
     from torchtitan_cp.train import main
 
     argv = sys.argv[1:]
@@ -199,4 +200,4 @@ if __name__ == "__main__":
     path = os.path.join(_dump_folder(argv), f"collective_devices_rank{rank}.json")
     with open(path, "w") as f:
         json.dump({"calls": dict(tracker.calls), "violations": tracker.violations}, f, indent=1)
-    sys.exit(code)
+    exit_process(code)

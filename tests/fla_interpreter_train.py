@@ -8,7 +8,6 @@ runs ``torchtitan_cp.train.main`` with ARGS; production code never imports tests
 
 from __future__ import annotations
 
-import os
 import sys
 
 from tests import fla_interpreter
@@ -18,13 +17,7 @@ if __name__ == "__main__":
     if why is not None:
         print(f"tests.fla_interpreter_train: error: {why}", file=sys.stderr)
         sys.exit(2)
+    from torchtitan_cp.run.process_exit import exit_process
     from torchtitan_cp.train import main
 
-    status = main()
-    # Leave without the interpreter's finalization: once, under load, a rank was aborted there
-    # (SIGABRT, "terminate called without an active exception", no Python frame) after
-    # "Process group destroyed", with libtriton's C++ state loaded; the run's results are on
-    # disk by then, and the exit status is the trainer's own.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    exit_process(main())

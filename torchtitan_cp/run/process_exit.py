@@ -1,0 +1,39 @@
+"""How a rank's process ends: as Python would, up to its ``atexit`` handlers, then ``os._exit``.
+
+When the trainer returns, its own work is done and closed (process group destroyed, checkpoint,
+metrics and wandb closed), but threads of other libraries are still alive: gloo's worker and
+socket threads (a DeviceMesh submesh keeps each rank's two gloo backends past
+``destroy_process_group``), autograd's device threads, daemon threads in torch's C++ with the
+GIL released. Once Python's finalization has begun, a thread that takes the GIL again is ended
+by CPython with ``pthread_exit``; unwinding through a C++ ``noexcept`` frame (pybind11's GIL
+guards) aborts the whole process: "terminate called without an active exception", SIGABRT
+after "Process group destroyed", and torchrun reports a finished run as failed (seen twice in
+CI, on rank 1 of 2-rank CPU runs; tests/test_process_exit.py builds the same abort). Leaving before finalization removes that
+window; nothing the run wrote is lost, because everything Python runs before it (non-daemon
+threads joined, ``atexit`` handlers: logging, wandb, multiprocessing) still runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from typing import NoReturn
+
+
+def exit_process(status: int) -> NoReturn:
+    """End this process with ``status`` without interpreter finalization: join the non-daemon
+    threads, run the ``atexit`` handlers and flush stdout/stderr as ``sys.exit`` would, then
+    ``os._exit(status)``."""
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to save
+            pass
+    os._exit(status)
