@@ -45,11 +45,14 @@ atexit.register(lambda: threading.Thread(target=_wait_in_cpp, daemon=True).start
 """
 
 SCRIPT = """
-import atexit, sys, threading, time
+import atexit, concurrent.futures, sys, threading, time
 import hazard
 
 atexit.register(lambda: print("atexit handler ran"))
 threading.Thread(target=lambda: (time.sleep(0.3), print("non-daemon thread joined"))).start()
+# An executor left open, as compile workers leave theirs: its idle worker must not hold the exit.
+pool = concurrent.futures.ThreadPoolExecutor(1)
+pool.submit(print, "executor worker ran").result()
 print("buffered, never flushed by the script")
 {leave}
 """
@@ -61,14 +64,14 @@ def _run(tmp_path, code: str, *args: str) -> subprocess.CompletedProcess:
     (tmp_path / "hazard.py").write_text(HAZARD)
     env = repo_env(PYTHONPATH=f"{tmp_path}:{REPO}")
     cmd = [sys.executable, "-c", code, *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("leave", ["sys.exit(3)", "exit_process(3)"])
 def test_exit_process_leaves_before_finalization_and_loses_nothing(tmp_path, leave):
     """``sys.exit`` (the control): the thread returns during finalization and the process
-    aborts. ``exit_process``: status 3, the non-daemon thread joined, the ``atexit`` handler run,
-    stdout flushed, no abort."""
+    aborts. ``exit_process``: status 3, the non-daemon thread joined, an open executor's idle
+    worker not waited on, the ``atexit`` handler run, stdout flushed, no abort."""
     code = SCRIPT.format(leave=leave)
     if leave.startswith("exit_process"):
         code = "from torchtitan_cp.run.process_exit import exit_process\n" + code
@@ -79,6 +82,7 @@ def test_exit_process_leaves_before_finalization_and_loses_nothing(tmp_path, lea
     assert proc.returncode == 3 and ABORT not in proc.stderr, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     assert lines == [
+        "executor worker ran",
         "buffered, never flushed by the script",
         "non-daemon thread joined",
         "atexit handler ran",

@@ -23,13 +23,13 @@ from typing import NoReturn
 
 
 def exit_process(status: int) -> NoReturn:
-    """End this process with ``status`` without interpreter finalization: join the non-daemon
-    threads, run the ``atexit`` handlers and flush stdout/stderr as ``sys.exit`` would, then
-    ``os._exit(status)``."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
+    """End this process with ``status`` without interpreter finalization: run what ``sys.exit``
+    runs before it (threading's shutdown, the ``atexit`` handlers, a flush of stdout/stderr),
+    then ``os._exit(status)``. Call it from the main thread."""
+    # What Py_FinalizeEx runs first, in its order: threading's own exit callbacks (they stop
+    # concurrent.futures' idle workers, which a plain join would wait on forever), then the
+    # joins of the non-daemon threads; then the atexit handlers.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
