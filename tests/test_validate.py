@@ -333,30 +333,34 @@ def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
 def test_direct_torchrun_runs_the_same_validation(tmp_path):
     proc = torchrun("--validator.freq", "0", "--dump_folder", str(tmp_path))
     assert proc.returncode != 0
-    # Each rank's own line (torchrun's failure block repeats it as each rank's root cause).
+    # The line of each rank that got to its check before torchrun stopped it on the first
+    # rank's exit (one or both), and torchrun's failure block carries it as the root cause.
     lines = proc.stderr.splitlines()
     errors = [line for line in lines if line.startswith("torchtitan_cp.train: error:")]
-    assert len(errors) == 2 and all("validator.freq must be >= 1" in e for e in errors), errors
+    assert 1 <= len(errors) <= 2, proc.stderr[-3000:]
+    assert all("validator.freq must be >= 1" in e for e in errors), errors
     assert "traceback : torchtitan_cp.train: error: validator.freq must be >= 1" in proc.stderr
     assert "ZeroDivisionError" not in proc.stderr
 
 
 @pytest.mark.slow
 def test_one_document_on_two_ranks_names_documents_and_ranks(tmp_path):
-    """Bypassing the pre-launch scan, the loader itself stops every rank with the same line
-    (before: rank 1 raised IndexError and rank 0 saw only gloo's "Connection closed by peer")."""
+    """Bypassing the pre-launch scan, the loader itself stops a rank with one line naming the
+    file and the ranks (before: rank 1 raised IndexError and rank 0 saw only gloo's "Connection
+    closed by peer")."""
     path = tmp_path / "one.jsonl"
     path.write_text(json.dumps({"text": "a single document"}) + "\n")
     proc = torchrun("--dataloader.dataset", "jsonl", "--dataloader.dataset_path", str(path),
                     "--validator.no-enable", "--metrics.no-enable-wandb",
                     "--dump_folder", str(tmp_path / "run"))  # fmt: skip
     assert proc.returncode != 0
-    # Each rank's own line (torchrun's summary block repeats it, indented, as the root cause).
+    # As above: one line per rank that got there, and the root cause of torchrun's block.
     lines = proc.stderr.splitlines()
     errors = [line for line in lines if line.startswith("torchtitan_cp.train: error:")]
     want = f"{path}: 1 document(s) for 2 data-parallel ranks"
-    assert len(errors) == 2 and all(want in e for e in errors), proc.stderr[-3000:]
-    assert "IndexError" not in proc.stderr
+    assert 1 <= len(errors) <= 2 and all(want in e for e in errors), proc.stderr[-3000:]
+    assert f"traceback : torchtitan_cp.train: error: {want}" in proc.stderr, proc.stderr[-3000:]
+    assert "IndexError" not in proc.stderr and "Connection closed" not in proc.stderr
 
 
 @pytest.mark.parametrize("name", ["gpu_kda_1b", "gpu_gdn_1b"])
