@@ -8,9 +8,10 @@ GIL released. Once Python's finalization has begun, a thread that takes the GIL 
 by CPython with ``pthread_exit``; unwinding through a C++ ``noexcept`` frame (pybind11's GIL
 guards) aborts the whole process: "terminate called without an active exception", SIGABRT
 after "Process group destroyed", and torchrun reports a finished run as failed (seen twice in
-CI, on rank 1 of 2-rank CPU runs; tests/test_process_exit.py builds the same abort). Leaving before finalization removes that
-window; nothing the run wrote is lost, because everything Python runs before it (non-daemon
-threads joined, ``atexit`` handlers: logging, wandb, multiprocessing) still runs.
+CI, on rank 1 of 2-rank CPU runs; tests/test_process_exit.py builds the same abort). Leaving
+before finalization removes that window; nothing the run wrote is lost, because everything
+Python runs before it (threading's shutdown, the ``atexit`` handlers: logging, wandb,
+multiprocessing) still runs.
 """
 
 from __future__ import annotations
