@@ -66,7 +66,7 @@ def _layouts(world: int):
 
 def _check_case(rank, group, case, dtype, seed, *, case_id: str) -> float:
     from torchtitan_cp.ops.cp.driver import context_parallel_recurrence
-    from torchtitan_cp.ops.cp.recurrence import SequenceTables, recurrence
+    from torchtitan_cp.ops.cp.recurrence import SequenceTables, recurrence, run_local
 
     rc = SSD_CASES[case_id]
     name, cu, table = case
@@ -79,7 +79,8 @@ def _check_case(rank, group, case, dtype, seed, *, case_id: str) -> float:
     d_f = torch.randn(len(cu) - 1, HV, K, V, generator=gen, dtype=torch.float64).to(dtype)
 
     leaves = [x.clone().requires_grad_(True) for x in full]
-    o_ref, f_ref = rec.local(tuple(leaves), SequenceTables(cu_t, cu_t, None, None), None, True)
+    tables = SequenceTables(cu_t, cu_t, None, None)
+    o_ref, f_ref = run_local(rec, tuple(leaves), tables, None, True)
     ((o_ref * d_o).sum() + (f_ref * d_f).sum()).backward()
 
     routing = du.device_routing(cu, table, rank)

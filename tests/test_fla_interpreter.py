@@ -152,6 +152,7 @@ def test_retention_on_fla_matches_torch_and_fla_chunk_retention():
     from torchtitan_cp.models.mixers.retention import retention_decay
     from torchtitan_cp.ops.cp.recurrence import SequenceTables
     from torchtitan_cp.ops.cp.recurrence import recurrence as registered
+    from torchtitan_cp.ops.cp.recurrence import run_local
 
     cu_t = torch.tensor(CU, dtype=torch.int32)
     tables = SequenceTables(cu_t, cu_t, None, None)
@@ -166,7 +167,7 @@ def test_retention_on_fla_matches_torch_and_fla_chunk_retention():
 
     def ours(backend):
         rec = registered("ssd", backend=backend, fixed_decay=retention_decay)
-        return lambda q, k, v, h0: rec.local((q, k, v), tables, h0, True)
+        return lambda q, k, v, h0: run_local(rec, (q, k, v), tables, h0, True)
 
     def fla_own(q, k, v, h0):
         rep = HV // H

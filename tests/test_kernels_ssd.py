@@ -10,7 +10,13 @@ import torch
 
 from tests.dist_utils import max_abs
 from tests.recurrences import CASES, HV, K, RecurrenceCase, V, ssd_inputs
-from torchtitan_cp.ops.cp.recurrence import RECURRENCES, SequenceTables, recurrence
+from torchtitan_cp.ops.cp.recurrence import (
+    RECURRENCES,
+    SequenceTables,
+    SummaryRows,
+    recurrence,
+    run_local,
+)
 from torchtitan_cp.ops.ssd.local import chunk_ssd
 
 
@@ -33,7 +39,8 @@ def test_ssd_matches_oracle(case: RecurrenceCase, cu: list[int]) -> None:
         ((o * d_o).sum() + (f * d_f).sum()).backward()
         return [o, f, *(x.grad for x in leaves)]
 
-    got = run(lambda xs, h0: rec.local(tuple(xs), SequenceTables(cu_t, cu_t, None, None), h0, True))
+    tables = SequenceTables(cu_t, cu_t, None, None)
+    got = run(lambda xs, h0: run_local(rec, tuple(xs), tables, h0, True))
     want = run(lambda xs, h0: case.oracle(*xs, initial_state=h0, cu_seqlens=cu_t))
     names = ["o", "final", *(f"d{i}" for i in range(len(xs))), "dh0"]
     for name, a, b in zip(names, got, want, strict=True):
@@ -61,12 +68,24 @@ def test_summary_algebra(case: RecurrenceCase) -> None:
     cu = [0, 9, 79]
     xs = case.inputs(cu[-1], 1, torch.float64)
     cu_t = torch.tensor(cu)
-    summ = rec.summarize(tuple(xs), SequenceTables(cu_t, cu_t, None, None))
+    tables = SequenceTables(cu_t, cu_t, None, None)
+    # Both sequences as summary rows, plus a padding row (-1) the driver never reads.
+    sub = torch.tensor([0, 1, -1], dtype=torch.int32)
+    rows = SummaryRows(
+        sub,
+        sub,
+        torch.arange(cu[-1]),
+        SequenceTables(*(torch.tensor(cu + [cu[-1]]),) * 2, None, None),
+    )
+    prepared = rec.prepare(tuple(xs), tables)
+    summ = rec.summarize(prepared, rows)[:2]
     shape = rec.state_shape(tuple(xs))
     gen = torch.Generator().manual_seed(2)
     S = torch.randn(2, *shape, generator=gen, dtype=torch.float64)
     _, fin = case.oracle(*xs, initial_state=S, cu_seqlens=cu)
     assert max_abs(rec.apply(summ, S), fin) <= 1e-10
+    _, fin_local = rec.local(prepared, S, True)  # the same prepared work serves the kernel
+    assert max_abs(fin_local, fin) <= 1e-10
     ident = rec.identity(shape, torch.float64, "cpu").expand_as(summ)
     assert max_abs(rec.apply(ident, S), S) == 0
 

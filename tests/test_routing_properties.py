@@ -134,6 +134,10 @@ def test_device_routing_simulated_gather(layout, pad_s, pad_n, pad_p, pad_t):
         for i, j in enumerate(published):
             want_row[j] = i
         assert route.summary_row.tolist() == want_row
+        want_sub = [int(plan.frag_last[j]) for j in published]
+        want_sub += [-1] * (slots + 1 - len(published))
+        assert route.summary_subsequence.tolist() == want_sub
+        assert route.summary_subsequence_cpu.tolist() == want_sub
         pieces = [
             list(range(*plan.cu_seqlens[plan.frag_last[j] : plan.frag_last[j] + 2].tolist()))
             for j in published

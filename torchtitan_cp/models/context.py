@@ -12,7 +12,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torchtitan_cp.ops import flex_document_mask
 from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
 from torchtitan_cp.ops.cp.driver import context_parallel_recurrence, local_tables
-from torchtitan_cp.ops.cp.recurrence import Recurrence
+from torchtitan_cp.ops.cp.recurrence import Recurrence, run_local
 from torchtitan_cp.routing import (
     DevicePassKV,
     DeviceRouting,
@@ -65,7 +65,7 @@ class SequenceContext:
         if self.cp_enabled:
             o, _ = context_parallel_recurrence(rec, inputs, routing=self.routing, group=self.group)
         else:
-            o, _ = rec.local(inputs, local_tables(self.routing), None, False)
+            o, _ = run_local(rec, inputs, local_tables(self.routing))
         return o
 
 

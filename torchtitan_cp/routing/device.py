@@ -66,6 +66,8 @@ class DeviceRouting:
     summary_token_index: Tensor  # [Ls] local token ids of the summary-pass sequences
     summary_cu_seqlens: Tensor  # [Ns + 1] int32 offsets into summary_token_index
     summary_cu_seqlens_cpu: Tensor  # [Ns + 1] int32, the same on the host
+    summary_subsequence: Tensor  # [Ns] int32 local subsequence of each summary sequence, -1 pad
+    summary_subsequence_cpu: Tensor  # [Ns] int32, the same on the host
     # The kernels' chunk tables (``routing.chunks``) for both passes, so fla-core derives
     # nothing from cu_seqlens: NT = sum of ceil(len / chunk_size) over the sequences.
     chunk_size: int  # tokens per chunk the tables were built for (fla-core: 64)

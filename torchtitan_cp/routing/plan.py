@@ -365,6 +365,7 @@ class RoutingPlan:
         summary_row = torch.full((slots,), -1, dtype=_I64)
         summary_row[published] = torch.arange(n_pub, dtype=_I64)
         last = self.frag_last[published]
+        summary_sub = last.clone()
         piece_start = self.cu_seqlens[last]
         piece_len = self.cu_seqlens[last + 1] - piece_start
         summary_cu = torch.zeros(n_pub + 1, dtype=_I64)
@@ -380,6 +381,7 @@ class RoutingPlan:
             summary_tokens = torch.cat([summary_tokens, torch.zeros(pad, dtype=_I64)])
             extra = torch.full((slots + 1 - n_pub,), self.num_tokens, dtype=_I64)
             summary_cu = torch.cat([summary_cu, extra])
+            summary_sub = torch.cat([summary_sub, torch.full((slots + 1 - n_pub,), -1)])
 
         cu_cpu = torch.full((n_cap + 1,), self.num_tokens, dtype=torch.int32)
         cu_cpu[: n_sub + 1] = self.cu_seqlens
@@ -413,13 +415,14 @@ class RoutingPlan:
         narrow = {  # int32, the kernels' varlen metadata; the host copy stays readable
             "cu_seqlens": cu_cpu,
             "summary_cu_seqlens": summary_cu.to(torch.int32),
+            "summary_subsequence": summary_sub.to(torch.int32),
             "chunk_indices": main_chunks,
             "summary_chunk_indices": summary_chunks,
         }
         dev = torch.device(device)
         pin = torch.cuda.is_available()
         _, wide_dev = _pack(wide, dev, pin)
-        narrow_host, narrow_dev = _pack(narrow, dev, pin, host=("cu_seqlens", "summary_cu_seqlens"))
+        narrow_host, narrow_dev = _pack(narrow, dev, pin, host=_HOST_FIELDS)
         wide_dev["publish"] = wide_dev["publish"].to(torch.bool)
         return DeviceRouting(
             rank=self.rank,
@@ -430,6 +433,7 @@ class RoutingPlan:
             chunk_size=chunk_size,
             cu_seqlens_cpu=narrow_host["cu_seqlens"],
             summary_cu_seqlens_cpu=narrow_host["summary_cu_seqlens"],
+            summary_subsequence_cpu=narrow_host["summary_subsequence"],
             **wide_dev,
             **narrow_dev,
         )
@@ -440,6 +444,10 @@ class RoutingPlan:
             f"num_slots={self.num_slots}, fragments={self.fragments}, "
             f"subsequences={self.num_subsequences}, num_tokens={self.num_tokens})"
         )
+
+
+# The int32 fields the kernels also read on the host (no device readback): a ``*_cpu`` twin each.
+_HOST_FIELDS = ("cu_seqlens", "summary_cu_seqlens", "summary_subsequence")
 
 
 def _pack(

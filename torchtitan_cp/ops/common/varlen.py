@@ -139,6 +139,6 @@ def chunk_layout(cu: list[int], C: int) -> ChunkLayout:
     order = torch.argsort(nch, descending=True, stable=True)
     nch_sorted = nch[order]
     steps = [int((nch_sorted > p).sum()) for p in range(int(nch.max()))]
-    perm = torch.cat([first_chunk[order[:a]] + p for p, a in enumerate(steps)])
+    perm = torch.cat([first_chunk[order[:a]] + p for p, a in enumerate(steps)] or [src[:0]])
     inv_order, inv_perm = torch.argsort(order), torch.argsort(perm)
     return ChunkLayout(C, NC, src, dst, order, inv_order, steps, perm, inv_perm)

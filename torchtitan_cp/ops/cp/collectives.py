@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from torchtitan_cp.routing import DeviceRouting
 
 __all__ = [
+    "Pending",
     "all_gather_autograd",
+    "all_gather_start",
     "all_gather_plain",
     "check_routing_group",
     "group_rank",
@@ -97,6 +99,60 @@ class _AllGather(torch.autograd.Function):
         out = grad.new_empty((ctx.rows, *grad.shape[1:]))
         _reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
+
+
+class _AllGatherStart(torch.autograd.Function):
+    """The all-gather posted asynchronously (``async_op=True``); the returned buffer is filled
+    when ``Pending.wait`` returns. The backward is ``_AllGather``'s reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, pending: Pending) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        ctx.rows = x.shape[0]
+        x = x.contiguous()
+        out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+        pending._work = _all_gather_single(out, x, group=group, async_op=True)
+        pending._keep = x  # the send buffer must outlive the collective
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        return _AllGather.backward(ctx, grad)[0], None, None
+
+
+class Pending:
+    """An all-gather in flight (``all_gather_start``). ``wait()`` returns the gathered tensor
+    (differentiable as ``all_gather_autograd``'s), blocking only if the collective has not
+    finished; call it once every state-independent computation has been issued."""
+
+    def __init__(self) -> None:
+        self._work = None
+        self._keep: Tensor | None = None
+        self._out: Tensor | None = None
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = self._keep = None
+        assert self._out is not None
+        return self._out
+
+
+def all_gather_start(x: Tensor, group: dist.ProcessGroup | None) -> Pending:
+    """Post the all-gather of ``x [n, ...]`` into ``[world * n, ...]`` and return at once.
+
+    Eager runs use c10d's asynchronous collective (gloo and NCCL run it beside the caller:
+    gloo on its own threads, NCCL on its own stream), so the caller computes while it is in
+    flight. Under ``torch.compile`` (and in world 1) it is ``all_gather_autograd`` itself,
+    already finished: the compiler schedules the functional collective.
+    """
+    pending = Pending()
+    if group_size(group) == 1 or torch.compiler.is_compiling():
+        pending._out = all_gather_autograd(x, group)
+        return pending
+    assert group is not None
+    pending._out = _AllGatherStart.apply(x, group, pending)
+    return pending
 
 
 def all_gather_autograd(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:

@@ -1,10 +1,12 @@
 """One context-parallel driver for every state-affine recurrence (``ops.cp.recurrence``).
 
-Every token range maps the recurrent state affinely. Each rank computes the summary of that map
+Every token range maps the recurrent state affinely. Each rank runs the recurrence's
+state-independent step once (``Recurrence.prepare``), computes from it the summary of that map
 (``Recurrence.summarize``) for the last subsequence of every local fragment that a later fragment
-continues (``routing.publish``), all-gathers the fixed-size summary buffers once, folds its
-predecessors' summaries in token order (``Recurrence.apply``) to get the entry state of each
-fragment, and runs the recurrence's local kernel with those entry states. The backward is
+continues (``routing.publish``), posts one all-gather of the fixed-size summary buffers, and
+starts the local kernel: what the kernel computes before it asks for its entry states overlaps
+the collective; then the predecessors' summaries are folded in token order
+(``Recurrence.apply``) into the entry state of each fragment. The backward is
 autograd through the same graph; the all-gather's backward reduce-scatters the summary
 cotangents to the ranks that computed them. Nothing here knows which recurrence it runs.
 """
@@ -18,13 +20,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..common.dtypes import compute_dtype
-from .collectives import all_gather_autograd, check_routing_group
-from .recurrence import Recurrence, SequenceTables
+from .collectives import all_gather_start, check_routing_group
+from .recurrence import Recurrence, SequenceTables, SummaryRows
 
 if TYPE_CHECKING:
     from torchtitan_cp.routing import DeviceRouting
 
-__all__ = ["context_parallel_recurrence", "local_tables", "summary_tables"]
+__all__ = [
+    "context_parallel_recurrence",
+    "local_tables",
+    "summary_rows",
+    "summary_tables",
+]
 
 
 def local_tables(routing: DeviceRouting) -> SequenceTables:
@@ -41,6 +48,16 @@ def summary_tables(routing: DeviceRouting) -> SequenceTables:
         routing.summary_cu_seqlens_cpu,
         routing.summary_chunk_indices,
         routing.summary_chunk_offsets,
+    )
+
+
+def summary_rows(routing: DeviceRouting) -> SummaryRows:
+    """The published last subsequences, as local subsequence ids and as packed tokens."""
+    return SummaryRows(
+        routing.summary_subsequence,
+        routing.summary_subsequence_cpu,
+        routing.summary_token_index,
+        summary_tables(routing),
     )
 
 
@@ -78,12 +95,13 @@ def context_parallel_recurrence(
     dev = inputs[0].device
     n_seq = routing.summary_cu_seqlens.numel() - 1  # a shape: no device read
 
-    # --- 1. summaries of published last subsequences, one row per slot --------------------
+    # --- 1. the state-independent work, once: the summaries and the local kernel share it --
+    prepared = rec.prepare(inputs, local_tables(routing))
+
+    # --- 2. summaries of published last subsequences, one row per slot --------------------
     identity = rec.identity(shape, dt, dev)  # the map of a slot that publishes nothing
     if n_seq:
-        idx = routing.summary_token_index
-        picked = tuple(x.index_select(1, idx) for x in inputs)
-        summ = rec.summarize(picked, summary_tables(routing)).to(dt)
+        summ = rec.summarize(prepared, summary_rows(routing)).to(dt)
         # Gather, not index_copy: deterministic on CUDA, and padded sequences are never read.
         table = torch.cat([summ, identity])
         row = routing.summary_row
@@ -97,26 +115,29 @@ def context_parallel_recurrence(
         if anchor is not None:
             buf = buf + anchor
 
-    # --- 2. one all-gather of every rank's summaries: [W*S, *summary_shape] ----------------
-    gathered = all_gather_autograd(buf, group)
-
-    # --- 3. entry states: fold predecessors in token order, S <- A_j(S) ----------------------
-    entry = torch.zeros(S, *shape, dtype=dt, device=dev)
-    preds = routing.pred_slots
-    for p in range(preds.shape[1]):  # batched over slots; P is small (predecessor depth)
-        col = preds[:, p]
-        nxt = rec.apply(gathered.index_select(0, col.clamp(min=0)), entry)
-        entry = torch.where((col >= 0).view(S, 1, 1, 1), nxt, entry)
-    # Zero-valued term so that the gathered buffer is in the graph even when P == 0:
-    # otherwise this rank would skip the reduce-scatter the other ranks are waiting in.
-    entry = entry + gathered[:0].sum()
-
-    # --- 4. local kernel over the whole span, entry states at each fragment's start --------
+    # --- 3. post one all-gather of every rank's summaries: [W*S, *summary_shape] -----------
+    pending = all_gather_start(buf, group)
     N = routing.cu_seqlens.numel() - 1
-    first = routing.frag_first
-    target = torch.where(first >= 0, first, torch.full_like(first, N))  # row N = discard
-    h0 = torch.zeros(N + 1, *shape, dtype=dt, device=dev).index_add(0, target, entry)[:N]
-    o, fin = rec.local(inputs, local_tables(routing), h0, output_final_state)
+
+    def entry_states() -> Tensor:
+        # --- 4. (called by the local kernel once its state-independent work is issued) wait,
+        # then fold predecessors in token order, S <- A_j(S), into each fragment's entry.
+        gathered = pending.wait()
+        entry = torch.zeros(S, *shape, dtype=dt, device=dev)
+        preds = routing.pred_slots
+        for p in range(preds.shape[1]):  # batched over slots; P is small (predecessor depth)
+            col = preds[:, p]
+            nxt = rec.apply(gathered.index_select(0, col.clamp(min=0)), entry)
+            entry = torch.where((col >= 0).view(S, 1, 1, 1), nxt, entry)
+        # Zero-valued term so that the gathered buffer is in the graph even when P == 0:
+        # otherwise this rank would skip the reduce-scatter the other ranks are waiting in.
+        entry = entry + gathered[:0].sum()
+        first = routing.frag_first
+        target = torch.where(first >= 0, first, torch.full_like(first, N))  # row N = discard
+        return torch.zeros(N + 1, *shape, dtype=dt, device=dev).index_add(0, target, entry)[:N]
+
+    # --- 5. local kernel over the whole span, entry states at each fragment's start --------
+    o, fin = rec.local(prepared, entry_states, output_final_state)
     if not output_final_state or fin is None:
         return o, None
     term = routing.terminal

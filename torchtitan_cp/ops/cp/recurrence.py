@@ -9,6 +9,11 @@ Its *summary* is a fixed-size encoding of that map, ``[*summary_shape]`` per ran
 * a diagonal recurrence (Mamba2's SSD, simple GLA) needs one log decay per head,
   ``S_out = exp(a) S_in + E`` with ``a [HV]``: its all-gather is about K times smaller.
 
+Every layer computes the state-independent per-chunk work once (``prepare``): the summaries
+compose the chunk maps it made and the local kernel reuses them, so a span that continues a
+document and is continued costs its local kernel plus the composition of its chunk maps, not
+the recurrence twice (docs/cp.md, "The work of a CP layer").
+
 A new recurrence implements this protocol in its own module and adds one line to
 ``RECURRENCES``; it never reads the driver (docs/architecture.md, "Adding a recurrence"). The
 mixers find theirs by name (``recurrence("kda", ...)``) and run it through
@@ -19,14 +24,22 @@ predecessor after the other in token order, so the protocol has no summary compo
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-__all__ = ["RECURRENCES", "Recurrence", "SequenceTables", "recurrence"]
+__all__ = [
+    "RECURRENCES",
+    "InitialState",
+    "Recurrence",
+    "SequenceTables",
+    "SummaryRows",
+    "TokenPrepared",
+    "recurrence",
+    "resolve_state",
+    "run_local",
+]
 
 
 class SequenceTables(NamedTuple):
@@ -42,32 +55,59 @@ class SequenceTables(NamedTuple):
     chunk_offsets: Tensor | None
 
 
+class SummaryRows(NamedTuple):
+    """The published subsequences of a span, one summary row each (``DeviceRouting.summary_*``).
+
+    ``subsequence [R]`` int32: the local subsequence (row of ``SequenceTables``) of each row, −1
+    for padding rows (never read); ``subsequence_cpu`` its host copy. ``token_index [Ls]`` and
+    ``tables``: the same rows' tokens packed back to back as their own stream, for a recurrence
+    that summarises from the tokens rather than from what ``prepare`` computed.
+    """
+
+    subsequence: Tensor
+    subsequence_cpu: Tensor
+    token_index: Tensor
+    tables: SequenceTables
+
+
+InitialState = Tensor | Callable[[], Tensor] | None
+"""What ``Recurrence.local`` enters its sequences with: a tensor ``[N, HV, K, V]``, None (zeros),
+or a thunk returning the tensor, called once, as late as the kernel can: the CP driver's thunk
+waits for the summaries' all-gather and folds them, so what the kernel computes before calling
+it (everything that does not depend on the state) overlaps the collective."""
+
+
 class Recurrence(Protocol):
     """A chunked recurrence, affine in its per-sequence state ``[HV, K, V]``.
 
-    ``inputs`` is a tuple of token-major tensors ``[1, T, ...]`` (the driver selects tokens
-    with ``index_select(1, ·)``); their meaning belongs to the recurrence. ``tables`` is a
-    ``SequenceTables``. States and summaries are in ``common.dtypes.compute_dtype`` of the inputs' dtype.
+    ``inputs`` is a tuple of token-major tensors ``[1, T, ...]``; their meaning belongs to the
+    recurrence. ``tables`` is a ``SequenceTables``. States and summaries are in
+    ``common.dtypes.compute_dtype`` of the inputs' dtype.
+
+    One layer runs ``prepare`` once; its result serves both ``summarize`` and ``local``, so the
+    per-chunk work that does not depend on the state (gate scores, the WY solve, every chunk's
+    affine map) is computed once whether or not the span publishes summaries.
     """
 
     def state_shape(self, inputs: tuple[Tensor, ...]) -> tuple[int, int, int]:
         """``(HV, K, V)`` of one sequence's state."""
         ...
 
-    def local(
-        self,
-        inputs: tuple[Tensor, ...],
-        tables: SequenceTables,
-        initial_state: Tensor | None,
-        output_final_state: bool,
-    ) -> tuple[Tensor, Tensor | None]:
-        """The local kernel: ``(o [1, T, ...], final [N, HV, K, V] or None)`` over the packed
-        sequences of ``tables``, entering sequence n with ``initial_state[n]`` (zeros if None)."""
+    def prepare(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Any:
+        """The state-independent work over the sequences of ``tables`` (opaque to the driver;
+        differentiable: gradients reach ``inputs`` through it)."""
         ...
 
-    def summarize(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Tensor:
-        """``[N, *summary_shape]``: the affine map of every sequence of ``tables`` (final
-        states only: no outputs are computed where the backend allows it)."""
+    def local(
+        self, prepared: Any, initial_state: InitialState, output_final_state: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """The local kernel: ``(o [1, T, ...], final [N, HV, K, V] or None)`` over the prepared
+        sequences, entering sequence n with ``initial_state[n]`` (see ``InitialState``)."""
+        ...
+
+    def summarize(self, prepared: Any, rows: SummaryRows) -> Tensor:
+        """``[R, *summary_shape]``: the affine map of every row's subsequence (padding rows:
+        anything finite; the driver never reads them). Called before ``local``."""
         ...
 
     def identity(self, state_shape: tuple[int, int, int], dtype, device) -> Tensor:
@@ -77,8 +117,33 @@ class Recurrence(Protocol):
     def apply(self, summary: Tensor, state: Tensor) -> Tensor:
         """``summary [S, *summary_shape]`` applied to ``state [S, HV, K, V]``. The driver folds a
         fragment's predecessors with it one at a time, in token order (their number is the
-        routing's predecessor depth)."""
+        routing's predecessor depth). A recurrence may rely on this: the state a summary is
+        applied to is always the entry state its publisher's ``local`` used for that row."""
         ...
+
+
+def run_local(
+    rec: Recurrence,
+    inputs: tuple[Tensor, ...],
+    tables: SequenceTables,
+    initial_state: InitialState = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """``rec``'s local kernel on its own: ``prepare`` then ``local`` (no summaries)."""
+    return rec.local(rec.prepare(inputs, tables), initial_state, output_final_state)
+
+
+def resolve_state(initial_state: InitialState) -> Tensor | None:
+    """The tensor behind an ``InitialState`` (calls a thunk)."""
+    return initial_state() if callable(initial_state) else initial_state
+
+
+class TokenPrepared(NamedTuple):
+    """``prepare``'s result for a recurrence whose kernels have no separate state-independent
+    step (on some backend): the inputs and tables, kept for ``local`` and ``summarize``."""
+
+    inputs: tuple[Tensor, ...]
+    tables: SequenceTables
 
 
 # name -> ("module:factory", fixed options). Lazy, so that this module imports no

@@ -103,6 +103,4 @@ def chunk_delta_rule(
         return chunk_delta_rule_fla(
             q, k, v, g, beta, **common, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets
         )
-    o, final = chunk_delta_rule_torch(q, k, v, g, beta, **common)
-    assert o is not None  # not states_only
-    return o, final
+    return chunk_delta_rule_torch(q, k, v, g, beta, **common)

@@ -1,8 +1,10 @@
 """The gated delta rule (KDA / GDN) as a ``Recurrence``, and its context-parallel entry point.
 
 Summary algebra: a token range maps the state affinely, ``S_out = M S_in + E`` with a full
-transition ``M [HV, K, K]`` and ``E [HV, K, V]``, stored as ``[HV, K, V + K] = [E | M]``. Both come
-from one final-state pass: values ``[v | 0]`` from the entry state ``[0 | I]``, since the first V
+transition ``M [HV, K, K]`` and ``E [HV, K, V]``, stored as ``[HV, K, V + K] = [E | M]``. On the
+torch kernels (eager) the summary composes the chunk maps ``prepare`` already made for the
+local kernel (``torch_kernel.compose_chunk_maps``). Elsewhere it comes from one final-state pass
+over the published tokens: values ``[v | 0]`` from the entry state ``[0 | I]``, since the first V
 columns follow E and the last K columns follow M (the same recurrence applied to the identity).
 The driver (``ops.cp.driver``) does the rest.
 """
@@ -10,7 +12,7 @@ The driver (``ops.cp.driver``) does the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,9 +21,14 @@ from torch import Tensor
 from ..common import checks
 from ..common.dtypes import compute_dtype
 from ..cp.driver import context_parallel_recurrence
-from ..cp.recurrence import SequenceTables
+from ..cp.recurrence import InitialState, SequenceTables, SummaryRows, TokenPrepared, resolve_state
 from .local import chunk_delta_rule
-from .torch_kernel import chunk_delta_rule_torch
+from .torch_kernel import (
+    DeltaRuleChunks,
+    compose_chunk_maps,
+    local_delta_rule_torch,
+    prepare_delta_rule_torch,
+)
 
 if TYPE_CHECKING:
     from torchtitan_cp.routing import DeviceRouting
@@ -44,18 +51,28 @@ class DeltaRule:
         q, _, v = inputs[:3]
         return v.shape[2], q.shape[3], v.shape[3]
 
+    def prepare(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Any:
+        # The torch kernel splits into a state-independent step and the state scan in eager
+        # mode; fla's kernels and the compiled custom op run whole (their summaries pick tokens).
+        if self._split(inputs[0]):
+            q, k, v, g, beta = inputs
+            return prepare_delta_rule_torch(
+                q, k, v, g, beta, kind=self.kind, scale=self.scale,
+                cu_seqlens=tables.cu_seqlens, cu_seqlens_cpu=tables.cu_seqlens_cpu,
+            )  # fmt: skip
+        return TokenPrepared(inputs, tables)
+
     def local(
-        self,
-        inputs: tuple[Tensor, ...],
-        tables: SequenceTables,
-        initial_state: Tensor | None,
-        output_final_state: bool,
+        self, prepared: Any, initial_state: InitialState, output_final_state: bool
     ) -> tuple[Tensor, Tensor | None]:
+        if isinstance(prepared, DeltaRuleChunks):
+            return local_delta_rule_torch(prepared, initial_state, output_final_state)
+        inputs, tables = prepared
         return chunk_delta_rule(
             *inputs,
             kind=self.kind,
             scale=self.scale,
-            initial_state=initial_state,
+            initial_state=resolve_state(initial_state),
             output_final_state=output_final_state,
             cu_seqlens=tables.cu_seqlens,
             cu_seqlens_cpu=tables.cu_seqlens_cpu,
@@ -70,21 +87,18 @@ class DeltaRule:
         ident[..., V:] = torch.eye(K, dtype=dtype, device=device)
         return ident
 
-    def summarize(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Tensor:
-        q, k, v, g, beta = inputs
-        HV, K, V = self.state_shape(inputs)
+    def summarize(self, prepared: Any, rows: SummaryRows) -> Tensor:
+        if isinstance(prepared, DeltaRuleChunks):
+            # The chunk maps the local kernel uses, composed: no second recurrence.
+            return compose_chunk_maps(prepared, rows.subsequence_cpu.tolist())
+        inputs, _ = prepared
+        q, k, v, g, beta = (x.index_select(1, rows.token_index) for x in inputs)
+        tables = rows.tables
+        HV, K, V = self.state_shape((q, k, v))
         n = tables.cu_seqlens.numel() - 1
         dt = compute_dtype(v.dtype)
         vs = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)  # [v | 0]
         h0 = self.identity((HV, K, V), dt, v.device).expand(n, -1, -1, -1).contiguous()
-        if checks.resolve_backend(self.backend, q) == "torch" and not torch.compiler.is_compiling():
-            _, fin = chunk_delta_rule_torch(
-                q, k, vs, g, beta, kind=self.kind, initial_state=h0,
-                cu_seqlens=tables.cu_seqlens, cu_seqlens_cpu=tables.cu_seqlens_cpu,
-                states_only=True,
-            )  # fmt: skip
-            assert fin is not None  # states_only=True
-            return fin
         # fla-core 0.6.0 has no differentiable state-only entry point (its chunk_*_fwd_h are
         # forward-only pieces of the autograd Function), and under torch.compile the local
         # kernel runs as an opaque custom op: both compute, and discard, the [.., V+K] output.
@@ -96,6 +110,11 @@ class DeltaRule:
         )  # fmt: skip
         assert fin is not None  # output_final_state=True
         return fin
+
+    def _split(self, q: Tensor) -> bool:
+        return checks.resolve_backend(self.backend, q) == "torch" and not (
+            torch.compiler.is_compiling()
+        )
 
     def apply(self, summary: Tensor, state: Tensor) -> Tensor:
         V = state.shape[-1]

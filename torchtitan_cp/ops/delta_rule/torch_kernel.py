@@ -15,7 +15,10 @@ Algorithm (per value head; see docs/kernels.md for the derivation):
   chunk (batched ``solve_triangular``) gives ``d = U - W S0`` (the WY / UT form).
 * Every chunk is then an affine map of its entry state, ``S_end = M S0 + E``; a short loop over
   chunk positions (all sequences at once) carries the state; outputs follow in one batched step:
-  ``o = (scale q * exp(G)) S0 + Aqk d``.
+  ``o = (scale q * exp(G)) S0 + Aqk d = (scale q * exp(G) - Aqk W) S0 + Aqk U``.
+* Everything up to the chunk maps is independent of the entry states (``prepare_delta_rule_torch``):
+  the CP summaries compose those maps (``compose_chunk_maps``) and the local kernel
+  (``local_delta_rule_torch``) reuses them, so a CP layer computes them once.
 * Gates stay in log space relative to the chunk (or a sub-block of it), and every exponent is
   masked to ``-inf`` before ``exp`` where the pair is not causal, so only ``exp(x)`` with
   ``x <= 0`` is ever evaluated: strong gates underflow to zero instead of overflowing, in the
@@ -25,15 +28,23 @@ Algorithm (per value head; see docs/kernels.md for the derivation):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..common.dtypes import compute_dtype
 from ..common.scores import causal_mask, gdn_scores
-from ..common.varlen import chunk_layout, entry_states
+from ..common.varlen import ChunkLayout, chunk_layout, host_cu_seqlens
 
-__all__ = ["chunk_delta_rule_torch"]
+__all__ = [
+    "DeltaRuleChunks",
+    "chunk_delta_rule_torch",
+    "compose_chunk_maps",
+    "local_delta_rule_torch",
+    "prepare_delta_rule_torch",
+]
 
 
 def _kda_scores(a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
@@ -79,6 +90,224 @@ def _kda_scores(a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
     return off + blocks
 
 
+class DeltaRuleChunks(NamedTuple):
+    """The state-independent work of the chunked delta rule over a span (``prepare_delta_rule_torch``):
+    every chunk's scores, WY factors and affine map, shared by the local kernel and the CP
+    summaries. NC chunks, C tokens each, value heads HV.
+
+    ``qg [NC, HV, C, K]`` scaled queries times ``exp(G)``; ``Aqk [NC, HV, C, C]`` the causal
+    query-key scores; ``U [NC, HV, C, V]``, ``W [NC, HV, C, K]`` the WY factors (``d = U - W S0``);
+    ``M [NC, HV, K, K]``, ``E [NC, HV, K, V]`` the chunk map ``S_end = M S0 + E``. ``saved``
+    holds the local kernel's chunk entry states for the summaries' backward (``compose_chunk_maps``).
+    """
+
+    layout: ChunkLayout
+    cu: list[int]
+    state_shape: tuple[int, int, int]
+    out_dtype: torch.dtype
+    qg: Tensor
+    Aqk: Tensor
+    U: Tensor
+    W: Tensor
+    M: Tensor
+    E: Tensor
+    saved: dict[str, Tensor]
+
+
+def prepare_delta_rule_torch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    kind: str,
+    scale: float | None = None,
+    cu_seqlens: Tensor | None = None,
+    cu_seqlens_cpu: Tensor | None = None,
+    chunk_size: int = 64,
+    sub_chunk_size: int = 8,
+) -> DeltaRuleChunks:
+    """Everything of ``chunk_delta_rule_torch`` that does not depend on the entry states (shapes
+    and arguments as there); differentiable."""
+    if kind not in ("kda", "gdn"):
+        raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
+    T, H, K = q.shape[1:]
+    HV, V = v.shape[2:]
+    scale = K**-0.5 if scale is None else scale
+    cd = compute_dtype(q.dtype)
+    dev = q.device
+    C = chunk_size
+    sub = sub_chunk_size if (sub_chunk_size and C % sub_chunk_size == 0) else C
+    cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
+    lay = chunk_layout(cu, C)
+    if not lay.num_chunks:  # no tokens: nothing to prepare (the local kernel passes states on)
+        z = q.new_zeros(0, HV, C, C, dtype=cd)
+        e = z.new_zeros(0, HV, K, V)
+        return DeltaRuleChunks(lay, cu, (HV, K, V), v.dtype, z, z, z, z, z, e, {})
+    rep = HV // H
+    qc = lay.pack(q, cd).repeat_interleave(rep, dim=1) * scale  # [NC, HV, C, K]
+    kc = lay.pack(k, cd).repeat_interleave(rep, dim=1)
+    vc = lay.pack(v, cd)  # [NC, HV, C, V]
+    bc = lay.pack(beta, cd)  # [NC, HV, C]
+    G = lay.pack(g, cd).cumsum(2)  # cumulative log gate inside the chunk, <= 0
+    ops = torch.stack([qc, kc])
+    if kind == "kda":
+        Gl = G[:, :, -1, :]  # [NC, HV, K] log gate over the whole chunk
+        decay_end = torch.exp(Gl.unsqueeze(-2) - G)  # exp(G_C - G_t) <= 1
+        eG = torch.exp(G)
+        Aqk, A = _kda_scores(ops, kc, G, sub=sub)
+    else:
+        Gl = G[:, :, -1]  # [NC, HV]
+        decay_end = torch.exp(Gl.unsqueeze(-1) - G).unsqueeze(-1)
+        eG = torch.exp(G).unsqueeze(-1)
+        Aqk, A = gdn_scores(ops, kc, G)
+    kg = kc * eG
+
+    # WY form: (I + beta*A) d = beta*v - beta*(k*exp(G)) S0  =>  d = U - W S0.
+    b = bc.unsqueeze(-1)
+    A = b * A  # only its strictly lower part is read: the solve assumes a unit diagonal
+    rhs = torch.cat([b * vc, b * kg], -1)  # one solve for both right-hand sides
+    U, W = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([V, K], -1)
+
+    # Chunk as an affine map of its entry state: S_end = M S0 + E.
+    khT = (kc * decay_end).transpose(-1, -2)  # k_t exp(G_C - G_t), [NC, HV, K, C]
+    if kind == "kda":
+        M = torch.diag_embed(torch.exp(Gl)) - khT @ W  # [NC, HV, K, K]
+    else:
+        eye = torch.eye(K, dtype=cd, device=dev)
+        M = torch.exp(Gl)[..., None, None] * eye - khT @ W
+    E = khT @ U  # [NC, HV, K, V]
+    return DeltaRuleChunks(lay, cu, (HV, K, V), v.dtype, qc * eG, Aqk, U, W, M, E, {})
+
+
+def local_delta_rule_torch(
+    chunks: DeltaRuleChunks,
+    initial_state: Tensor | Callable[[], Tensor] | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The local kernel on prepared chunks: ``(o [1, T, HV, V], final [N, HV, K, V] or None)``.
+
+    ``initial_state`` ``[N, HV, K, V]``, None (zeros) or a thunk returning it: the thunk is called
+    after the state-independent output terms are issued (the CP driver's all-gather is in flight
+    meanwhile). Outputs are ``o = (qg - Aqk W) S0 + Aqk U`` per chunk.
+    """
+    lay, cu = chunks.layout, chunks.cu
+    HV, K, V = chunks.state_shape
+    cd, dev = chunks.M.dtype, chunks.M.device
+    # State-independent: the query side of the state term and the intra-chunk outputs.
+    if lay.num_chunks:
+        qw = chunks.qg - chunks.Aqk @ chunks.W  # [NC, HV, C, K]
+        oi = chunks.Aqk @ chunks.U  # [NC, HV, C, V]
+    h0 = initial_state() if callable(initial_state) else initial_state
+    state0 = (
+        h0.to(cd) if h0 is not None else torch.zeros(len(cu) - 1, HV, K, V, dtype=cd, device=dev)
+    )
+    if not lay.num_chunks:
+        o = torch.zeros(1, cu[-1], HV, V, dtype=chunks.out_dtype, device=dev)
+        return o, (state0.clone() if output_final_state else None)
+    # Inter-chunk recurrence S <- M S + E, and every chunk's entry state S0 [NC, HV, K, V].
+    final, S0 = lay.scan(chunks.M, chunks.E, state0, torch.matmul, entries=True)
+    assert S0 is not None
+    chunks.saved["entry"] = S0.detach()  # for compose_chunk_maps' backward
+    oc = qw @ S0 + oi  # [NC, HV, C, V]
+    return lay.unpack(oc).to(chunks.out_dtype), (final if output_final_state else None)
+
+
+class _ComposeChunkMaps(torch.autograd.Function):
+    """Summaries ``[E | M]`` of whole subsequences from their chunk maps (``compose_chunk_maps``).
+
+    Forward: ``S <- M_c S + [E_c | 0]`` from ``S = [0 | I]`` over each row's chunks (the first
+    chunk needs no product: ``S = [E_1 | M_1]``). Backward: a summary is only ever applied to
+    the entry state ``h`` its publisher's local kernel used (``Recurrence.apply``), so its
+    cotangent is ``D [I | hᵀ]`` with ``D`` its first V columns; the adjoint then carries
+    ``D [K, V]`` (not ``[K, V + K]``) back through the chunks, and each chunk's ``dM_c = Λ_c S0_cᵀ``
+    uses the local kernel's own entry state ``S0_c`` of that chunk: the backward costs two
+    ``K x K x V`` products per chunk, as the local kernel's state scan does.
+    """
+
+    @staticmethod
+    def forward(ctx, M: Tensor, E: Tensor, plan: _ComposePlan, saved: dict) -> Tensor:  # type: ignore[override]
+        ctx.plan, ctx.saved = plan, saved
+        ctx.save_for_backward(M)
+        V = E.shape[-1]
+        dev = M.device
+        S = torch.cat([E[plan.ids[0].to(dev)], M[plan.ids[0].to(dev)]], -1)  # [R', HV, K, V+K]
+        for ids in plan.ids[1:]:
+            a = ids.numel()
+            ids = ids.to(dev)
+            head = M[ids] @ S[:a]
+            head[..., :V] += E[ids]
+            S = torch.cat([head, S[a:]], 0) if a < S.shape[0] else head
+        return S
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (M,) = ctx.saved_tensors
+        plan = ctx.plan
+        if "entry" not in ctx.saved:
+            raise RuntimeError("compose_chunk_maps' backward needs the local kernel's forward")
+        S0 = ctx.saved["entry"]
+        V = S0.shape[-1]
+        dev = M.device
+        lam = grad[..., :V]  # D, one per row (rows in the plan's order)
+        ids_all, lams = [], []
+        for p in range(len(plan.ids) - 1, -1, -1):
+            ids = plan.ids[p].to(dev)
+            a = ids.numel()
+            ids_all.append(ids)
+            lams.append(lam[:a])
+            if p:
+                lam = torch.cat([M[ids].transpose(-1, -2) @ lam[:a], lam[a:]], 0)
+        ids = torch.cat(ids_all)
+        lam_c = torch.cat(lams)  # Λ_c of every composed chunk
+        dE = torch.zeros(M.shape[0], *lam_c.shape[1:], dtype=lam_c.dtype, device=dev)
+        dE.index_add_(0, ids, lam_c)
+        dM = torch.zeros_like(M).index_add_(0, ids, lam_c @ S0[ids].transpose(-1, -2))
+        return dM, dE, None, None
+
+
+class _ComposePlan(NamedTuple):
+    """Host schedule of ``compose_chunk_maps``: rows sorted by chunk count (descending);
+    ``ids[p]`` the chunk ids at position p of the rows still running (a prefix)."""
+
+    order: Tensor  # [R'] row index of each sorted row
+    ids: list[Tensor]
+
+
+def compose_chunk_maps(chunks: DeltaRuleChunks, subsequences: list[int]) -> Tensor:
+    """``[R, HV, K, V + K]`` summaries ``[E | M]`` of the prepared subsequences ``subsequences``
+    (indices into ``chunks.cu``; −1 or an empty subsequence: the identity map).
+
+    Composes the chunk maps ``prepare_delta_rule_torch`` made (no scores, no solve, no outputs);
+    differentiable through ``_ComposeChunkMaps`` once ``local_delta_rule_torch`` has run on the
+    same chunks.
+    """
+    HV, K, V = chunks.state_shape
+    C = chunks.layout.chunk_size
+    cu = chunks.cu
+    R = len(subsequences)
+    lengths = [cu[n + 1] - cu[n] if n >= 0 else 0 for n in subsequences]
+    nch_all = [(cu[i + 1] - cu[i] + C - 1) // C for i in range(len(cu) - 1)]
+    first = [0]
+    for n_ in nch_all:
+        first.append(first[-1] + n_)
+    nch = [(L + C - 1) // C for L in lengths]
+    rows = sorted((r for r in range(R) if nch[r]), key=lambda r: -nch[r])
+    cd, dev = chunks.M.dtype, chunks.M.device
+    out = torch.zeros(R, HV, K, V + K, dtype=cd, device=dev)
+    out[..., V:] = torch.eye(K, dtype=cd, device=dev)
+    if not rows:
+        return out
+    ids = [
+        torch.tensor([first[subsequences[r]] + p for r in rows if nch[r] > p], dtype=torch.int64)
+        for p in range(nch[rows[0]])
+    ]
+    order = torch.tensor(rows, dtype=torch.int64)
+    S = _ComposeChunkMaps.apply(chunks.M, chunks.E, _ComposePlan(order, ids), chunks.saved)
+    return out.index_copy(0, order.to(dev), S)
+
+
 def chunk_delta_rule_torch(
     q: Tensor,
     k: Tensor,
@@ -94,9 +323,9 @@ def chunk_delta_rule_torch(
     cu_seqlens_cpu: Tensor | None = None,
     chunk_size: int = 64,
     sub_chunk_size: int = 8,
-    states_only: bool = False,
-) -> tuple[Tensor | None, Tensor | None]:
-    """Chunked KDA / GDN forward (autograd gives the backward).
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked KDA / GDN forward (autograd gives the backward): ``prepare_delta_rule_torch``
+    then ``local_delta_rule_torch``.
 
     Args:
         q, k: ``[1, T, H, K]``; v: ``[1, T, HV, V]`` with HV a multiple of H (GVA).
@@ -107,71 +336,14 @@ def chunk_delta_rule_torch(
         cu_seqlens / cu_seqlens_cpu: ``[N+1]`` sequence offsets (host copy preferred).
         chunk_size: tokens per chunk; ``sub_chunk_size`` (KDA only) must divide it, otherwise
             the whole chunk is one sub-block.
-        states_only: return ``(None, final)`` without computing any output (no query
-            products, no per-chunk entry states kept): the CP summary pass.
 
     Returns:
-        ``(o [1, T, HV, V] in v's dtype or None, final [N, HV, K, V] or None)``: the final
-        states (when ``output_final_state`` or ``states_only``) in the compute dtype (float64
-        for float64 inputs, else float32). Zero-length sequences return their initial state.
+        ``(o [1, T, HV, V] in v's dtype, final [N, HV, K, V] or None)``: the final states (when
+        ``output_final_state``) in the compute dtype (float64 for float64 inputs, else
+        float32). Zero-length sequences return their initial state.
     """
-    if kind not in ("kda", "gdn"):
-        raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
-    T, H, K = q.shape[1:]
-    HV, V = v.shape[2:]
-    scale = K**-0.5 if scale is None else scale
-    cd = compute_dtype(q.dtype)
-    dev = q.device
-    C = chunk_size
-    sub = sub_chunk_size if (sub_chunk_size and C % sub_chunk_size == 0) else C
-    cu, state0 = entry_states(q, v, cu_seqlens, cu_seqlens_cpu, initial_state)
-    output_final_state = output_final_state or states_only
-    if T == 0:
-        o = None if states_only else v.new_zeros(1, 0, HV, V)
-        return o, (state0.clone() if output_final_state else None)
-
-    lay = chunk_layout(cu, C)
-    rep = HV // H
-    qc = lay.pack(q, cd).repeat_interleave(rep, dim=1) * scale  # [NC, HV, C, K]
-    kc = lay.pack(k, cd).repeat_interleave(rep, dim=1)
-    vc = lay.pack(v, cd)  # [NC, HV, C, V]
-    bc = lay.pack(beta, cd)  # [NC, HV, C]
-    G = lay.pack(g, cd).cumsum(2)  # cumulative log gate inside the chunk, <= 0
-    # States only: the query never enters (no q products, no Aqk scores).
-    ops = kc.unsqueeze(0) if states_only else torch.stack([qc, kc])
-    if kind == "kda":
-        Gl = G[:, :, -1, :]  # [NC, HV, K] log gate over the whole chunk
-        decay_end = torch.exp(Gl.unsqueeze(-2) - G)  # exp(G_C - G_t) <= 1
-        eG = torch.exp(G)
-        *Aqk, A = _kda_scores(ops, kc, G, sub=sub)
-    else:
-        Gl = G[:, :, -1]  # [NC, HV]
-        decay_end = torch.exp(Gl.unsqueeze(-1) - G).unsqueeze(-1)
-        eG = torch.exp(G).unsqueeze(-1)
-        *Aqk, A = gdn_scores(ops, kc, G)
-    kg = kc * eG
-
-    # WY form: (I + beta*A) d = beta*v - beta*(k*exp(G)) S0  =>  d = U - W S0.
-    b = bc.unsqueeze(-1)
-    A = b * A  # only its strictly lower part is read: the solve assumes a unit diagonal
-    rhs = torch.cat([b * vc, b * kg], -1)  # one solve for both right-hand sides
-    U, W = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([V, K], -1)
-
-    # Chunk as an affine map of its entry state: S_end = M S0 + E.
-    kh = kc * decay_end  # k_t exp(G_C - G_t)
-    khT = kh.transpose(-1, -2)
-    if kind == "kda":
-        M = torch.diag_embed(torch.exp(Gl)) - khT @ W  # [NC, HV, K, K]
-    else:
-        eye = torch.eye(K, dtype=cd, device=dev)
-        M = torch.exp(Gl)[..., None, None] * eye - khT @ W
-    E = khT @ U  # [NC, HV, K, V]
-
-    # Inter-chunk recurrence S <- M S + E, and every chunk's entry state S0 [NC, HV, K, V].
-    final, S0 = lay.scan(M, E, state0, torch.matmul, entries=not states_only)
-    if states_only:
-        return None, final
-    assert S0 is not None
-    d = U - W @ S0
-    oc = (qc * eG) @ S0 + Aqk[0] @ d  # [NC, HV, C, V]
-    return lay.unpack(oc).to(v.dtype), (final if output_final_state else None)
+    chunks = prepare_delta_rule_torch(
+        q, k, v, g, beta, kind=kind, scale=scale, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, sub_chunk_size=sub_chunk_size,
+    )  # fmt: skip
+    return local_delta_rule_torch(chunks, initial_state, output_final_state)

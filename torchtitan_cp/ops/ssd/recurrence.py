@@ -30,7 +30,7 @@ from ..common import checks
 from ..common.checks import Backend
 from ..common.dtypes import compute_dtype
 from ..cp.driver import context_parallel_recurrence
-from ..cp.recurrence import SequenceTables
+from ..cp.recurrence import InitialState, SequenceTables, SummaryRows, TokenPrepared, resolve_state
 from .local import chunk_ssd
 from .torch_kernel import chunk_ssd_torch
 
@@ -66,15 +66,17 @@ class SSD:
         q, _, v = inputs[:3]
         return v.shape[2], q.shape[3], v.shape[3]
 
+    def prepare(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> TokenPrepared:
+        # SSD's summary is a states-only pass over the published tokens (no scores, no solve:
+        # about one K x V product per token), so nothing is worth sharing with the local kernel.
+        return TokenPrepared(inputs, tables)
+
     def local(
-        self,
-        inputs: tuple[Tensor, ...],
-        tables: SequenceTables,
-        initial_state: Tensor | None,
-        output_final_state: bool,
+        self, prepared: TokenPrepared, initial_state: InitialState, output_final_state: bool
     ) -> tuple[Tensor, Tensor | None]:
+        inputs, tables = prepared
         return chunk_ssd(
-            *self.gated(inputs), scale=self.scale, initial_state=initial_state,
+            *self.gated(inputs), scale=self.scale, initial_state=resolve_state(initial_state),
             output_final_state=output_final_state, cu_seqlens=tables.cu_seqlens,
             cu_seqlens_cpu=tables.cu_seqlens_cpu, backend=self.backend,
             chunk_indices=tables.chunk_indices, chunk_offsets=tables.chunk_offsets,
@@ -84,8 +86,9 @@ class SSD:
         HV, K, V = state_shape
         return torch.zeros(1, HV, K * V + 1, dtype=dtype, device=device)  # E = 0, a = 0
 
-    def summarize(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Tensor:
-        q, k, v, g = self.gated(inputs)
+    def summarize(self, prepared: TokenPrepared, rows: SummaryRows) -> Tensor:
+        tables = rows.tables
+        q, k, v, g = self.gated(tuple(x.index_select(1, rows.token_index) for x in prepared.inputs))
         dt = compute_dtype(v.dtype)
         if checks.resolve_backend(self.backend, q) == "torch" and not torch.compiler.is_compiling():
             _, E = chunk_ssd_torch(
