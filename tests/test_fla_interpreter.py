@@ -150,9 +150,8 @@ def test_retention_on_fla_matches_torch_and_fla_chunk_retention():
     from fla.ops.retention import chunk_retention
 
     from torchtitan_cp.models.mixers.retention import retention_decay
-    from torchtitan_cp.ops.cp.recurrence import SequenceTables
+    from torchtitan_cp.ops.cp.recurrence import SequenceTables, run_local
     from torchtitan_cp.ops.cp.recurrence import recurrence as registered
-    from torchtitan_cp.ops.cp.recurrence import run_local
 
     cu_t = torch.tensor(CU, dtype=torch.int32)
     tables = SequenceTables(cu_t, cu_t, None, None)

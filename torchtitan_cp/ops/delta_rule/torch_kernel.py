@@ -196,9 +196,8 @@ def local_delta_rule_torch(
     HV, K, V = chunks.state_shape
     cd, dev = chunks.M.dtype, chunks.M.device
     # State-independent: the query side of the state term and the intra-chunk outputs.
-    if lay.num_chunks:
-        qw = chunks.qg - chunks.Aqk @ chunks.W  # [NC, HV, C, K]
-        oi = chunks.Aqk @ chunks.U  # [NC, HV, C, V]
+    qw = chunks.qg - chunks.Aqk @ chunks.W  # [NC, HV, C, K]
+    oi = chunks.Aqk @ chunks.U  # [NC, HV, C, V]
     h0 = initial_state() if callable(initial_state) else initial_state
     state0 = (
         h0.to(cd) if h0 is not None else torch.zeros(len(cu) - 1, HV, K, V, dtype=cd, device=dev)
