@@ -219,3 +219,68 @@ def test_random_layouts_and_chunkings(seed):
     g_new = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), new)
     for name, a, r in zip(NAMES, g_new, g_ref):
         assert rel_err(a, r) < 1e-12, f"d{name}"
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_composed_summaries_share_the_prepared_chunks(kind):
+    """CP summaries from the prepared chunk maps (``compose_chunk_maps``): applied to the entry
+    state the local kernel used they give its final state, and their backward (which carries
+    only the first V cotangent columns, relying on that) gives the gradient of the final state
+    with that entry state held fixed. float64, 16-token chunks, rows of 1, 5 and 0 chunks."""
+    from torchtitan_cp.ops.delta_rule.torch_kernel import (
+        compose_chunk_maps,
+        local_delta_rule_torch,
+        prepare_delta_rule_torch,
+    )
+
+    cu = [0, 70, 79, 79, 150]
+    T, H, K, V = cu[-1], 2, 8, 12
+    gen = torch.Generator().manual_seed(5)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    g = -F.softplus(rnd(1, T, H, K) if kind == "kda" else rnd(1, T, H)) * 0.3
+    xs = [F.normalize(rnd(1, T, H, K), dim=-1), F.normalize(rnd(1, T, H, K), dim=-1)]
+    xs += [rnd(1, T, H, V), g, torch.sigmoid(rnd(1, T, H))]
+    h0 = rnd(4, H, K, V)
+    rows = [1, 0, 2, -1]  # one-chunk row, five-chunk row, empty and padding rows: identity
+    D, do = rnd(4, H, K, V), rnd(1, T, H, V)
+    cu_t = torch.tensor(cu)
+    kw = dict(kind=kind, cu_seqlens_cpu=cu_t, chunk_size=16, sub_chunk_size=4)
+
+    leaves = [x.clone().requires_grad_(True) for x in xs]
+    chunks = prepare_delta_rule_torch(*leaves, **kw)
+    summ = compose_chunk_maps(chunks, rows)
+    o, fin = local_delta_rule_torch(chunks, h0, True)
+    assert fin is not None
+    entry = torch.stack([h0[r] if r >= 0 else h0[0] for r in rows])
+    applied = summ[..., V:] @ entry + summ[..., :V]
+    for i, r in enumerate(rows):
+        want = fin[r] if r >= 0 and cu[r + 1] > cu[r] else entry[i]
+        assert (applied[i] - want).abs().max() <= 1e-12, r
+    ((applied * D).sum() + (o * do).sum()).backward()
+
+    # Reference: the plain kernel, each row's final state from its own entry, held fixed.
+    ref = [x.clone().requires_grad_(True) for x in xs]
+    o_ref, fin_ref = chunk_delta_rule_torch(*ref, initial_state=h0, output_final_state=True, **kw)
+    assert fin_ref is not None
+    live = [(i, r) for i, r in enumerate(rows) if r >= 0]
+    loss = sum((fin_ref[r] * D[i]).sum() for i, r in live) + (o_ref * do).sum()
+    loss.backward()  # type: ignore[union-attr]
+    for name, a, b in zip(NAMES, leaves, ref):
+        assert (a.grad - b.grad).abs().max() <= 1e-10, name
+
+
+def test_composed_summaries_backward_needs_the_local_kernel():
+    from torchtitan_cp.ops.delta_rule.torch_kernel import (
+        compose_chunk_maps,
+        prepare_delta_rule_torch,
+    )
+
+    T, H, K = 20, 1, 4
+    xs = [torch.randn(1, T, H, K, requires_grad=True) for _ in range(3)]
+    g, beta = -torch.rand(1, T, H), torch.rand(1, T, H)
+    chunks = prepare_delta_rule_torch(*xs, g, beta, kind="gdn", cu_seqlens_cpu=torch.tensor([0, T]))
+    with pytest.raises(RuntimeError, match="needs the local kernel's forward"):
+        compose_chunk_maps(chunks, [0]).sum().backward()

@@ -119,28 +119,35 @@ def context_parallel_recurrence(
     pending = all_gather_start(buf, group)
     N = routing.cu_seqlens.numel() - 1
 
-    def entry_states() -> Tensor:
+    preds = routing.pred_slots
+    in_graph: list[Tensor] = []  # the gathered buffer's zero-valued tie to the outputs
+
+    def entry_states() -> Tensor | None:
         # --- 4. (called by the local kernel once its state-independent work is issued) wait,
         # then fold predecessors in token order, S <- A_j(S), into each fragment's entry.
         gathered = pending.wait()
+        # Zero-valued term so that the gathered buffer is in the graph whatever this rank
+        # reads: otherwise it would skip the reduce-scatter the other ranks are waiting in.
+        in_graph.append(gathered[:0].sum())
+        if preds.shape[1] == 0:  # no fragment here continues a document (a host shape)
+            return None  # zeros, and no entry-state gradient to compute
         entry = torch.zeros(S, *shape, dtype=dt, device=dev)
-        preds = routing.pred_slots
         for p in range(preds.shape[1]):  # batched over slots; P is small (predecessor depth)
             col = preds[:, p]
             nxt = rec.apply(gathered.index_select(0, col.clamp(min=0)), entry)
             entry = torch.where((col >= 0).view(S, 1, 1, 1), nxt, entry)
-        # Zero-valued term so that the gathered buffer is in the graph even when P == 0:
-        # otherwise this rank would skip the reduce-scatter the other ranks are waiting in.
-        entry = entry + gathered[:0].sum()
         first = routing.frag_first
         target = torch.where(first >= 0, first, torch.full_like(first, N))  # row N = discard
         return torch.zeros(N + 1, *shape, dtype=dt, device=dev).index_add(0, target, entry)[:N]
 
     # --- 5. local kernel over the whole span, entry states at each fragment's start --------
     o, fin = rec.local(prepared, entry_states, output_final_state)
+    if not in_graph:  # a kernel that never needed its entry states
+        entry_states()
+    o = o + in_graph[0].to(o.dtype)
     if not output_final_state or fin is None:
         return o, None
     term = routing.terminal
     finals = fin.index_select(0, term.clamp(min=0))
     finals = torch.where((term >= 0).view(-1, 1, 1, 1), finals, torch.zeros_like(finals))
-    return o, finals
+    return o, finals + in_graph[0].to(finals.dtype)

@@ -70,9 +70,9 @@ class SummaryRows(NamedTuple):
     tables: SequenceTables
 
 
-InitialState = Tensor | Callable[[], Tensor] | None
+InitialState = Tensor | Callable[[], Tensor | None] | None
 """What ``Recurrence.local`` enters its sequences with: a tensor ``[N, HV, K, V]``, None (zeros),
-or a thunk returning the tensor, called once, as late as the kernel can: the CP driver's thunk
+or a thunk returning either, called once, as late as the kernel can: the CP driver's thunk
 waits for the summaries' all-gather and folds them, so what the kernel computes before calling
 it (everything that does not depend on the state) overlaps the collective."""
 

@@ -183,7 +183,7 @@ def prepare_delta_rule_torch(
 
 def local_delta_rule_torch(
     chunks: DeltaRuleChunks,
-    initial_state: Tensor | Callable[[], Tensor] | None = None,
+    initial_state: Tensor | Callable[[], Tensor | None] | None = None,
     output_final_state: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """The local kernel on prepared chunks: ``(o [1, T, HV, V], final [N, HV, K, V] or None)``.

@@ -1,0 +1,346 @@
+"""What context parallelism costs a linear-attention layer beyond its local kernel, per rank.
+
+    .venv/bin/python scripts/bench_cp_overhead.py [--kinds kda gdn ssd] [--dims 64 128]
+        [--worlds 2 3 4] [--layouts contiguous head-tail packed] [--tokens 1024]
+        [--json out.json] [--label after]
+    .venv/bin/python scripts/bench_cp_overhead.py --compare before.json after.json
+    .venv/bin/python scripts/bench_cp_overhead.py --delay 200 --kinds kda --dims 128 --worlds 2
+
+For every (kind, K = V, W, layout) W gloo ranks each run the CP op (``context_parallel_delta_rule``
+/ ``context_parallel_ssd``) forward + backward on their span and, on the same tokens, the local
+kernel alone (``chunk_delta_rule`` / ``chunk_ssd`` with the span's own offsets, no entry
+states). Per rank it reports
+
+* **FLOPs** counted by ``torch.utils.flop_counter.FlopCounterMode`` (exact, independent of the
+  machine's load) of both, and their ratio: CP / local = 1.00 means CP costs nothing extra;
+* **CPU seconds** (``time.process_time``, median of ``--repeats``; one intra-op thread) of both;
+* **bytes all-gathered** by the CP op (what each rank receives).
+
+Layouts: ``contiguous`` and ``head-tail`` put one document over the whole stream (every middle
+fragment continues and is continued: the worst case); ``packed`` cuts the stream into documents
+of 100-700 tokens under the contiguous layout; ``aligned`` puts document boundaries on the rank
+boundaries (nothing crosses a rank: CP must equal local). The table's ``worst`` is the largest
+ratio over the ranks.
+
+It imports only the public ops and routing, so ``BENCH_SOURCE=/path/to/other/checkout`` runs the
+same benchmark on another version (the before/after table of docs/PERFORMANCE.md).
+
+``--delay MS`` measures the overlap instead: every all-gather of the CP op is held back by MS
+milliseconds (a thread sleeps, then runs it, as a slow network would), and the table gives the
+CP forward's wall time with and without the delay; an op that overlaps the collective with
+state-independent work grows by less than the delay (wall time here, medians of ``--repeats``;
+it needs an otherwise idle machine to mean much).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+if os.environ.get("BENCH_SOURCE"):
+    sys.path.insert(0, os.environ["BENCH_SOURCE"])
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+H = 2  # q/k and value heads
+
+
+def _table(layout: str, world: int, per_rank: int) -> tuple[list[int], list[list[tuple[int, int]]]]:
+    from torchtitan_cp.routing import contiguous_fragments, headtail_fragments
+
+    total = world * per_rank
+    if layout == "head-tail":
+        return [0, total], headtail_fragments(total, 1, world)
+    table = contiguous_fragments(total, 1, world)
+    if layout == "aligned":
+        return [per_rank * r for r in range(world + 1)], table
+    if layout == "packed":
+        gen = torch.Generator().manual_seed(world)
+        cu = [0]
+        while cu[-1] < total:
+            cu.append(min(total, cu[-1] + int(torch.randint(100, 700, (1,), generator=gen))))
+        return cu, table
+    return [0, total], table
+
+
+def _inputs(kind: str, T: int, D: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q = F.normalize(rnd(1, T, H, D), dim=-1)
+    k = F.normalize(rnd(1, T, H, D), dim=-1)
+    v = rnd(1, T, H, D)
+    if kind == "kda":
+        g = -F.softplus(rnd(1, T, H, D)) * 0.1
+    else:
+        g = -F.softplus(rnd(1, T, H)) * 0.1
+    xs = [q, k, v, g]
+    if kind != "ssd":
+        xs.append(torch.sigmoid(rnd(1, T, H)))
+    return [x.requires_grad_(True) for x in xs]
+
+
+def _ops(kind: str, routing, group):
+    from torchtitan_cp.ops import chunk_delta_rule, context_parallel_delta_rule
+    from torchtitan_cp.ops.ssd.local import chunk_ssd
+    from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
+
+    cu = routing.cu_seqlens_cpu
+    if kind == "ssd":
+
+        def cp(*xs):
+            return context_parallel_ssd(*xs, routing=routing, group=group, backend="torch")[0]
+
+        def local(*xs):
+            return chunk_ssd(*xs, cu_seqlens=cu, cu_seqlens_cpu=cu, backend="torch")[0]
+
+    else:
+
+        def cp(*xs):
+            return context_parallel_delta_rule(
+                *xs, kind=kind, routing=routing, group=group, backend="torch"
+            )[0]
+
+        def local(*xs):
+            return chunk_delta_rule(
+                *xs, kind=kind, cu_seqlens=cu, cu_seqlens_cpu=cu, backend="torch"
+            )[0]
+
+    return cp, local
+
+
+def _fwd_bwd(fn, xs: list[torch.Tensor]) -> None:
+    for x in xs:
+        x.grad = None
+    o = fn(*xs)
+    o.backward(torch.ones_like(o))
+
+
+def _flops(fn, xs) -> int:
+    with FlopCounterMode(display=False) as counter:
+        _fwd_bwd(fn, xs)
+    return counter.get_total_flops()
+
+
+def _cpu(fn, xs, repeats: int, group) -> float:
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group)
+        c0 = time.process_time()
+        fn(xs)
+        times.append(time.process_time() - c0)
+    return statistics.median(times)
+
+
+class _DelayedWork:
+    def __init__(self, thread: threading.Thread) -> None:
+        self._thread = thread
+
+    def wait(self, *_args) -> bool:
+        self._thread.join()
+        return True
+
+    def is_completed(self) -> bool:
+        return not self._thread.is_alive()
+
+
+def _install_delay(seconds: float) -> None:
+    """Hold every all-gather of the CP ops back by ``seconds`` (a slow network, emulated)."""
+    from torchtitan_cp.ops.cp import collectives
+
+    real = collectives._all_gather_single
+
+    def delayed(out, x, group=None, async_op=False):
+        if not async_op:
+            time.sleep(seconds)
+            return real(out, x, group=group)
+
+        def run() -> None:
+            time.sleep(seconds)
+            real(out, x, group=group)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return _DelayedWork(thread)
+
+    collectives._all_gather_single = delayed
+
+
+def _worker(rank: int, world: int, port: int, cfg: dict, out: dict) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
+    )
+    try:
+        from torchtitan_cp.routing import RoutingPlan
+
+        kind, D, layout = cfg["kind"], cfg["dim"], cfg["layout"]
+        cu, table = _table(layout, world, cfg["tokens"])
+        routing = RoutingPlan.build(cu, table, rank).to_device(torch.device("cpu"))
+        span = torch.cat([torch.arange(a, b) for a, b in table[rank]])
+        full = _inputs(kind, cu[-1], D, seed=7)
+        xs = [x.detach().index_select(1, span).requires_grad_(True) for x in full]
+        group = dist.group.WORLD
+        cp, local = _ops(kind, routing, group)
+        res: dict = {"rank": rank}
+        if cfg["delay_ms"]:
+            res.update(_overlap(cp, xs, cfg, group))
+        else:
+            _fwd_bwd(cp, xs)  # warm-up (also of the collectives)
+            res["cp_flops"] = _flops(cp, xs)
+            res["local_flops"] = _flops(local, xs)
+            res["cp_cpu"] = _cpu(lambda a: _fwd_bwd(cp, a), xs, cfg["repeats"], group)
+            res["local_cpu"] = _cpu(lambda a: _fwd_bwd(local, a), xs, cfg["repeats"], group)
+            # Every rank receives W copies of the per-slot summary buffer.
+            HV, K, V = H, D, D
+            per_slot = HV * (K * V + 1) if kind == "ssd" else HV * K * (V + K)
+            res["gather_bytes"] = world * routing.num_slots * per_slot * 4
+        out[rank] = res
+    finally:
+        dist.destroy_process_group()
+
+
+def _overlap(cp, xs, cfg: dict, group) -> dict:
+    def forward_wall() -> float:
+        times = []
+        for _ in range(cfg["repeats"]):
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                cp(*xs)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    with torch.no_grad():
+        cp(*xs)  # warm-up
+    plain = forward_wall()
+    _install_delay(cfg["delay_ms"] / 1000)
+    delayed = forward_wall()
+    return {"fwd_wall": plain, "fwd_wall_delayed": delayed}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(cfg: dict, world: int) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit(f"a rank failed for {cfg} (world {world})")
+        return [out[r] for r in range(world)]
+
+
+def _row(cfg: dict, world: int, ranks: list[dict]) -> dict:
+    ratios = [r["cp_flops"] / max(r["local_flops"], 1) for r in ranks]
+    cpu = [r["cp_cpu"] / max(r["local_cpu"], 1e-9) for r in ranks]
+    worst = max(range(world), key=lambda i: ratios[i])
+    return {
+        **{k: cfg[k] for k in ("kind", "dim", "layout", "tokens")},
+        "world": world,
+        "worst_rank": worst,
+        "flops_ratio": ratios,
+        "cpu_ratio": cpu,
+        "cp_gflop": ranks[worst]["cp_flops"] / 1e9,
+        "local_gflop": ranks[worst]["local_flops"] / 1e9,
+        "gather_kib": ranks[0]["gather_bytes"] / 1024,
+    }
+
+
+def _key(row: dict) -> tuple:
+    return (row["kind"], row["dim"], row["world"], row["layout"], row["tokens"])
+
+
+def markdown(rows: list[dict], before: dict | None = None) -> str:
+    head = "| kind | K=V | W | layout | CP GFLOP | local GFLOP | CP/local FLOPs (worst rank) |"
+    head += " CP/local per rank | CPU time ratio (worst) | all-gathered KiB |"
+    if before is not None:
+        head = head.replace("| kind", "| kind").rstrip("|") + "| before: CP/local FLOPs |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        line = (
+            f"| {r['kind']} | {r['dim']} | {r['world']} | {r['layout']} | {r['cp_gflop']:.3f} "
+            f"| {r['local_gflop']:.3f} | **{max(r['flops_ratio']):.2f}x** | "
+            f"{' / '.join(f'{x:.2f}' for x in r['flops_ratio'])} | "
+            f"{r['cpu_ratio'][r['worst_rank']]:.2f}x | {r['gather_kib']:.0f} |"
+        )
+        if before is not None:
+            b = before.get(_key(r))
+            line += f" {max(b['flops_ratio']):.2f}x |" if b else " - |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--kinds", nargs="+", default=["kda", "gdn", "ssd"])
+    ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--worlds", nargs="+", type=int, default=[2, 3, 4])
+    ap.add_argument("--layouts", nargs="+", default=["contiguous", "head-tail", "packed"])
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--delay", type=float, default=0.0, help="ms added to every all-gather")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    args = ap.parse_args()
+    if args.compare:
+        before = {_key(r): r for r in json.loads(args.compare[0].read_text())}
+        print(markdown(json.loads(args.compare[1].read_text()), before))
+        return
+    rows = []
+    for kind in args.kinds:
+        for dim in args.dims:
+            for world in args.worlds:
+                for layout in args.layouts:
+                    cfg = dict(kind=kind, dim=dim, layout=layout, tokens=args.tokens,
+                               repeats=args.repeats, delay_ms=args.delay)  # fmt: skip
+                    ranks = run_config(cfg, world)
+                    if args.delay:
+                        for r in ranks:
+                            grow = (r["fwd_wall_delayed"] - r["fwd_wall"]) * 1000
+                            print(
+                                f"{kind} K=V={dim} W={world} {layout} rank {r['rank']}: forward "
+                                f"{r['fwd_wall'] * 1000:.1f} ms, with a {args.delay:.0f} ms "
+                                f"delay {r['fwd_wall_delayed'] * 1000:.1f} ms: grew "
+                                f"{grow:.1f} ms ({grow / args.delay:.2f} of the delay)",
+                                flush=True,
+                            )
+                        continue
+                    rows.append(_row(cfg, world, ranks))
+                    print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    if rows:
+        print(markdown(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
