@@ -25,11 +25,13 @@ ratio over the ranks.
 It imports only the public ops and routing, so ``BENCH_SOURCE=/path/to/other/checkout`` runs the
 same benchmark on another version (the before/after table of docs/PERFORMANCE.md).
 
-``--delay MS`` measures the overlap instead: every all-gather of the CP op is held back by MS
-milliseconds (a thread sleeps, then runs it, as a slow network would), and the table gives the
-CP forward's wall time with and without the delay; an op that overlaps the collective with
-state-independent work grows by less than the delay (wall time here, medians of ``--repeats``;
-it needs an otherwise idle machine to mean much).
+``--delay MS`` measures the overlap instead. First, load-independent: the CPU time the rank's
+thread spends between posting the summaries' all-gather and waiting for it (work that hides the
+collective's latency), against the whole forward's. Then every all-gather of the CP op is held
+back by MS milliseconds (a thread sleeps, then runs it, as a slow network would), and it gives
+the CP forward's wall time with and without the delay; an op that overlaps the collective with
+state-independent work grows by less than the delay (wall time, medians of ``--repeats``: it
+needs an otherwise idle machine to mean much).
 """
 
 from __future__ import annotations
@@ -219,6 +221,41 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: dict) -> None:
         dist.destroy_process_group()
 
 
+def _in_flight_cpu(cp, xs) -> tuple[float, float]:
+    """(CPU seconds this thread spends between posting the all-gather and waiting for it,
+    CPU seconds of the whole forward): the work that overlaps the collective, measured in
+    thread CPU time so that the machine's load does not enter."""
+    from torchtitan_cp.ops.cp import collectives
+
+    marks: dict[str, float] = {}
+    real_post = collectives._all_gather_single
+    pending = getattr(collectives, "Pending", None)  # absent before the overlap existed
+
+    def post(*args, **kwargs):
+        marks.setdefault("post", time.thread_time())
+        return real_post(*args, **kwargs)
+
+    collectives._all_gather_single = post
+    if pending is not None:
+        real_wait = pending.wait
+
+        def wait(self):
+            marks.setdefault("wait", time.thread_time())
+            return real_wait(self)
+
+        pending.wait = wait
+    try:
+        t0 = time.thread_time()
+        with torch.no_grad():
+            cp(*xs)
+        total = time.thread_time() - t0
+    finally:
+        collectives._all_gather_single = real_post
+        if pending is not None:
+            pending.wait = real_wait
+    return marks.get("wait", marks["post"]) - marks["post"], total
+
+
 def _overlap(cp, xs, cfg: dict, group) -> dict:
     def forward_wall() -> float:
         times = []
@@ -232,10 +269,16 @@ def _overlap(cp, xs, cfg: dict, group) -> dict:
 
     with torch.no_grad():
         cp(*xs)  # warm-up
+    flight = [_in_flight_cpu(cp, xs) for _ in range(cfg["repeats"])]
     plain = forward_wall()
     _install_delay(cfg["delay_ms"] / 1000)
     delayed = forward_wall()
-    return {"fwd_wall": plain, "fwd_wall_delayed": delayed}
+    return {
+        "fwd_wall": plain,
+        "fwd_wall_delayed": delayed,
+        "in_flight_cpu": statistics.median(f[0] for f in flight),
+        "fwd_cpu": statistics.median(f[1] for f in flight),
+    }
 
 
 def _free_port() -> int:
@@ -328,9 +371,11 @@ def main() -> None:
                             grow = (r["fwd_wall_delayed"] - r["fwd_wall"]) * 1000
                             print(
                                 f"{kind} K=V={dim} W={world} {layout} rank {r['rank']}: forward "
-                                f"{r['fwd_wall'] * 1000:.1f} ms, with a {args.delay:.0f} ms "
-                                f"delay {r['fwd_wall_delayed'] * 1000:.1f} ms: grew "
-                                f"{grow:.1f} ms ({grow / args.delay:.2f} of the delay)",
+                                f"{r['fwd_cpu'] * 1000:.1f} ms CPU, of which "
+                                f"{r['in_flight_cpu'] * 1000:.1f} ms while the all-gather is in "
+                                f"flight; wall {r['fwd_wall'] * 1000:.1f} ms, with a "
+                                f"{args.delay:.0f} ms delay {r['fwd_wall_delayed'] * 1000:.1f} "
+                                f"ms: grew {grow:.1f} ms ({grow / args.delay:.2f} of the delay)",
                                 flush=True,
                             )
                         continue

@@ -95,8 +95,8 @@ class DeltaRuleChunks(NamedTuple):
     every chunk's scores, WY factors and affine map, shared by the local kernel and the CP
     summaries. NC chunks, C tokens each, value heads HV.
 
-    ``qg [NC, HV, C, K]`` scaled queries times ``exp(G)``; ``Aqk [NC, HV, C, C]`` the causal
-    query-key scores; ``U [NC, HV, C, V]``, ``W [NC, HV, C, K]`` the WY factors (``d = U - W S0``);
+    ``q``, ``k`` ``[NC, HV, C, K]`` packed (q scaled); ``G`` the cumulative log gates
+    (``[NC, HV, C, K]`` for KDA, ``[NC, HV, C]`` for GDN); ``U [NC, HV, C, V]``, ``W [NC, HV, C, K]`` the WY factors (``d = U - W S0``);
     ``M [NC, HV, K, K]``, ``E [NC, HV, K, V]`` the chunk map ``S_end = M S0 + E``. ``saved``
     holds the local kernel's chunk entry states for the summaries' backward (``compose_chunk_maps``).
     """
@@ -105,8 +105,11 @@ class DeltaRuleChunks(NamedTuple):
     cu: list[int]
     state_shape: tuple[int, int, int]
     out_dtype: torch.dtype
-    qg: Tensor
-    Aqk: Tensor
+    kind: str
+    sub_chunk_size: int
+    q: Tensor
+    k: Tensor
+    G: Tensor
     U: Tensor
     W: Tensor
     M: Tensor
@@ -142,27 +145,30 @@ def prepare_delta_rule_torch(
     cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
     lay = chunk_layout(cu, C)
     if not lay.num_chunks:  # no tokens: nothing to prepare (the local kernel passes states on)
-        z = q.new_zeros(0, HV, C, C, dtype=cd)
-        e = z.new_zeros(0, HV, K, V)
-        return DeltaRuleChunks(lay, cu, (HV, K, V), v.dtype, z, z, z, z, z, e, {})
+
+        def z(*shape: int) -> Tensor:
+            return q.new_zeros(0, HV, *shape, dtype=cd)
+
+        qk, G0 = z(C, K), (z(C, K) if kind == "kda" else z(C))
+        return DeltaRuleChunks(
+            lay, cu, (HV, K, V), v.dtype, kind, sub, qk, qk, G0, z(C, V), qk, z(K, K), z(K, V), {}
+        )
     rep = HV // H
     qc = lay.pack(q, cd).repeat_interleave(rep, dim=1) * scale  # [NC, HV, C, K]
     kc = lay.pack(k, cd).repeat_interleave(rep, dim=1)
     vc = lay.pack(v, cd)  # [NC, HV, C, V]
     bc = lay.pack(beta, cd)  # [NC, HV, C]
     G = lay.pack(g, cd).cumsum(2)  # cumulative log gate inside the chunk, <= 0
-    ops = torch.stack([qc, kc])
+    # Key-key scores only: the query scores are not needed before the entry states are, so the
+    # local kernel computes them while the CP all-gather is in flight.
+    A = _scores(kind, kc, kc, G, sub)
     if kind == "kda":
         Gl = G[:, :, -1, :]  # [NC, HV, K] log gate over the whole chunk
         decay_end = torch.exp(Gl.unsqueeze(-2) - G)  # exp(G_C - G_t) <= 1
-        eG = torch.exp(G)
-        Aqk, A = _kda_scores(ops, kc, G, sub=sub)
     else:
         Gl = G[:, :, -1]  # [NC, HV]
         decay_end = torch.exp(Gl.unsqueeze(-1) - G).unsqueeze(-1)
-        eG = torch.exp(G).unsqueeze(-1)
-        Aqk, A = gdn_scores(ops, kc, G)
-    kg = kc * eG
+    kg = kc * _exp_gate(kind, G)
 
     # WY form: (I + beta*A) d = beta*v - beta*(k*exp(G)) S0  =>  d = U - W S0.
     b = bc.unsqueeze(-1)
@@ -178,7 +184,20 @@ def prepare_delta_rule_torch(
         eye = torch.eye(K, dtype=cd, device=dev)
         M = torch.exp(Gl)[..., None, None] * eye - khT @ W
     E = khT @ U  # [NC, HV, K, V]
-    return DeltaRuleChunks(lay, cu, (HV, K, V), v.dtype, qc * eG, Aqk, U, W, M, E, {})
+    return DeltaRuleChunks(lay, cu, (HV, K, V), v.dtype, kind, sub, qc, kc, G, U, W, M, E, {})
+
+
+def _scores(kind: str, a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
+    """Causal decay scores ``[NC, HV, C, C]`` of ``a`` against ``b`` (``_kda_scores`` /
+    ``gdn_scores`` for one operand)."""
+    if kind == "kda":
+        return _kda_scores(a.unsqueeze(0), b, G, sub=sub)[0]
+    return gdn_scores(a.unsqueeze(0), b, G)[0]
+
+
+def _exp_gate(kind: str, G: Tensor) -> Tensor:
+    """``exp(G)`` broadcastable against ``[NC, HV, C, K]``."""
+    return torch.exp(G) if kind == "kda" else torch.exp(G).unsqueeze(-1)
 
 
 def local_delta_rule_torch(
@@ -190,14 +209,16 @@ def local_delta_rule_torch(
 
     ``initial_state`` ``[N, HV, K, V]``, None (zeros) or a thunk returning it: the thunk is called
     after the state-independent output terms are issued (the CP driver's all-gather is in flight
-    meanwhile). Outputs are ``o = (qg - Aqk W) S0 + Aqk U`` per chunk.
+    meanwhile). Outputs are ``o = (q exp(G) - Aqk W) S0 + Aqk U`` per chunk, with the causal
+    query-key scores ``Aqk``.
     """
     lay, cu = chunks.layout, chunks.cu
     HV, K, V = chunks.state_shape
     cd, dev = chunks.M.dtype, chunks.M.device
     # State-independent: the query side of the state term and the intra-chunk outputs.
-    qw = chunks.qg - chunks.Aqk @ chunks.W  # [NC, HV, C, K]
-    oi = chunks.Aqk @ chunks.U  # [NC, HV, C, V]
+    Aqk = _scores(chunks.kind, chunks.q, chunks.k, chunks.G, chunks.sub_chunk_size)
+    qw = chunks.q * _exp_gate(chunks.kind, chunks.G) - Aqk @ chunks.W  # [NC, HV, C, K]
+    oi = Aqk @ chunks.U  # [NC, HV, C, V]
     h0 = initial_state() if callable(initial_state) else initial_state
     state0 = (
         h0.to(cd) if h0 is not None else torch.zeros(len(cu) - 1, HV, K, V, dtype=cd, device=dev)
