@@ -80,6 +80,14 @@ def test_delta_rule_torch_op_opcheck(kind):
     torch.library.opcheck(delta_ops.delta_rule_torch_op, (*ins, CU, kind, 0.4))
     # No initial state, one sequence.
     torch.library.opcheck(delta_ops.delta_rule_torch_op, (*ins[:5], None, None, kind, 0.4))
+    # Dense but permuted inputs (a head-major buffer seen token-major): the fakes promise
+    # contiguous outputs and gradients, as the real ops return them (issue 25).
+    permuted = [x.detach().movedim(1, -1).contiguous().movedim(-1, 1).requires_grad_(True)
+                for x in ins[:5]]  # fmt: skip
+    assert not permuted[0].is_contiguous()
+    torch.library.opcheck(delta_ops.delta_rule_torch_op, (*permuted, ins[5], CU, kind, 0.4))
+    if kind == "gdn":  # a scalar gate per head: SSD's inputs
+        torch.library.opcheck(ssd_ops.ssd_torch_op, (*permuted[:4], ins[5], CU, 0.4))
 
 
 def test_ssd_torch_op_matches_kernel_bitwise_and_opcheck():
