@@ -247,6 +247,60 @@ def test_flex_pair_kernel_matches_the_math_kernel(dtype):
     assert (lse_m[..., ~none] - lse_f[..., ~none]).abs().max().item() <= tol
 
 
+def _saved_peak(fn):
+    """Run ``fn`` and return (its result, the most bytes autograd held saved at once)."""
+    live, peak = [0], [0]
+
+    class _Saved:
+        def __init__(self, t):
+            self.t, self.n = t.detach(), t.numel() * t.element_size()  # no cycle via grad_fn
+            live[0] += self.n
+            peak[0] = max(peak[0], live[0])
+
+        def __del__(self):
+            live[0] -= self.n
+
+    with torch.autograd.graph.saved_tensors_hooks(_Saved, lambda s: s.t):
+        out = fn()
+    return out, peak[0]
+
+
+def test_math_block_backward_saves_one_query_block_of_scores(monkeypatch):
+    """The math kernel's backward recomputes a block in query-row blocks of at most
+    ``_MASK_ELEMENTS`` scores: what autograd keeps saved at once does not grow with the block's
+    queries (before: the whole [Hq, Tq, Tk] fp32 score matrix, about 17 GB per pair at 16k
+    tokens per rank and 16 heads). Gradients are the same as one unblocked recompute."""
+    from torchtitan_cp.ops.attention import pass_kv
+    from torchtitan_cp.ops.attention.pass_kv import PairKernelCall, _block_grads
+
+    tk, dk, dv = 128, 8, 8
+
+    def grads(tq: int):
+        gen = torch.Generator().manual_seed(tq)
+        q_tok, k_tok = torch.arange(tq) + tk, torch.arange(tk)
+        mask = PairMask(q_tok, torch.zeros(tq, dtype=torch.long), k_tok,
+                        torch.zeros(tk, dtype=torch.long))  # fmt: skip
+        q = torch.randn(1, 4, tq, dk, generator=gen, dtype=torch.float64)
+        rows = torch.randn(tk, 1, 2, dk + dv, generator=gen, dtype=torch.float64)
+        do = torch.randn(1, 4, tq, dv, generator=gen, dtype=torch.float64)
+        k, v = rows[..., :dk].permute(1, 2, 0, 3), rows[..., dk:].permute(1, 2, 0, 3)
+        o, lse = math_pair_attention(q, k, v, mask, 0.25)
+        delta = (do * o).sum(-1)
+        call = PairKernelCall(math_pair_attention, 0.25, dk)
+        return _saved_peak(lambda: _block_grads(call, q, rows, mask, do, lse, delta))
+
+    monkeypatch.setattr(pass_kv, "_MASK_ELEMENTS", 32 * tk)  # 32 query rows per recompute
+    (dq, dkv), peak_256 = grads(256)
+    _, peak_1024 = grads(1024)
+    scores = 4 * 32 * tk * 8  # one block's [Hq, 32, Tk] float64 scores
+    assert peak_1024 <= 1.1 * peak_256, (peak_256, peak_1024)
+    assert peak_256 <= 8 * scores, (peak_256, scores)
+    monkeypatch.setattr(pass_kv, "_MASK_ELEMENTS", 1 << 30)  # one recompute of all 256 rows
+    (dq1, dkv1), peak_one = grads(256)
+    assert peak_one > 4 * peak_256
+    assert (dq - dq1).abs().max().item() <= 1e-12 and (dkv - dkv1).abs().max().item() <= 1e-12
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention has no CPU backward")
 def test_flex_pair_kernel_block_gradients_match_the_math_kernel_on_cuda():
     """The backward's per-block step (cotangents of the merged output through the kernel's

@@ -70,6 +70,10 @@ class PairMask:
         sl = slice(q0, q1)
         return document_causal_mask(self.q_tok[sl], self.q_doc[sl], self.k_tok, self.k_doc)
 
+    def rows(self, q0: int, q1: int) -> PairMask:
+        """The mask of query rows ``[q0, q1)`` against all keys (no cache: a new pair)."""
+        return PairMask(self.q_tok[q0:q1], self.q_doc[q0:q1], self.k_tok, self.k_doc)
+
 
 class PairKernel(Protocol):
     """``(q [B, Hq, Tq, D], k [B, Hkv, Tk, D], v [B, Hkv, Tk, Dv], mask, scale) -> (o [B, Hq,
@@ -347,6 +351,16 @@ def _forward(call: _Call, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
+def _query_block(kernel: PairKernel, tq: int, tk: int) -> int:
+    """Query rows per recompute in a block's backward. The math kernel keeps its float32 scores
+    ``[B, Hq, rows, Tk]`` for autograd, so it recomputes in row blocks of at most
+    ``_MASK_ELEMENTS`` mask elements (saved memory O(block x Tk), not O(Tq x Tk)); flex saves
+    only its inputs, output and lse, so one call covers the block (and keeps its cached mask)."""
+    if kernel is math_pair_attention:
+        return max(1, min(tq, _MASK_ELEMENTS // max(tk, 1)))
+    return tq
+
+
 def _block_grads(
     call: _Call | PairKernelCall,
     q: Tensor,
@@ -361,18 +375,35 @@ def _block_grads(
     The merged output is ``O = sum_b exp(lse_b - lse) o_b``, so block b's cotangents are
     ``w * dO`` for ``o_b`` and ``w * (<dO, o_b> - <dO, O>)`` for ``lse_b`` (``w = exp(lse_b -
     lse)``); autograd through the kernel turns them into the block's dq, dk, dv (the same as
-    the flash-attention backward with the global lse)."""
-    if q.shape[2] == 0 or rows.shape[0] == 0:  # a rank without tokens
+    the flash-attention backward with the global lse). Query rows are recomputed in blocks
+    (``_query_block``): each block's graph is freed before the next is built, and its dK/dV add
+    up."""
+    tq, tk = q.shape[2], rows.shape[0]
+    if tq == 0 or tk == 0:  # a rank without tokens
         return torch.zeros_like(q, dtype=lse.dtype), torch.zeros_like(rows)
-    with torch.enable_grad():
-        q_ = q.detach().requires_grad_(True)
-        kv_ = rows.detach().requires_grad_(True)
-        o_b, lse_b = call.kernel(q_, *_heads(kv_, call.dk), mask, call.scale)
-        w = torch.exp(lse_b.detach().to(lse.dtype) - lse)  # 0 where the block has no key
-        g_o = (w.unsqueeze(-1) * do).to(o_b.dtype)
-        g_lse = (w * ((do * o_b.detach().to(do.dtype)).sum(-1) - delta)).to(lse_b.dtype)
-        dq, dkv = torch.autograd.grad((o_b, lse_b), (q_, kv_), (g_o, g_lse))
-    return dq, dkv
+    step = _query_block(call.kernel, tq, tk)
+    kv_ = rows.detach().requires_grad_(True)
+    dqs: list[Tensor] = []
+    dkv: Tensor | None = None
+    for q0 in range(0, tq, step):
+        q1 = min(q0 + step, tq)
+        sub = mask if (q0, q1) == (0, tq) else mask.rows(q0, q1)
+        with torch.enable_grad():
+            q_ = q[:, :, q0:q1].detach().requires_grad_(True)
+            o_b, lse_b = call.kernel(q_, *_heads(kv_, call.dk), sub, call.scale)
+            w = torch.exp(lse_b.detach().to(lse.dtype) - lse[..., q0:q1])  # 0: no key here
+            d = do[:, :, q0:q1]
+            g_o = (w.unsqueeze(-1) * d).to(o_b.dtype)
+            g_lse = (w * ((d * o_b.detach().to(d.dtype)).sum(-1) - delta[..., q0:q1])).to(
+                lse_b.dtype
+            )
+            dq, dkv_b = torch.autograd.grad((o_b, lse_b), (q_, kv_), (g_o, g_lse))
+        del o_b, lse_b, w, g_o, g_lse
+        dqs.append(dq)
+        dkv = dkv_b if dkv is None else dkv + dkv_b
+        del dkv_b
+    assert dkv is not None
+    return (dqs[0] if len(dqs) == 1 else torch.cat(dqs, dim=2)), dkv
 
 
 def _backward(
