@@ -269,7 +269,9 @@ def _post(
     if len(works) != len(ops):
         # A coalescing backend (NCCL) returns one work for the whole batch: the receive is
         # complete only when that work is (waiting on it orders NCCL's stream, not the host).
-        return _Posted(buf, works, works)
+        # It is waited once: by received() when there is a receive (which every caller waits
+        # for before the send), else by sent().
+        return _Posted(buf, works, []) if buf is not None else _Posted(None, [], works)
     return _Posted(buf, works[n_send:], works[:n_send])  # gloo: one work per op
 
 
@@ -491,14 +493,13 @@ class _PassKV(torch.autograd.Function):
 _warm: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
-def _warm_up(group: dist.ProcessGroup) -> None:
-    # NCCL: a batch of point-to-point ops may involve a subset of the group only after the
-    # group's first collective, which every rank joins (one tiny all-reduce, no host sync).
+def _warm_up(group: dist.ProcessGroup, device: torch.device) -> None:
+    """NCCL: a batch of point-to-point ops may involve a subset of the group only after the
+    group's first collective, which every rank joins: one tiny all-reduce on ``device`` (no host
+    sync), once per group. gloo needs none."""
     if group in _warm or dist.get_backend(group) == "gloo":
         return
-    dist.all_reduce(
-        torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group
-    )
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
     _warm.add(group)
 
 
@@ -547,8 +548,8 @@ def pass_kv_attention(
             f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})"
         )
     fn = KERNELS[kernel] if isinstance(kernel, str) else kernel
-    if group is not None and world > 1 and q.is_cuda:
-        _warm_up(group)
+    if group is not None and world > 1:
+        _warm_up(group, q.device)
     masks, own_mask = _pair_masks(routing)
     call = _Call(
         routing=routing, group=group, kernel=fn,
