@@ -116,6 +116,22 @@ def test_conv_torch_op_matches_kernel_bitwise_and_opcheck():
     torch.library.opcheck(conv_ops.causal_conv1d_torch_op, (x, w, None, None, CU, "none"))
 
 
+def test_conv_torch_op_fake_is_contiguous_for_permuted_dense_inputs():
+    """Dense but permuted inputs (a transposed ``[1, D, T]`` buffer, a transposed weight and
+    state): the op returns contiguous tensors and its fakes say so (``empty_like`` carried the
+    input's strides: opcheck's fake-tensor test failed with a stride mismatch)."""
+    gen = torch.Generator().manual_seed(2)
+    cu = torch.tensor([0, 13, 27, T], dtype=torch.int32)
+    x = torch.randn(1, 5, T, generator=gen, dtype=torch.float64).transpose(1, 2)
+    w = torch.randn(4, 5, generator=gen, dtype=torch.float64).t()
+    b = torch.randn(5, generator=gen, dtype=torch.float64)
+    h = torch.randn(3, 3, 5, generator=gen, dtype=torch.float64).transpose(1, 2)
+    assert not x.is_contiguous() and not w.is_contiguous() and not h.is_contiguous()
+    args = [t.requires_grad_(True) for t in (x, w, b, h)]
+    assert conv_ops.causal_conv1d_torch_op(*args, cu, "silu").is_contiguous()
+    torch.library.opcheck(conv_ops.causal_conv1d_torch_op, (*args, cu, "silu"))
+
+
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_fla_fake_impls_give_fla_shapes(kind):
     """Shapes and dtypes the fake impls promise, for bf16 inputs as on the GPU (fla returns
