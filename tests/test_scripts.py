@@ -41,13 +41,12 @@ def test_gpu_check_path_stage_dry_run_watches_whole_trainer_steps(tmp_path):
     assert parts["imports"]["ok"] and parts["trainer_imports"]["ok"] and parts["done"]["ok"]
     host = parts["trainer_host"]["steps"]
     assert host["2"] == host["3"] == []
-    # The log step reads the loss and the gradient norm (_log_step) and the worst rank's average
-    # loss (_global_max_loss), and puts the routing counters on the device for their all-reduce
-    # and reads them back (_routing_metrics); nothing else, all in the recipe's trainer.
+    # The log step reads the loss and the gradient norm (_log_step; one rank's average loss is
+    # also the largest, so no second read), and puts the routing counters on the device for their
+    # all-reduce and reads them back (_routing_metrics); nothing else, all in the recipe's trainer.
     assert {e.split(" at ")[1].split(":")[0] for e in host["4"]} == {"trainer/trainer.py"}
     assert sorted((e.split(" ")[0], e.rsplit(" ", 1)[1]) for e in host["4"]) == [
         ("blocking-h2d", "_routing_metrics"),
-        ("readback", "_global_max_loss"),
         ("readback", "_log_step"),
         ("readback", "_log_step"),
         ("readback", "_routing_metrics"),
