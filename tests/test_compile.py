@@ -369,6 +369,9 @@ TRAIN_COMPILE = {
                 "--model.layer_options.mamba2.head_dim", "16",
                 "--model.layer_options.mamba2.state_dim", "16"], "inductor"),
     "qwen3_5": (["--config_file", "configs/qwen35_debug_cpu.toml"], "aot_eager"),
+    # pass-KV attention as one custom op in the compiled blocks (issue 25's done-when run).
+    "hybrid_pass_kv": (["--config_file", "configs/debug_cpu.toml",
+                        "--model.attention_cp", "pass_kv"], "inductor"),
 }  # fmt: skip
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from torch import Tensor
 
 from torchtitan_cp.routing.pass_kv import DevicePassKV, PassKVRound
 
+from ..common.custom_ops import NS, autograd_inside_op
 from ..common.dtypes import compute_dtype
 from ..cp.collectives import group_rank, group_size
 from .sdpa import document_causal_mask
@@ -45,6 +46,8 @@ __all__ = [
     "flex_pair_attention",
     "math_pair_attention",
     "pass_kv_attention",
+    "pass_kv_attention_op",
+    "pass_kv_handle",
 ]
 
 # Largest query-block x key mask the math kernel materialises at once (elements).
@@ -558,4 +561,138 @@ def pass_kv_attention(
     )  # fmt: skip
     out = _PassKV.apply(q, k, v, call)
     assert isinstance(out, Tensor)
+    return out
+
+
+# ------------------------------------------------------------------------ the compiled path
+#
+# Under torch.compile(fullgraph=True) the rounds (a Python loop over the host schedule around
+# point-to-point calls) cannot be traced, and tracing them would specialise the graph on each
+# microbatch's schedule. So the compiled blocks call pass-KV as one opaque custom op: its inputs
+# are q, k, v and a one-element "handle" tensor whose address names the microbatch's
+# DevicePassKV (registered when the SequenceContext is built, outside the graph); the schedule
+# itself never enters the graph, so a new layout is new data for the same graph.
+
+_HANDLES: weakref.WeakValueDictionary[int, DevicePassKV] = weakref.WeakValueDictionary()
+
+
+def pass_kv_handle(routing: DevicePassKV) -> Tensor:
+    """The handle naming ``routing`` for ``pass_kv_attention_op``: a one-element tensor on the
+    routing's device, unique while alive (its address is the key; nothing is read from it, so
+    no host sync). Made once per ``DevicePassKV`` and kept in its cache."""
+    handle = routing.cache.get("handle")
+    if handle is None:
+        handle = torch.empty(1, dtype=torch.int8, device=routing.token_ids.device)
+        _HANDLES[handle.data_ptr()] = routing
+        routing.cache["handle"] = handle
+    return handle
+
+
+def _op_call(handle: Tensor, group_name: str, scale: float, kernel: str, dk: int) -> _Call:
+    routing = _HANDLES.get(handle.data_ptr())
+    if routing is None:
+        raise RuntimeError(
+            "pass_kv_attention_op: the handle names no live pass-KV schedule (make it with "
+            "pass_kv_handle(routing) and keep the routing alive while the op and its backward run)"
+        )
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    masks, own_mask = _pair_masks(routing)
+    return _Call(
+        routing=routing, group=_resolve_process_group(cast(Any, group_name)), kernel=KERNELS[kernel],
+        scale=scale, dk=dk, trace=None, masks=masks, own_mask=own_mask,
+    )  # fmt: skip
+
+
+def _pack(k: Tensor, v: Tensor) -> Tensor:
+    return torch.cat([k, v], dim=-1).transpose(0, 1).contiguous()
+
+
+@torch.library.custom_op(f"{NS}::pass_kv_attention", mutates_args=())
+def _pass_kv_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, handle: Tensor, group_name: str, scale: float, kernel: str
+) -> tuple[Tensor, Tensor]:
+    """``(o [B, T, Hq, Dv] in q's dtype, lse [B, Hq, T] accumulation dtype)``, contiguous."""
+    call = _op_call(handle, group_name, scale, kernel, k.shape[-1])
+    group = call.group
+    if group is not None and group_size(group) > 1:
+        _warm_up(group, q.device)
+    out, lse = _forward(call, q.transpose(1, 2), _pack(k, v))
+    return out.to(q.dtype).transpose(1, 2).contiguous(), lse.contiguous()
+
+
+@_pass_kv_fwd_op.register_fake
+def _(q, k, v, handle, group_name, scale, kernel):
+    B, T, Hq, _ = q.shape
+    return q.new_empty(B, T, Hq, v.shape[-1]), q.new_empty(B, Hq, T, dtype=compute_dtype(q.dtype))
+
+
+@torch.library.custom_op(f"{NS}::pass_kv_attention_bwd", mutates_args=())
+def _pass_kv_bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    handle: Tensor,
+    group_name: str,
+    scale: float,
+    kernel: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` like q, k, v (contiguous): ``_backward``'s rounds."""
+    dk_ = k.shape[-1]
+    call = _op_call(handle, group_name, scale, kernel, dk_)
+    with autograd_inside_op():  # the blocks' recompute runs under autograd
+        dq, dkv = _backward(call, q.transpose(1, 2), _pack(k, v), out.transpose(1, 2), lse,
+                            grad.transpose(1, 2))  # fmt: skip
+    dkv = dkv.transpose(0, 1)
+    return (
+        dq.transpose(1, 2).to(q.dtype).contiguous(),
+        dkv[..., :dk_].to(k.dtype).contiguous(),
+        dkv[..., dk_:].to(v.dtype).contiguous(),
+    )
+
+
+@_pass_kv_bwd_op.register_fake
+def _(q, k, v, out, lse, grad, handle, group_name, scale, kernel):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_pass_kv(ctx, inputs, output) -> None:
+    q, k, v, handle, group_name, scale, kernel = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, handle)
+    ctx.args = (group_name, scale, kernel)
+
+
+def _backward_pass_kv(ctx, grad, _grad_lse):
+    q, k, v, out, lse, handle = ctx.saved_tensors
+    dq, dk, dv = _pass_kv_bwd_op(q, k, v, out, lse, grad.contiguous(), handle, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+_pass_kv_fwd_op.register_autograd(_backward_pass_kv, setup_context=_setup_pass_kv)
+
+
+def pass_kv_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    handle: Tensor,
+    group: dist.ProcessGroup,
+    *,
+    scale: float | None = None,
+    kernel: str = "math",
+) -> Tensor:
+    """``pass_kv_attention`` as one custom op (what compiled blocks call): ``handle`` from
+    ``pass_kv_handle(routing)``, made outside the compiled region; ``kernel`` "math" or "flex".
+    The same rounds, messages and numbers as ``pass_kv_attention``; it keeps k and v (not the
+    packed copy) for the backward. Returns ``[B, T_local, Hq, Dv]`` in q's dtype."""
+    from torch.distributed._functional_collectives import _resolve_group_name
+
+    out, _ = _pass_kv_fwd_op(
+        q, k, v, handle, _resolve_group_name(group),
+        scale if scale is not None else q.shape[-1] ** -0.5, kernel,
+    )  # fmt: skip
     return out
