@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.launch import REPO
 
@@ -39,6 +40,13 @@ def test_gpu_check_path_stage_dry_run_watches_whole_trainer_steps(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     parts = _parts(results, "path")
     assert parts["imports"]["ok"] and parts["trainer_imports"]["ok"] and parts["done"]["ok"]
+    # What decides correctness on a GPU is recorded with the stage (issue 25): versions, and
+    # whether fla runs GDN's backward here (on CPU: no Hopper, so it does).
+    env = parts["environment"]
+    assert env["torch_version"] == torch.__version__ and env["fla_core"] == "0.6.0"
+    assert {"cuda", "triton", "ptxas", "tilelang"} <= env.keys() and env[
+        "fla_gdn_backward"
+    ] == "runs"
     host = parts["trainer_host"]["steps"]
     assert host["2"] == host["3"] == []
     # The log step reads the loss and the gradient norm (_log_step; one rank's average loss is
