@@ -203,10 +203,11 @@ def test_gpu_wheels_resolves_for_python_312(tmp_path):
     names = {pin.split("==")[0] for pin in pins}
     assert {"torchtitan", "fla-core", "einops", "packaging", "spmd-types", "tyro"} <= names
     assert {"typeguard", "docstring-parser"} <= names  # tyro's
-    # The trainer's data pipeline: datasets with the smallest pyarrow it accepts.
-    assert {"datasets", "pyarrow", "pandas", "torchdata"} <= names and "pyarrow==21.0.0" in pins
+    # The trainer's data pipeline: datasets and torchdata; pyarrow and pandas are the image's.
+    assert {"datasets", "torchdata"} <= names
     # What the image has, and what the check does not import.
-    image = {"torch", "triton", "numpy", "tokenizers", "huggingface-hub", "pytest", "sympy"}
+    image = {"torch", "triton", "numpy", "tokenizers", "huggingface-hub", "pytest", "sympy",
+             "pyarrow", "pandas"}  # fmt: skip
     assert not {n for n in names if n in image or n.startswith("nvidia")}
     assert not names & {"wandb", "tensorboard", "aiohttp", "pillow", "hf-xet"}
     wheels = sorted(p.name for p in tmp_path.glob("*.whl"))
@@ -216,8 +217,10 @@ def test_gpu_wheels_resolves_for_python_312(tmp_path):
         assert tags[0] in ("py3", "py2.py3", "cp312", "py312"), wheel
         assert tags[2] == "any" or "manylinux" in tags[2] and "x86_64" in tags[2], wheel
     total = sum(p.stat().st_size for p in tmp_path.glob("*.whl"))
-    assert total <= 64 * 2**20
     assert f"{len(pins)} wheels for CPython 3.12" in proc.stdout
+    # Wheels and tree together within 40 MiB (the first call's budget of the 64 it may carry).
+    together = float(proc.stdout.split("together ")[1].split(" MiB")[0])
+    assert total / 2**20 < together <= 40, proc.stdout
 
 
 def test_sync_check_names_the_synchronising_frame():
