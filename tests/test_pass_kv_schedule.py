@@ -247,6 +247,46 @@ def test_flex_pair_kernel_matches_the_math_kernel(dtype):
     assert (lse_m[..., ~none] - lse_f[..., ~none]).abs().max().item() <= tol
 
 
+# (query rows, key rows) of pairs: one-row hulls and blocks, equal and unequal lengths, both
+# sides of a 128-row boundary.
+FLEX_LAYOUTS = [(1, 5), (3, 7), (1, 1), (5, 1), (64, 64), (130, 200), (200, 300), (1, 129),
+                (256, 17), (300, 300)]  # fmt: skip
+FLEX_FRAME_BOUND = 8  # dynamo frames for all of them (flex and its block mask together)
+
+
+@pytest.mark.slow
+def test_flex_pair_kernel_compiles_a_bounded_number_of_frames(monkeypatch):
+    """The compiled flex pair kernel over pairs of every size (one-row hulls included) stays
+    within ``FLEX_FRAME_BOUND`` dynamo frames: lengths are padded to multiples of 128 (before,
+    each new length recompiled, past dynamo's limit of 8 per function, after which flex runs
+    its unfused path). On CPU with aot_eager (CUDA compiles the same frames with inductor);
+    outputs equal the math kernel's."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from torchtitan_cp.ops.attention import pass_kv
+
+    torch._dynamo.reset()
+    fns = (torch.compile(flex_attention, dynamic=True, backend="aot_eager"),
+           torch.compile(create_block_mask, dynamic=True, backend="aot_eager"))  # fmt: skip
+    monkeypatch.setattr(pass_kv, "_flex_fns", lambda device: fns)
+    gen = torch.Generator().manual_seed(4)
+    start = counters["frames"]["total"]
+    for tq, tk in FLEX_LAYOUTS:
+        q_tok, k_tok = torch.arange(tq) + tk // 2, torch.arange(tk)
+        q_doc, k_doc = (q_tok >= tk // 3).long(), (k_tok >= tk // 3).long()
+        q = torch.randn(1, 2, tq, 8, generator=gen)
+        k, v = torch.randn(1, 2, tk, 8, generator=gen), torch.randn(1, 2, tk, 8, generator=gen)
+        o_f, lse_f = flex_pair_attention(q, k, v, PairMask(q_tok, q_doc, k_tok, k_doc), 0.3)
+        o_m, lse_m = math_pair_attention(q, k, v, PairMask(q_tok, q_doc, k_tok, k_doc), 0.3)
+        seen = torch.isfinite(lse_m)
+        assert bool((torch.isfinite(lse_f) == seen).all()), (tq, tk)
+        assert (o_f - o_m).abs().max().item() <= 2e-5, (tq, tk)
+        assert (lse_f[seen] - lse_m[seen]).abs().max().item() <= 2e-5, (tq, tk)
+    frames = counters["frames"]["total"] - start
+    assert frames <= FLEX_FRAME_BOUND, frames
+
+
 def _saved_peak(fn):
     """Run ``fn`` and return (its result, the most bytes autograd held saved at once)."""
     live, peak = [0], [0]

@@ -138,31 +138,51 @@ def _flex_fns(device: torch.device) -> tuple[Callable[..., Any], Callable[..., A
     return _compiled["flex"], _compiled["mask"]
 
 
+# Flex's query/key lengths are padded to a multiple of this (its block size): every pair then
+# has lengths >= 128 (no 0/1 specialisation of a one-row hull) and far fewer distinct shapes, so
+# the dynamic-shape compiles stay within dynamo's recompile limit (past it, flex would silently
+# run its unfused path that materialises all scores).
+FLEX_PAD = 128
+
+
+def _pad_rows(t: Tensor, n: int, dim: int) -> Tensor:
+    if t.shape[dim] == n:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
 def flex_pair_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: PairMask, scale: float
 ) -> tuple[Tensor, Tensor]:
     """Flex-attention pair kernel (the CUDA path): one ``BlockMask`` per pair, built once per
     microbatch from the pair's device ids (no host sync: the ids are already on the device) and
-    cached on ``mask``; ``lse`` from flex's ``AuxRequest(lse=True)``."""
+    cached on ``mask``; ``lse`` from flex's ``AuxRequest(lse=True)``. Queries and keys are
+    padded to a multiple of ``FLEX_PAD`` rows (padded keys are masked out, padded queries'
+    rows dropped), so the compiled kernel sees few, never 0/1, lengths."""
     from torch.nn.attention.flex_attention import AuxRequest
 
     flex, create_mask = _flex_fns(q.device)
+    tq, tk = q.shape[2], k.shape[2]
+    pq, pk = -(-tq // FLEX_PAD) * FLEX_PAD, -(-tk // FLEX_PAD) * FLEX_PAD
     block_mask = mask.cache.get("flex")
     if block_mask is None:
-        q_tok, q_doc, k_tok, k_doc = mask.q_tok, mask.q_doc, mask.k_tok, mask.k_doc
+        # Padded rows get document ids no real row has (-1 queries, -2 keys): never attended.
+        q_tok, k_tok = _pad_rows(mask.q_tok, pq, 0), _pad_rows(mask.k_tok, pk, 0)
+        q_doc = torch.cat([mask.q_doc, mask.q_doc.new_full((pq - tq,), -1)])
+        k_doc = torch.cat([mask.k_doc, mask.k_doc.new_full((pk - tk,), -2)])
 
         def mask_mod(b, h, qi, ki):
             return (q_doc[qi] == k_doc[ki]) & (k_tok[ki] <= q_tok[qi])
 
-        block_mask = create_mask(
-            mask_mod, None, None, q_tok.numel(), k_tok.numel(), device=q.device
-        )
+        block_mask = create_mask(mask_mod, None, None, pq, pk, device=q.device)
         mask.cache["flex"] = block_mask
     o, aux = flex(
-        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-        return_aux=AuxRequest(lse=True),
+        _pad_rows(q, pq, 2), _pad_rows(k, pk, 2), _pad_rows(v, pk, 2), block_mask=block_mask,
+        scale=scale, enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True),
     )  # fmt: skip
-    return o, aux.lse
+    return o[:, :, :tq], aux.lse[:, :, :tq]
 
 
 KERNELS: dict[str, PairKernel] = {"math": math_pair_attention, "flex": flex_pair_attention}
