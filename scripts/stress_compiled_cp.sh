@@ -23,12 +23,12 @@ export OMP_NUM_THREADS=1 WANDB_MODE=offline WANDB_SILENT=true
 run() {  # run NAME [trainer args...]: exit status of torchrun, logs under OUT/NAME
   local name="$1"; shift
   rm -rf "${OUT:?}/$name"
+  mkdir -p "$OUT/$name"
   timeout 900 python -m torch.distributed.run --standalone --nproc_per_node 2 \
     --log-dir "$OUT/$name/logs" --redirects 3 \
     -m torchtitan_cp.train "${ARGS[@]}" "$@" --dump_folder "$OUT/$name/dump" \
     > "$OUT/$name/torchrun.out" 2>&1 || return $?
 }
-mkdir -p "$OUT/eager"
 run eager || { echo "stress_compiled_cp: the eager reference failed: $OUT/eager" >&2; exit 1; }
 
 LOAD_PIDS=()
@@ -43,7 +43,6 @@ trap 'for p in "${LOAD_PIDS[@]}"; do kill "$p" 2>/dev/null || true; done' EXIT
 
 passes=0 fails=0 worst=0
 for i in $(seq 1 "$RUNS"); do
-  mkdir -p "$OUT/run-$i"
   if run "run-$i" --compile.enable; then
     diff="$(python - "$OUT/eager/dump" "$OUT/run-$i/dump" <<'PY'
 import sys
