@@ -180,6 +180,11 @@ def test_fla_fake_impls_give_fla_shapes(kind):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's Triton kernels need CUDA")
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_fla_ops_opcheck_cuda(kind):
+    from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
+
+    refused = fla_gdn_backward_refusal() if kind == "gdn" else None
+    if refused is not None:  # opcheck runs the backward, which fla raises in here (fla #640)
+        pytest.skip(f"GDN's fla backward is refused here: {refused}")
     ins = [x.detach().cuda().float().requires_grad_(True) for x in _delta_inputs(kind, 3)]
     cu = CU.cuda()
     torch.library.opcheck(
