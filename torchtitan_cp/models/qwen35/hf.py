@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,6 +297,10 @@ def write_hf_folder(
     sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     hf = {k: v.contiguous() for k, v in adapter.to_hf(sd).items()}
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors creates its file 0600; give it the mode of the files written beside it
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)
     (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():
