@@ -106,25 +106,42 @@ def test_malformed_manifest_and_cut_metrics_are_set_aside(base_run, tmp_path):
 
 
 def test_second_run_on_a_busy_dump_folder_is_refused(tmp_path):
+    """Also its checkpoint folder: before, a run whose absolute --checkpoint.folder was a live
+    run's loaded that run's newest step and trained until its first save was refused."""
     dump = tmp_path / "run"
     cmd, env = python_train_cmd(
         ["--config_file", "configs/debug_cpu.toml", "--validator.no-enable",
-         "--metrics.no-enable-wandb", "--training.steps", "10000"], dump_folder=dump,
+         "--metrics.no-enable-wandb", "--training.steps", "10000", "--checkpoint.enable",
+         "--checkpoint.interval", "100000"], dump_folder=dump,
     )  # fmt: skip
     first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        lock = dump / "run.lock"
+        lock, ckpt_lock = dump / "run.lock", dump / "checkpoint" / "run.lock"
         deadline = time.monotonic() + 240
-        while not (lock.is_file() and lock.read_text().strip()):
+        while not (ckpt_lock.is_file() and ckpt_lock.read_text().strip()):
             assert first.poll() is None and time.monotonic() < deadline, "first run did not start"
             time.sleep(0.5)
         holder = json.loads(lock.read_text())
+        assert json.loads(ckpt_lock.read_text()) == holder
         proc = python_train(["--config_file", "configs/debug_cpu.toml", "--training.steps", "2"],
                             dump_folder=dump, check=False)  # fmt: skip
         line = error_line(proc)
         assert "is in use by another run" in line
         assert f"pid {first.pid} on host {holder['host']}, started {holder['start_time']}" in line
+        other = tmp_path / "other"
+        proc = python_train(["--config_file", "configs/debug_cpu.toml", "--training.steps", "2",
+                             "--checkpoint.enable", "--checkpoint.folder",
+                             str(dump / "checkpoint")], dump_folder=other, check=False)  # fmt: skip
+        line = error_line(proc)
+        assert line.startswith(
+            f"torchtitan_cp.train: error: checkpoint folder {dump}/checkpoint is in use by another "
+            f"run (pid {first.pid} on host {holder['host']}, started {holder['start_time']}, "
+            f"run {holder['run_id']}; lock {ckpt_lock}): wait for it to finish or pass another "
+            "--checkpoint.folder"
+        ), line
+        assert not (other / "metrics.jsonl").exists(), "refused before anything loaded or ran"
+        assert (other / "run.lock").read_text() == "", "its own lock released cleanly"
         assert first.poll() is None, "the first run goes on"
     finally:
         first.terminate()
@@ -200,7 +217,7 @@ def test_load_step_below_newest_needs_discard_later_steps(base_run, tmp_path):
     args = [*ARGS, "--training.steps", "4", "--checkpoint.load_step", "2"]
     line = error_line(python_train(args, dump_folder=dump, check=False))
     assert "older than the newest checkpoint step-4" in line and "discard_later_steps" in line
-    assert sorted(os.listdir(dump / "checkpoint")) == ["step-2", "step-4"]
+    assert sorted(os.listdir(dump / "checkpoint")) == ["run.lock", "step-2", "step-4"]
     proc = python_train([*args, "--checkpoint.discard_later_steps"], dump_folder=dump)
     assert "checkpoint step-4 is newer than checkpoint.load_step = 2; moved to" in log(proc)
     moved = list((dump / "checkpoint.aside").glob("*/step-4"))
