@@ -175,6 +175,18 @@ def test_refusal_under_torchrun_is_one_line(base_run, tmp_path):
     assert "torchtitan_cp/run/checkpoint.py" not in out, "no traceback through the recipe"
 
 
+def test_the_suggested_fix_loads_the_weights_without_a_false_warning(base_run, tmp_path):
+    """The refusal's fix (a new dump folder from the step's weights) runs, and no longer logs
+    twice "initial_load_model_only=True has no effect without an initial_load_path" while the
+    path is set and loaded (torchtitan's check of the recipe's defaults)."""
+    step = base_run[0] / "checkpoint" / "step-4"
+    proc = python_train([*ARGS, "--training.steps", "1", "--checkpoint.initial_load_path",
+                         str(step), "--checkpoint.initial_load_model_only"],
+                        dump_folder=tmp_path / "new")  # fmt: skip
+    assert "has no effect without" not in log(proc), log(proc)[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "new")] == [1]
+
+
 def test_resume_with_another_layer_pattern_names_the_parameter(base_run, tmp_path):
     """Before: a 220-line traceback from DCP."""
     dump = copy_of(base_run, tmp_path)

@@ -27,6 +27,7 @@ import argparse
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -567,6 +568,17 @@ def fit_error(checkpoint_id: str, problem: str) -> CheckpointError:
     return CheckpointError(f"checkpoint {checkpoint_id} does not fit this run: {problem}; {fix}")
 
 
+class _DropMessage(logging.Filter):
+    """Drops the log records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
 def _os_error(exc: BaseException) -> OSError | None:
     """The OSError behind ``exc``: itself, its cause or context, or a rank's failure inside a
     DCP ``CheckpointException``."""
@@ -643,7 +655,16 @@ class HybridCheckpointManager(CheckpointManager):
         file presence and sizes only (for checkpoints too big to hash at every start)."""
 
         def __post_init__(self) -> None:
-            CheckpointManager.Config.__post_init__(self)
+            # torchtitan warns "initial_load_model_only=True has no effect without an
+            # initial_load_path" whenever this Config holds its own defaults (model_only True,
+            # no path): the recipe's defaults and each TOML section re-check are built before
+            # the command line sets the path, so it warned while the path was set and loaded.
+            quiet = _DropMessage("initial_load_model_only=True has no effect without")
+            logger.addFilter(quiet)
+            try:
+                CheckpointManager.Config.__post_init__(self)
+            finally:
+                logger.removeFilter(quiet)
             if self.async_mode != "disabled":
                 raise ValueError(
                     f"checkpoint.async_mode = '{self.async_mode}' is not supported: the "
