@@ -360,7 +360,14 @@ def test_train_sh_refusal_inside_the_ranks_is_one_line_and_exit_2(tmp_path):
 def test_stopped_rank_is_named_in_one_line(tmp_path):
     """Rank 1 stopped (SIGSTOP) after step 2: with comm.train_timeout_seconds = 5 rank 0 gives
     up within seconds and names rank 1; exit 1. Before: about 133 s and a gloo traceback that
-    named no rank. (The launcher train.sh runs, without train.sh's pre-launch check.)"""
+    named no rank. (The launcher train.sh runs, without train.sh's pre-launch check.)
+
+    The bound the code promises is wall-clock by nature: 5 s of gloo timeout plus up to 5 s in
+    which the ranks that timed out meet on the store; around it only CPU work (finishing the
+    step's computation up to the collective, exiting), a few seconds idle. The test allows 90 s:
+    it fails when a wait runs on another timeout (comm.init_timeout_seconds, 300 s: before, the
+    checkpoint control group kept it during saves, and a loaded machine, which makes the stop
+    land in the step-2 save more often, broke the old 60 s bound), never on CPU contention."""
     dump = tmp_path / "run"
     cmd, env = torchrun_cmd(
         [*ARGS, "--training.steps", "1000", "--comm.train_timeout_seconds", "5",
@@ -383,7 +390,7 @@ def test_stopped_rank_is_named_in_one_line(tmp_path):
         os.kill(ranks[1], signal.SIGSTOP)
         stopped = time.monotonic()
         while _running(ranks[0]):
-            assert time.monotonic() - stopped < 60, "rank 0 still waits"
+            assert time.monotonic() - stopped < 90, "rank 0 still waits"
             time.sleep(0.2)
         waited = time.monotonic() - stopped
     finally:
@@ -397,7 +404,8 @@ def test_stopped_rank_is_named_in_one_line(tmp_path):
         "torchtitan_cp.train: error: rank 0: no answer from rank 1 within 5 s "
         "(comm.train_timeout_seconds): it stopped, hung or died"
     ), err[-3000:]
-    print(f"rank 0 gave up {waited:.1f} s after rank 1 stopped")
+    before = [x for x in out.read_text().splitlines() if x.strip()][-3:]
+    print(f"rank 0 gave up {waited:.1f} s after rank 1 stopped; its last lines: {before}")
 
 
 def _running(pid: int) -> bool:

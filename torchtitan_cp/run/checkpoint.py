@@ -692,6 +692,9 @@ class HybridCheckpointManager(CheckpointManager):
         self.run_id: str | None = None
         self.resumed_from = 0
         self.on_loaded: Any = None
+        # comm.train_timeout_seconds (set by the trainer): the control group's timeout once
+        # training runs, as torchtitan sets it for the other groups after the first step.
+        self.train_timeout: timedelta | None = None
         self.discard_later_steps = config.discard_later_steps
         self.sha256 = config.verify == "sha256"
         super().__init__(config, **kwargs)
@@ -768,6 +771,12 @@ class HybridCheckpointManager(CheckpointManager):
         step_dir = self._create_checkpoint_id(curr_step)
         run_id = self._run_id()
         pg = self._pg()
+        if pg is not None and self.train_timeout is not None and curr_step > self.resumed_from + 1:
+            # torchtitan lowers the other groups' timeouts to comm.train_timeout_seconds after
+            # the first step of this process (after its save): the control group follows, so a
+            # rank stopped during a save ends the others within the same bound as in a step
+            # (it kept comm.init_timeout_seconds, 300 s, while the line named the 5 s key).
+            dist.set_timeout(self.train_timeout, pg)
 
         def clear() -> str | None:
             if not os.path.isdir(step_dir):
