@@ -78,6 +78,17 @@ def control_group(timeout: timedelta | None = None) -> Any:
     return _CONTROL_GROUP[1]
 
 
+def set_control_timeout(timeout: timedelta) -> None:
+    """Set the control group's timeout (a no-op without one). The checkpointer sets
+    ``comm.train_timeout_seconds`` once training runs, so a rank stopped during a save (clearing
+    the step, the manifest) ends the others within the bound of a training step and the line
+    names that key; it kept ``comm.init_timeout_seconds`` (300 s) before. Every rank calls it at
+    the same point, after the collectives that the longer timeout was for."""
+    pg = control_group()
+    if pg is not None:
+        dist.set_timeout(timeout, pg)
+
+
 def _rank(pg: Any) -> int:
     return dist.get_rank(pg) if pg is not None else 0
 
@@ -771,12 +782,10 @@ class HybridCheckpointManager(CheckpointManager):
         step_dir = self._create_checkpoint_id(curr_step)
         run_id = self._run_id()
         pg = self._pg()
-        if pg is not None and self.train_timeout is not None and curr_step > self.resumed_from + 1:
+        if self.train_timeout is not None and curr_step > self.resumed_from + 1:
             # torchtitan lowers the other groups' timeouts to comm.train_timeout_seconds after
-            # the first step of this process (after its save): the control group follows, so a
-            # rank stopped during a save ends the others within the same bound as in a step
-            # (it kept comm.init_timeout_seconds, 300 s, while the line named the 5 s key).
-            dist.set_timeout(self.train_timeout, pg)
+            # the first step of this process (after its save): the control group follows.
+            set_control_timeout(self.train_timeout)
 
         def clear() -> str | None:
             if not os.path.isdir(step_dir):
