@@ -182,45 +182,42 @@ CONFIG_CASES = {
 }  # fmt: skip
 
 
-def _check_argv(folder: Path) -> list[str]:
-    return ["--config_file", CONFIG, "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+def _pre_launch_error(tmp_path: Path, hf_folder: Path, name: str, edit) -> tuple[Path, str]:
+    """A copy of ``hf_folder`` whose file ``name`` is rewritten by ``edit(old text) -> new
+    text``, through the pre-launch check (what ``train.sh`` runs before torchrun): the file and
+    the one-line ConfigError."""
+    import shutil
+
+    from torchtitan_cp.train import load_config
+
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    path = folder / name
+    path.write_text(edit(path.read_text() if path.exists() else ""))
+    argv = ["--config_file", CONFIG, "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
             "--checkpoint.initial_load_model_only", "--checkpoint.initial_load_path",
             str(folder)]  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    assert "\n" not in str(e.value)
+    return path, str(e.value)
 
 
 @pytest.mark.parametrize("case", sorted(INDEX_CASES))
 def test_every_index_defect_is_one_line_naming_file_and_field(tmp_path, hf_folder, case):
-    """Through the pre-launch check (what ``train.sh`` runs before torchrun)."""
-    import shutil
-
-    from torchtitan_cp.train import load_config
-
-    folder = tmp_path / "hf"
-    shutil.copytree(hf_folder, folder)
     text, needle = INDEX_CASES[case]
-    index = folder / "model.safetensors.index.json"
-    index.write_text(text)
-    with pytest.raises(ConfigError) as e:
-        load_config(_check_argv(folder))
-    assert str(e.value).startswith(f"{index}: ") and needle in str(e.value), str(e.value)
-    assert "\n" not in str(e.value)
+    index, line = _pre_launch_error(tmp_path, hf_folder, "model.safetensors.index.json",
+                                    lambda _: text)  # fmt: skip
+    assert line.startswith(f"{index}: ") and needle in line, line
 
 
 @pytest.mark.parametrize("case", sorted(CONFIG_CASES))
 def test_config_fields_of_the_wrong_type_are_named(tmp_path, hf_folder, case):
-    import shutil
-
-    from torchtitan_cp.train import load_config
-
-    folder = tmp_path / "hf"
-    shutil.copytree(hf_folder, folder)
     fields, needle = CONFIG_CASES[case]
-    cfg_file = folder / "config.json"
-    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), **fields}))
-    with pytest.raises(ConfigError) as e:
-        load_config(_check_argv(folder))
-    assert str(e.value) == f"{folder}/{needle}" or str(e.value).startswith(f"{folder}/{needle}")
-    assert "\n" not in str(e.value)
+    cfg_file, line = _pre_launch_error(
+        tmp_path, hf_folder, "config.json", lambda old: json.dumps({**json.loads(old), **fields})
+    )
+    assert line.startswith(f"{cfg_file.parent}/{needle}"), line
 
 
 @pytest.mark.slow

@@ -210,17 +210,24 @@ def shape_problem(hf: dict[str, Any]) -> str | None:
     return None
 
 
+def _read_json_object(path: Path, holding: str) -> dict[str, Any]:
+    """``path`` parsed as a JSON object; a one-line ValueError naming the file otherwise
+    (``holding``: what the object should hold, for the message)."""
+    try:
+        data = json.loads(path.read_text())
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e}; a file cut short?)") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: {_kind(data)}, not a JSON object {holding}")
+    return data
+
+
 def read_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` (tensor name -> shard file) of ``model.safetensors.index.json``; a
     one-line ValueError naming the file and the field for any defect."""
-    try:
-        data = json.loads(index.read_text())
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{index}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{index}: invalid JSON ({e}; a file cut short?)") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{index}: {_kind(data)}, not a JSON object with a weight_map")
+    data = _read_json_object(index, "with a weight_map")
     weight_map = data.get("weight_map")
     if weight_map is None:
         raise ValueError(f'{index}: no "weight_map" (tensor name -> safetensors file)')
@@ -381,14 +388,7 @@ def check_hf_folder(path: str | Path, cfg: Any) -> None:
     cfg_file = root / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{cfg_file}: missing (an HF Qwen3.5 folder needs its config.json)")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{cfg_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_file}: invalid JSON: {e}") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{cfg_file}: {_kind(hf)}, not a JSON object")
+    hf = _read_json_object(cfg_file, "of model settings")
     problem = shape_problem(hf) or config_mismatch(hf, cfg)
     if problem is not None:
         raise ValueError(f"{cfg_file}: {problem}")
