@@ -47,6 +47,9 @@ def test_two_nodes_give_the_single_node_losses(tmp_path):
     # Each node's console shows its own process, by global rank: NODE_RANK decided the ranks.
     for node, (out, err) in enumerate(outs):
         assert f"[rank{node}]:" in out + err and f"[rank{1 - node}]:" not in out + err, node
+        # the rendezvous lines stop once the node's ranks run
+        started = err.find(f"[rank{node}]:")
+        assert "waiting for" not in err[started:] if started >= 0 else True, err[-3000:]
     single, multi = read_metrics(one), read_metrics(two)
     assert [r["step"] for r in multi] == [1, 2, 3]
     assert [r["loss"] for r in multi] == [r["loss"] for r in single], (single, multi)
@@ -165,6 +168,39 @@ def test_a_waiting_node_speaks_until_node_0_listens(monkeypatch):
         == f"node 1 of 2: waiting for node 0 at 127.0.0.1:{port} (0 s of 30 s, RDZV_TIMEOUT)"
     )
     assert all(line.endswith("of 30 s, RDZV_TIMEOUT)") for line in lines), lines
+
+
+@pytest.mark.slow
+def test_every_node_speaks_until_its_ranks_start(monkeypatch):
+    """``RendezvousSpeaker`` (what every node runs beside torchrun's rendezvous): a line every
+    ``every`` seconds, counted from the start of the wait, until this process has started a
+    child (torchrun's ranks); never after."""
+    import io
+
+    from torchtitan_cp import launch
+
+    out = io.StringIO()
+    speaker = launch.RendezvousSpeaker("node 0 of 2: waiting for the other nodes at h:1",
+                                       timeout=300, every=0.5, waited=3.0, out=out)  # fmt: skip
+    speaker.start()
+    time.sleep(2.2)
+    child = subprocess.Popen(["sleep", "30"])  # a rank started: the rendezvous is over
+    try:
+        speaker.join(timeout=10)
+        assert not speaker.is_alive(), "it stops once a rank runs"
+        lines = out.getvalue().splitlines()
+        time.sleep(1.0)
+        assert out.getvalue().splitlines() == lines, "nothing after"
+    finally:
+        child.kill()
+        child.wait()
+        speaker.done.set()
+    import re
+
+    assert len(lines) >= 2, lines
+    pattern = r"node 0 of 2: waiting for the other nodes at h:1 \((\d+) s of 300 s, RDZV_TIMEOUT\)"
+    seconds = [int(re.fullmatch(pattern, x)[1]) for x in lines]  # type: ignore[index]
+    assert seconds[0] >= 3 and seconds == sorted(seconds), lines  # from the wait's start
 
 
 def check(capsys, *args: str) -> tuple[int, str, str]:

@@ -11,7 +11,8 @@ and status 1. Any other failure (a traceback) is reported by torchrun as usual.
 Multi-node (``--rdzv-backend=static``, ``--nnodes`` > 1): the rendezvous wait is bounded by
 ``RDZV_TIMEOUT`` seconds (default 300, the ``timeout`` of torchrun's static rendezvous, which
 would otherwise wait 600 s in silence). A node other than 0 first waits for node 0's endpoint to
-accept a connection, with a line every 10 s; when the time runs out, on any node, the launch
+accept a connection, with a line every 10 s; then every node says every 10 s that it waits for
+the others until torchrun starts its ranks. When the time runs out, on any node, the launch
 ends with one line naming the endpoint and the fix, exit 2.
 """
 
@@ -21,6 +22,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from typing import IO, Any
 
@@ -89,6 +91,43 @@ def wait_for_endpoint(
         except OSError as e:
             problem = e.strerror or str(e) or "nothing answered"
         time.sleep(max(0.0, min(1.0, timeout - (time.monotonic() - start))))
+
+
+def _has_children(pid: int) -> bool:
+    """Whether process ``pid`` has started a child (torchrun starts its ranks once the
+    rendezvous is complete); True when this cannot be told (no /proc), so a caller stops."""
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                if f.read().strip():
+                    return True
+    except OSError:
+        return True
+    return False
+
+
+class RendezvousSpeaker(threading.Thread):
+    """While torchrun's rendezvous runs (until this process has started a rank, or ``done``
+    is set), a line every ``every`` seconds: ``{who} ({t} s of {timeout} s, RDZV_TIMEOUT)``."""
+
+    def __init__(self, who: str, *, timeout: float, every: float, waited: float = 0.0,
+                 out: IO[str] = sys.stderr) -> None:  # fmt: skip
+        super().__init__(daemon=True, name="rendezvous-speaker")
+        self.who, self.timeout, self.every, self.out = who, timeout, every, out
+        self.start_time = time.monotonic() - waited
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        pid = os.getpid()
+        next_line = time.monotonic() + self.every
+        while not self.done.wait(0.5):
+            if _has_children(pid):
+                return
+            now = time.monotonic()
+            if now >= next_line:
+                print(f"{self.who} ({now - self.start_time:.0f} s of {self.timeout:g} s, "
+                      "RDZV_TIMEOUT)", file=self.out, flush=True)  # fmt: skip
+                next_line += self.every
 
 
 def _multinode(args: Any) -> tuple[str, int, int, int] | None:
@@ -168,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ[LAUNCHER_ENV] = "1"  # the ranks leave their one-line error to this process
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    speaker: RendezvousSpeaker | None = None
     try:
         where = _multinode(args)
         timeout = rdzv_timeout()
@@ -176,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                     not kv.startswith("timeout=")]  # fmt: skip
             args.rdzv_conf = ",".join([*conf, f"timeout={timeout}"])
             host, port, node, nnodes = where
+            waited = 0.0
             if node > 0:
                 waited = wait_for_endpoint(host, port, node=node, nnodes=nnodes, timeout=timeout)
                 # the rest of the rendezvous (the store, the other nodes) gets what is left
@@ -184,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"node 0 of {nnodes}: hosting the rendezvous at {args.rdzv_endpoint}; "
                       f"waiting up to {timeout} s (RDZV_TIMEOUT) for the other "
                       f"{nnodes - 1} node(s)", file=sys.stderr, flush=True)  # fmt: skip
+            speaker = RendezvousSpeaker(
+                f"node {node} of {nnodes}: waiting for the other nodes at {args.rdzv_endpoint}",
+                timeout=timeout, every=REPORT_EVERY, waited=waited,
+            )  # fmt: skip
+            speaker.start()
     except LaunchError as e:
         print(f"{LAUNCH_PREFIX}{e}", file=sys.stderr)
         return 2
@@ -215,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         held.restore(replay=True)
         raise
+    finally:
+        if speaker is not None:
+            speaker.done.set()
     held.restore(replay=True)
     return 0
 
