@@ -128,7 +128,11 @@ def test_rendezvous_wait_is_bounded_and_speaks(tmp_path):
         proc = train_sh([CONFIG, "--dump_folder", str(tmp_path / "run")], check=False,
                         timeout=120, NNODES="2", NODE_RANK=node, NPROC_PER_NODE="1",
                         RDZV_ENDPOINT=endpoint, RDZV_TIMEOUT="2")  # fmt: skip
-        lines = [x for x in proc.stderr.splitlines() if x.strip() and not x.startswith("[env]")]
+        lines = [
+            x
+            for x in proc.stderr.splitlines()
+            if x.strip() and not x.startswith("[env]") and "waiting for the other nodes" not in x
+        ]  # every 10 s: none, unless slow
         assert proc.returncode == 2 and len(lines) == 2, proc.stderr[-3000:]
         assert needles[0] in lines[0] and all(n in lines[1] for n in needles[1:]), lines
         assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
