@@ -7,7 +7,13 @@ import pytest
 
 from tests.helpers import positions_from_lengths
 from tests.launch import run_module
-from torchtitan_cp.routing import balancer_names, format_fragments, headtail_fragments, host_layout
+from torchtitan_cp.routing import (
+    balancer_names,
+    format_fragments,
+    headtail_fragments,
+    host_layout,
+    parse_fragments,
+)
 from torchtitan_cp.routing.__main__ import layout_from_documents, main
 
 ARGS = [
@@ -225,3 +231,19 @@ def test_bad_documents_exit_2(extra, message, capsys):
     out, err = capsys.readouterr()
     assert out == "" and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_cp_md_example_from_documents(capsys):
+    """docs/cp.md's worked example (W = 4 head-tail over 6 documents) from its document
+    lengths: the layout and pass-KV rounds the page shows."""
+    assert layout_from_documents([6, 4, 6, 6, 4, 6], 4, "headtail") == (
+        [0, 6, 10, 16, 22, 26, 32],
+        parse_fragments("0:4,28:32;4:8,24:28;8:12,20:24;12:20"),
+    )
+    argv = ["explain", "--doc-lens", "6", "4", "6", "6", "4", "6", "--world", "4"]
+    assert main([*argv, "--balancer", "headtail", "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1: own rows [0, 8), rounds [1, 3]" in out
+    assert (
+        "round 1: recv rows [0, 4) of rank 0 for queries [0, 2); send rows [2, 4) to rank 2" in out
+    )
