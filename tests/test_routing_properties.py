@@ -151,6 +151,11 @@ def test_device_routing_simulated_gather(layout, pad_s, pad_n, pad_p, pad_t):
         assert route.summary_token_index.numel() == plan.num_tokens
         assert route.summary_cu_seqlens.tolist() == route.summary_cu_seqlens_cpu.tolist() == cum
         assert route.pred_slots.shape == (slots, caps.predecessors)
+        # The fold's schedule: slots by predecessor count, the folding ones a prefix per column.
+        counts = (route.pred_slots >= 0).sum(1)
+        assert counts[route.fold_order].tolist() == sorted(counts.tolist(), reverse=True)
+        want_steps = tuple(int((counts > p).sum()) for p in range(caps.predecessors))
+        assert route.fold_steps == want_steps
         for j in range(slots):
             preds = plan.predecessors[j] if j < n_local else []
             want = [r * slots + f for r, f in preds]

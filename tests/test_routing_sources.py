@@ -40,7 +40,7 @@ def assert_same_context(a, b):
     for name in ROUTING_FIELDS:
         x, y = getattr(a.routing, name), getattr(b.routing, name)
         assert x.dtype == y.dtype and torch.equal(x, y), name
-    assert len(ROUTING_FIELDS) == 19
+    assert len(ROUTING_FIELDS) == 20
     for name in ("rank", "world_size", "num_slots", "conv_history", "num_tokens", "chunk_size"):
         assert getattr(a.routing, name) == getattr(b.routing, name), name
     assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.doc_ids, b.doc_ids)

@@ -57,6 +57,8 @@ class DeviceRouting:
     frag_last: Tensor  # [S] ... of its last subsequence
     publish: Tensor  # [S] bool, the last subsequence continues on a successor
     pred_slots: Tensor  # [S, P] global slot ids of the predecessors, token order
+    fold_order: Tensor  # [S] local slots by predecessor count, descending (the fold's order)
+    fold_steps: tuple[int, ...]  # [P] host ints: slots with more than p predecessors
     terminal: Tensor  # [Nt] local subsequence indices that end their document
     tail_index: Tensor  # [S, C] local token index of each fragment's last C tokens
     halo_index: Tensor  # [S, C] index into the gathered [W * S * C] tail buffer

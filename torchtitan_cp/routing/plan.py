@@ -342,6 +342,12 @@ class RoutingPlan:
         pred = slot_of_sorted[q.clamp(max=nfrag - 1)]
         pred = torch.where(q < self._pos.unsqueeze(1), pred, -1)
         pred_slots = per_slot(pred, p_cap)
+        # The fold's schedule: slots by predecessor count, descending, so the slots that still
+        # fold at column p are a prefix (``fold_steps[p]`` of them); stable, so ties keep order.
+        counts = torch.zeros(slots, dtype=_I64)
+        counts[:n_local] = n_pred.clamp(max=p_cap)
+        fold_order = torch.argsort(counts, descending=True, stable=True)
+        fold_steps = tuple(int((counts > p).sum()) for p in range(p_cap))
 
         terminal = torch.full((t_cap,), -1, dtype=_I64)
         terminal[:n_term] = self.terminal
@@ -404,6 +410,7 @@ class RoutingPlan:
             "frag_last": frag_last,
             "publish": publish,  # unpacked as bool
             "pred_slots": pred_slots,
+            "fold_order": fold_order,
             "terminal": terminal,
             "tail_index": tail_index,
             "halo_index": halo_index,
@@ -431,6 +438,7 @@ class RoutingPlan:
             conv_history=C,
             num_tokens=self.num_tokens,
             chunk_size=chunk_size,
+            fold_steps=fold_steps,
             cu_seqlens_cpu=narrow_host["cu_seqlens"],
             summary_cu_seqlens_cpu=narrow_host["summary_cu_seqlens"],
             summary_subsequence_cpu=narrow_host["summary_subsequence"],

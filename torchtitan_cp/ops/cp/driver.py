@@ -131,11 +131,22 @@ def context_parallel_recurrence(
         in_graph.append(gathered[:0].sum())
         if preds.shape[1] == 0:  # no fragment here continues a document (a host shape)
             return None  # zeros, and no entry-state gradient to compute
-        entry = torch.zeros(S, *shape, dtype=dt, device=dev)
-        for p in range(preds.shape[1]):  # batched over slots; P is small (predecessor depth)
-            col = preds[:, p]
-            nxt = rec.apply(gathered.index_select(0, col.clamp(min=0)), entry)
-            entry = torch.where((col >= 0).view(S, 1, 1, 1), nxt, entry)
+        if torch.compiler.is_compiling():
+            # One program for every layout: every column over every slot, masked.
+            entry = torch.zeros(S, *shape, dtype=dt, device=dev)
+            for p in range(preds.shape[1]):  # batched over slots; P is the predecessor depth
+                col = preds[:, p]
+                nxt = rec.apply(gathered.index_select(0, col.clamp(min=0)), entry)
+                entry = torch.where((col >= 0).view(S, 1, 1, 1), nxt, entry)
+        else:
+            # Only the slots that still have a predecessor at column p (a prefix in fold_order).
+            order = routing.fold_order
+            ordered = preds.index_select(0, order)
+            entry = torch.zeros(S, *shape, dtype=dt, device=dev)
+            for p, a in enumerate(routing.fold_steps):
+                head = rec.apply(gathered.index_select(0, ordered[:a, p]), entry[:a])
+                entry = torch.cat([head, entry[a:]]) if a < S else head
+            entry = torch.zeros_like(entry).index_copy(0, order, entry)
         first = routing.frag_first
         target = torch.where(first >= 0, first, torch.full_like(first, N))  # row N = discard
         return torch.zeros(N + 1, *shape, dtype=dt, device=dev).index_add(0, target, entry)[:N]
