@@ -25,9 +25,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torchtitan.models.common.embedding import Embedding
 
-__all__ = ["distribute_parameter", "head_rows", "local", "tp_heads"]
+__all__ = [
+    "distribute_parameter",
+    "check_all_on_tp_mesh",
+    "head_rows",
+    "parallelize_decoder_ends",
+    "local",
+    "read_locally",
+    "sequence_parallel_block",
+    "tp_heads",
+    "vocab_parallel_embedding",
+]
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -85,3 +111,107 @@ def head_rows(segments: Sequence[int], rank: int, world: int) -> list[tuple[int,
         rows.append((start + rank * part, start + (rank + 1) * part))
         start += size
     return rows
+
+
+def vocab_parallel_embedding(embedding: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """torchtitan's ``Embedding`` runs vocab-parallel itself once it has a TP group (its
+    forward reads the weight's local rows and returns this rank's partial sum), so torch's
+    ``RowwiseParallel`` (which expects DTensor math) does not apply: shard the rows, give it
+    the group, and turn its partial output into the sequence-parallel layout (reduce-scatter
+    over the tokens). The residual stream is local tensors ``[B, L / TP, D]``, as in
+    torchtitan's plan."""
+    assert isinstance(embedding, Embedding)
+    embedding.tp_group = tp_mesh.get_group()
+
+    def shard_rows(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for key, p in list(module.named_parameters(recurse=False)):
+            dt = distribute_tensor(p.data, mesh, [Shard(0)])
+            module.register_parameter(key, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+    def to_sequence_parallel(
+        module: nn.Module, out: torch.Tensor, mesh: DeviceMesh
+    ) -> torch.Tensor:
+        partial = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        return partial.redistribute(placements=[Shard(1)]).to_local()
+
+    # torch types output_fn as returning None; a returned value replaces the output.
+    distribute_module(embedding, tp_mesh, shard_rows, output_fn=to_sequence_parallel)  # pyrefly: ignore [bad-argument-type]
+
+
+def sequence_parallel_block(
+    block: nn.Module, tp_mesh: DeviceMesh, mixer: str, mixer_args: int, ffn: str | None
+) -> None:
+    """torchtitan's plan for one pre-norm block: ``attention_norm`` and ``ffn_norm``
+    sequence-parallel; the ``mixer`` submodule (called with ``mixer_args`` positional
+    arguments, the first the hidden states) and the feed-forward ``ffn`` (w1/w2/w3; None: the
+    caller shards it) gather their input and reduce-scatter their output projection."""
+    others = (None,) * (mixer_args - 1)
+    plan: dict = {
+        "attention_norm": SequenceParallel(),
+        mixer: PrepareModuleInput(
+            input_layouts=(Shard(1), *others),
+            desired_input_layouts=(Replicate(), *others),
+            use_local_output=True,
+        ),
+        "ffn_norm": SequenceParallel(),
+    }
+    if ffn is not None:
+        plan |= {
+            ffn: PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            f"{ffn}.w1": ColwiseParallel(),
+            f"{ffn}.w2": RowwiseParallel(output_layouts=Shard(1)),
+            f"{ffn}.w3": ColwiseParallel(),
+        }
+    parallelize_module(block, tp_mesh, plan)
+
+
+def read_locally(module: nn.Module, names: Sequence[str], mesh: DeviceMesh, shard: bool) -> None:
+    """Distribute ``module``'s parameters ``names`` over the TP ``mesh`` (``Shard(0)``: per
+    head; else replicated) for a module whose forward is not ours (torchtitan's Qwen3.5 layers
+    read ``self.A_log``, a norm's ``self.weight`` directly on local tensors): for the duration
+    of each call the module sees ``local(p)`` in their place, and the DTensor parameters
+    (what FSDP, the optimizer and checkpoints see) are put back after it."""
+    for name in names:
+        distribute_parameter(module, name, mesh, shard)
+    saved: list[dict[str, nn.Parameter | None]] = []
+
+    def swap_in(mod: nn.Module, args: object) -> None:
+        params = {name: mod._parameters[name] for name in names}
+        saved.append(params)
+        for name, p in params.items():
+            assert p is not None
+            # a plain tensor where a Parameter sits: nn.Module reads it like one
+            mod._parameters[name] = local(p)  # pyrefly: ignore [unsupported-operation]
+
+    def swap_back(mod: nn.Module, args: object, out: object) -> None:
+        for name, p in saved.pop().items():
+            mod._parameters[name] = p
+
+    module.register_forward_pre_hook(swap_in)
+    module.register_forward_hook(swap_back, always_call=True)
+
+
+def parallelize_decoder_ends(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The ends of a decoder (``tok_embeddings``, ``norm``, ``lm_head``) as torchtitan shards
+    them with sequence parallelism: the embedding vocab-parallel into ``Shard(1)``, the final
+    norm sequence-parallel and gathering its output (torchtitan's chunked loss splits the
+    replicated hidden states itself, next to the replicated labels), the LM head column-wise
+    with replicated logits."""
+    vocab_parallel_embedding(model.get_submodule("tok_embeddings"), tp_mesh)
+    parallelize_module(model.get_submodule("norm"), tp_mesh, SequenceParallel())
+    parallelize_module(model, tp_mesh, {
+        "norm": PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
+        ),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })  # fmt: skip
+
+
+def check_all_on_tp_mesh(model: nn.Module) -> None:
+    """Gradient clipping and the fused optimizer expect every parameter on the TP mesh: a
+    RuntimeError naming the ones a plan left out."""
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise RuntimeError(f"tensor parallelism left parameters unsharded: {plain[:5]}")

@@ -7,31 +7,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import (
-    DTensor,
-    Partial,
-    Replicate,
-    Shard,
-    distribute_module,
-    distribute_tensor,
-)
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
-from torchtitan.models.common.embedding import Embedding
 
 from torchtitan_cp import compat
 from torchtitan_cp.models.blocks.flex import apply_flex_context_parallel
+from torchtitan_cp.models.blocks.tensor_parallel import (
+    check_all_on_tp_mesh,
+    parallelize_decoder_ends,
+    sequence_parallel_block,
+)
 from torchtitan_cp.models.hybrid.decoder import HybridBlock, HybridDecoder
 from torchtitan_cp.models.hybrid.layers import check_tensor_parallel
 from torchtitan_cp.models.mixers.attention import SoftmaxAttention
@@ -39,38 +27,14 @@ from torchtitan_cp.models.mixers.attention import SoftmaxAttention
 __all__ = ["apply_tensor_parallel", "parallelize_hybrid"]
 
 
-def _vocab_parallel_embedding(embedding: Embedding, tp_mesh: DeviceMesh) -> None:
-    """torchtitan's ``Embedding`` runs vocab-parallel itself once it has a TP group (its
-    forward reads the weight's local rows and returns this rank's partial sum), so torch's
-    ``RowwiseParallel`` (which expects DTensor math) does not apply: shard the rows, give it
-    the group, and turn its partial output into the sequence-parallel layout (reduce-scatter
-    over the tokens). The residual stream is local tensors ``[B, L / TP, D]``, as in
-    torchtitan's plan."""
-    embedding.tp_group = tp_mesh.get_group()
-
-    def shard_rows(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for key, p in list(module.named_parameters(recurse=False)):
-            dt = distribute_tensor(p.data, mesh, [Shard(0)])
-            module.register_parameter(key, nn.Parameter(dt, requires_grad=p.requires_grad))
-
-    def to_sequence_parallel(
-        module: nn.Module, out: torch.Tensor, mesh: DeviceMesh
-    ) -> torch.Tensor:
-        partial = DTensor.from_local(out, mesh, [Partial()], run_check=False)
-        return partial.redistribute(placements=[Shard(1)]).to_local()
-
-    # torch types output_fn as returning None; a returned value replaces the output.
-    distribute_module(embedding, tp_mesh, shard_rows, output_fn=to_sequence_parallel)  # pyrefly: ignore [bad-argument-type]
-
-
 def apply_tensor_parallel(model: HybridDecoder, tp_mesh: DeviceMesh) -> None:
-    """Tensor parallelism over heads with sequence parallelism, torchtitan's Llama plan: the
-    embedding row-wise into ``Shard(1)`` (tokens of the rank's local span split over TP), the
-    norms sequence-parallel (the last one gathering for the LM head), each mixer and feed-forward gathering its input
-    (``Shard(1)`` -> ``Replicate``) and reduce-scattering its output; the LM head column-wise
-    with replicated logits. Each mixer shards its own heads (``parallelize_heads``, one per
-    kind). A mixer's input arrives as a local tensor, so the CP collectives inside it run on
-    plain tensors of the rank's heads, over the CP group of its TP rank."""
+    """Tensor parallelism over heads with sequence parallelism, torchtitan's Llama plan
+    (``blocks/tensor_parallel.py``): the ends of the decoder (``parallelize_decoder_ends``), each
+    block's norms sequence-parallel, its mixer and feed-forward gathering their input
+    (``Shard(1)`` -> ``Replicate``) and reduce-scattering their output projection. Each mixer
+    shards its own heads (``parallelize_heads``, one per kind). A mixer's input arrives as a
+    local tensor, so the CP collectives inside it run on plain tensors of the rank's heads,
+    over the CP group of its TP rank."""
     cfg = model.config
     if cfg.enable_weight_tying:
         raise ValueError(
@@ -78,39 +42,13 @@ def apply_tensor_parallel(model: HybridDecoder, tp_mesh: DeviceMesh) -> None:
             "tensor_parallel_degree > 1 (the embedding is row-sharded, the LM head column-sharded)"
         )
     check_tensor_parallel(cfg, tp_mesh.size())
-    _vocab_parallel_embedding(model.tok_embeddings, tp_mesh)
-    # The final norm hands the LM head replicated hidden states (torchtitan's chunked loss
-    # splits them along the sequence itself, next to the replicated labels).
-    parallelize_module(model.norm, tp_mesh, SequenceParallel())
-    parallelize_module(model, tp_mesh, {
-        "norm": PrepareModuleOutput(
-            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
-        ),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
-    })  # fmt: skip
+    parallelize_decoder_ends(model, tp_mesh)
     for block in model.layers.values():
         assert isinstance(block, HybridBlock)
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            # (x, ctx, positions): only x is sharded.
-            "mixer": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
-                use_local_output=True,
-            ),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })  # fmt: skip
+        # the mixer is called with (x, ctx, positions): only x is sharded
+        sequence_parallel_block(block, tp_mesh, "mixer", 3, "feed_forward")
         block.mixer.parallelize_heads(tp_mesh)
-    # Gradient clipping and the fused optimizer expect every parameter on the TP mesh.
-    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
-    if plain:
-        raise RuntimeError(f"tensor parallelism left parameters unsharded: {plain[:5]}")
+    check_all_on_tp_mesh(model)
 
 
 def parallelize_hybrid(
