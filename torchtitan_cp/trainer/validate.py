@@ -117,6 +117,13 @@ def _dp_degree(config: Any, world_size: int) -> int:
             f"{shard * others}, but {world_size} processes "
             "run; make the product equal NPROC x NNODES or set data_parallel_shard_degree = -1",
         )
+    ep = p.expert_parallel_degree
+    _need(
+        ep == 1 or (shard * p.context_parallel_degree) % ep == 0,
+        f"parallelism.expert_parallel_degree ({ep}) must divide data_parallel_shard_degree x "
+        f"context_parallel_degree ({shard} x {p.context_parallel_degree}): experts are split "
+        "over those ranks",
+    )
     return shard * p.data_parallel_replicate_degree
 
 
