@@ -37,7 +37,7 @@ def assert_one_line(code: int, err: str, *needles: str) -> None:
 
 def test_default_config_passes_and_prints_the_process_count(capsys, tmp_path):
     code, out, err = check(capsys, "--dump_folder", str(tmp_path / "run"), nproc="2")
-    assert (code, out, err) == (0, "2\n", "mesh: dp_shard 2 (2 processes)\n")
+    assert (code, out, err) == (0, "2\n", "[mesh] dp_shard 2 (2 processes)\n")
     assert not (tmp_path / "run").exists(), "the check creates nothing"
     code, out, _ = check(capsys, "--dump_folder", str(tmp_path), nproc="auto")
     assert code == 0 and int(out) == (torch.cuda.device_count() if ON_CUDA else 2)
@@ -48,9 +48,9 @@ def test_check_reports_the_mesh(capsys, tmp_path):
     args = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
             "2", "--dump_folder", str(tmp_path)]  # fmt: skip
     code, out, err = check(capsys, *args, nproc="4")
-    assert (code, out, err) == (0, "4\n", "mesh: cp 2 x tp 2 (4 processes)\n")
+    assert (code, out, err) == (0, "4\n", "[mesh] cp 2 x tp 2 (4 processes)\n")
     code, out, err = check(capsys, *args, "--nnodes", "2", nproc="4")
-    assert (code, err) == (0, "mesh: dp_shard 2 x cp 2 x tp 2 (8 processes)\n")
+    assert (code, err) == (0, "[mesh] dp_shard 2 x cp 2 x tp 2 (8 processes)\n")
 
 
 # Each row: the flags, the process count, and what the line must say (the key and the fix).

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             nproc = parse_nproc(nproc_text, device_type=device_type)
             validate(config, nproc * nnodes, device_type, local_world_size=nproc)
             # stdout is the process count train.sh reads; the mesh is for the reader.
-            print(f"mesh: {mesh_text(config, nproc * nnodes)}", file=sys.stderr)
+            print(f"[mesh] {mesh_text(config, nproc * nnodes)}", file=sys.stderr)
             print(nproc)
             return 0
         world = int(os.environ.get("WORLD_SIZE", "1"))
