@@ -10,7 +10,10 @@ checkpoint (any sharding; optimizer state is left behind), converts them with to
 ``Qwen35StateDictAdapter`` and writes ``config.json``, ``model.safetensors`` and the tokenizer
 files of ``hf_assets_path`` into a temporary folder beside ``--out``, checks it, then renames it
 into place. A non-empty ``--out`` is refused unless ``--overwrite``, which replaces the whole
-folder (older shards and their index included). Every failure is one line, exit status 2.
+folder (older shards and their index included) and only ever a folder that holds nothing but a
+previous HF export: an ``--out`` holding the ``--checkpoint`` step, a dump folder, a checkpoint
+folder, a run lock or any other file, or lying inside a checkpoint step, is refused with or
+without ``--overwrite`` (symlinks are followed first). Every failure is one line, exit status 2.
 The result loads back with ``[checkpoint] initial_load_path = OUT, initial_load_in_hf = true``
 (or in transformers). One process, CPU; the same ``[model]`` keys as the training run select
 the architecture.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 
@@ -45,17 +49,80 @@ def _check_step(step_dir: str) -> None:
         raise ExportError(f"--checkpoint {step_dir} fails verification: {problem}")
 
 
-def _check_out(out: str, overwrite: bool) -> None:
-    """``out`` may be written: absent, empty, or replaced with ``overwrite``."""
-    if os.path.lexists(out) and not os.path.isdir(out):
-        raise ExportError(f"--out {out} is a file, not a folder")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        names = sorted(os.listdir(out))
-        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+# What a previous export leaves (write_hf_folder, or a published HF folder): the only files
+# --overwrite may replace. Anything else (a run's checkpoint/, metrics.jsonl, run.lock, a
+# step's .distcp files) makes the folder someone's data, never replaced.
+_HF_FILES = re.compile(
+    r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
+    r"model\.safetensors\.index\.json|(tokenizer|special_tokens|vocab|added_tokens)[\w.-]*|"
+    r"merges\.txt|chat_template\.jinja|README\.md|\.gitattributes"
+)
+# Names that mark a training run's folders, for the refusal's reason.
+_RUN_MARKS = ("run.lock", "metrics.jsonl", "manifest.sha256.json", ".metadata")
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it (both real paths)."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _run_folder_above(out: str) -> str | None:
+    """The nearest folder at or above ``out`` (a real path) that is a checkpoint step (it holds
+    a manifest or DCP metadata): writing there changes a saved step."""
+    from torchtitan_cp.run.checkpoint import MANIFEST
+
+    here = out
+    while True:
+        if any(os.path.exists(os.path.join(here, m)) for m in (MANIFEST, ".metadata")):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+
+
+def _check_out(out: str, checkpoint: str, overwrite: bool) -> str:
+    """The real path ``out`` may be written to: absent, empty, or (``overwrite``) a previous
+    HF export. A folder that holds the ``checkpoint`` step, a run (dump folder, checkpoint
+    folder, run lock) or anything but HF files is refused, ``overwrite`` or not."""
+    real, source = os.path.realpath(out), os.path.realpath(checkpoint)
+    shown = out if real == os.path.abspath(out) else f"{out} (= {real})"
+    if _inside(source, real):
         raise ExportError(
-            f"--out {out} is not empty ({len(names)} entries: {shown}); pass --overwrite to "
-            "replace the whole folder, or choose another --out"
+            f"--out {shown} contains the --checkpoint step {checkpoint}: an export never "
+            "replaces its own source; choose an --out outside the run"
         )
+    step = _run_folder_above(real)
+    if step is not None:
+        raise ExportError(
+            f"--out {shown} lies inside the checkpoint step {step}: writing there changes a "
+            "saved step; choose an --out outside the run"
+        )
+    if os.path.lexists(real) and not os.path.isdir(real):
+        raise ExportError(f"--out {shown} is a file, not a folder")
+    names = sorted(os.listdir(real)) if os.path.isdir(real) else []
+    if not names:
+        return real
+    foreign = [
+        n + ("/" if os.path.isdir(os.path.join(real, n)) else "")
+        for n in names
+        if not _HF_FILES.fullmatch(n) or not os.path.isfile(os.path.join(real, n))
+    ]
+    if foreign:
+        marks = [n for n in names if n in _RUN_MARKS or n.startswith("step-")]
+        what = "a training run's folder" if marks else "not an HF export"
+        listed = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise ExportError(
+            f"--out {shown} is {what} ({len(foreign)} other entries: {listed}); --overwrite "
+            "only replaces a previous HF export: choose another --out"
+        )
+    if not overwrite:
+        listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        raise ExportError(
+            f"--out {shown} is not empty ({len(names)} entries: {listed}); pass --overwrite to "
+            "replace that HF export, or choose another --out"
+        )
+    return real
 
 
 def _staging_folder(out: str) -> str:
@@ -93,7 +160,9 @@ def export(argv: list[str] | None) -> str:
     parser.add_argument("--checkpoint", required=True, help="DCP checkpoint step folder (step-N)")
     parser.add_argument("--out", required=True, help="HF folder to write")
     parser.add_argument(
-        "--overwrite", action="store_true", help="replace a non-empty --out (all of it)"
+        "--overwrite",
+        action="store_true",
+        help="replace an --out that holds a previous HF export (and nothing else)",
     )
     args, rest = parser.parse_known_args(argv)
     checkpoint, out = args.checkpoint.rstrip("/") or "/", args.out.rstrip("/") or "/"
@@ -102,12 +171,12 @@ def export(argv: list[str] | None) -> str:
 
     compat.apply()
     _check_step(checkpoint)  # first: the same check and message as a resume
-    _check_out(out, args.overwrite)
+    out = _check_out(out, checkpoint, args.overwrite)
     import torch.distributed.checkpoint as dcp
 
     from torchtitan_cp.models import recipe_model_spec
     from torchtitan_cp.models.qwen35.hf import check_hf_folder, write_hf_folder
-    from torchtitan_cp.run.checkpoint import fit_error, fit_problem
+    from torchtitan_cp.run.checkpoint import fit_problem
     from torchtitan_cp.train import load_config
     from torchtitan_cp.trainer.config import ConfigError
 
@@ -124,7 +193,11 @@ def export(argv: list[str] | None) -> str:
         state = model.state_dict()
         problem = fit_problem(state, checkpoint)
         if problem is not None:
-            raise ExportError(str(fit_error(checkpoint, problem)))
+            raise ExportError(
+                f"--checkpoint {checkpoint} does not fit this model: {problem}; it was saved "
+                "with other [model] settings (layer_pattern, flavor, n_layers or a size): pass "
+                "the --config_file and --model.* options of the run that saved it"
+            )
         dcp.load(state, checkpoint_id=checkpoint)
         model.load_state_dict(state)
         write_hf_folder(model, spec.model, tmp, tokenizer_dir=config.hf_assets_path)

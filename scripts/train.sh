@@ -6,7 +6,8 @@
 # Multi-node (docs/multinode.md): run the same command on every node with NNODES (machines),
 # NODE_RANK (this one, 0..NNODES-1) and the rendezvous endpoint of node 0, RDZV_ENDPOINT=host:port
 # (or MASTER_ADDR and MASTER_PORT, default port 29500). Node NODE_RANK runs global ranks
-# NODE_RANK*NPROC .. NODE_RANK*NPROC+NPROC-1.
+# NODE_RANK*NPROC .. NODE_RANK*NPROC+NPROC-1. RDZV_TIMEOUT (seconds, default 300) bounds the wait
+# for the other nodes; a waiting node prints a line every 10 s.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
@@ -39,7 +40,16 @@ if [ "$NNODES" -gt 1 ]; then
   fi
   [ -n "$ENDPOINT" ] || die "NNODES=$NNODES needs the rendezvous endpoint of node 0:" \
     "RDZV_ENDPOINT=host:port (or MASTER_ADDR and MASTER_PORT), the same on every node"
-  [[ "$ENDPOINT" =~ ^.+:[0-9]+$ ]] || die "RDZV_ENDPOINT=$ENDPOINT must be host:port"
+  # As torchrun reads it: a host name or IPv4 address, or an IPv6 address in brackets; a port.
+  PORT="${ENDPOINT##*:}"
+  { [[ "$ENDPOINT" =~ ^[A-Za-z0-9._-]+:[0-9]{1,5}$ ]] \
+      || [[ "$ENDPOINT" =~ ^\[[0-9A-Fa-f:.]+\]:[0-9]{1,5}$ ]]; } \
+    && [ "$((10#$PORT))" -ge 1 ] && [ "$((10#$PORT))" -le 65535 ] \
+    || die "RDZV_ENDPOINT=$ENDPOINT must be host:port (an IPv6 address in brackets," \
+      "[::1]:29500), port 1..65535"
+  # How long the nodes wait for each other at the rendezvous (torchtitan_cp.launch reads it).
+  [[ "${RDZV_TIMEOUT:-300}" =~ ^[1-9][0-9]*$ ]] \
+    || die "RDZV_TIMEOUT must be a whole number of seconds >= 1, got '${RDZV_TIMEOUT}'"
   # Static rendezvous: node NODE_RANK gets group rank NODE_RANK (torchrun's c10d backend would
   # number the nodes in arrival order and ignore NODE_RANK); node 0 hosts the store.
   LAUNCH=(--nnodes="$NNODES" --node-rank="$NODE_RANK" --rdzv-backend=static

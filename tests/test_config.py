@@ -65,6 +65,29 @@ def test_bad_config_is_a_clear_error(tmp_path, text, error, message):
         load_config(["--config_file", path])
 
 
+# Before: "key 'model.attention_cp' expects Optional, got str 'passkv'" from the file, and from
+# the command line tyro's choices in an order that changed between runs, 'None' among them.
+@pytest.mark.parametrize(
+    "key, allowed, cli_extra",
+    [
+        ("model.attention_cp", "'all_gather', 'pass_kv'", " (or None to leave it unset)"),
+        ("linear_attention.backend", "'auto', 'torch', 'fla'", ""),
+        ("linear_attention.routing_source", "'host', 'device_readback'", ""),
+    ],
+)  # fmt: skip
+def test_enum_keys_list_their_values_in_a_stable_order(tmp_path, key, allowed, cli_extra):
+    section, name = key.split(".")
+    path = write(tmp_path, f'[{section}]\n{name} = "passkv"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config_file", path])
+    assert str(e.value) == f"{path}: key '{key}' must be one of {allowed}, got 'passkv'"
+    with pytest.raises(ConfigError) as e:
+        load_config([f"--{key}", "passkv"])
+    assert (
+        str(e.value) == f"command line: --{key} must be one of {allowed}{cli_extra}, got 'passkv'"
+    )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="flex trains on CUDA")
 def test_flex_attention_off_cuda_is_a_config_error(tmp_path):
     path = write(tmp_path, '[model]\nattention_backend = "flex"\n')

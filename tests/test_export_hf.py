@@ -1,6 +1,7 @@
 """scripts/export_hf.py: the step is verified first (the resume's check and message), the folder
 is written beside --out and renamed into place, a non-empty --out needs --overwrite (which
-replaces it, stale shards and index included), and every failure is one line with exit 2.
+replaces it, stale shards and index included, and only ever a previous HF export: never the
+source step, a run's folder or other files), and every failure is one line with exit 2.
 Also: a truncated .safetensors is named by the HF folder check."""
 
 from __future__ import annotations
@@ -180,3 +181,83 @@ def test_export_script_refuses_a_corrupted_step_in_one_line(tmp_path, step):
     assert "Traceback" not in proc.stderr and not (tmp_path / "hf").exists()
     assert json.loads((d / "manifest.sha256.json").read_text())["step"] == 10
     assert os.path.isdir(d)
+
+
+def _run_folder(root: Path, step: Path) -> Path:
+    """A dump folder as a run leaves it: checkpoint/step-10 (a copy of ``step``), run.lock,
+    metrics.jsonl, tb/."""
+    import shutil
+
+    run = root / "run"
+    shutil.copytree(step, run / "checkpoint" / "step-10")
+    (run / "run.lock").write_text("")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    (run / "tb").mkdir()
+    return run
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_an_export_never_replaces_its_source_or_a_run(capsys, tmp_path, step):
+    """Before: ``--out RUN --overwrite`` replaced the whole dump folder (checkpoint/,
+    metrics.jsonl, tb/) with the HF files, and ``--out RUN/checkpoint/step-10 --overwrite``
+    the step itself, both exit 0."""
+    run = _run_folder(tmp_path, step[0])
+    src = run / "checkpoint" / "step-10"
+    before = _listing(run)
+    link = tmp_path / "link"
+    link.symlink_to(run)
+    for overwrite in ([], ["--overwrite"]):
+        code, err = export(capsys, "--checkpoint", str(src), "--out", str(run), *overwrite)
+        one_line(code, err, f"--out {run} contains the --checkpoint step {src}",
+                 "never replaces its own source")  # fmt: skip
+        code, err = export(capsys, "--checkpoint", str(src), "--out", str(src), *overwrite)
+        one_line(code, err, f"--out {src} contains the --checkpoint step {src}")
+        code, err = export(capsys, "--checkpoint", str(src), "--out", str(link), *overwrite)
+        one_line(code, err, f"--out {link} (= {run}) contains the --checkpoint step")
+        # another run's folder (the step exported is elsewhere): a run, never replaced
+        code, err = export(capsys, "--checkpoint", str(step[0]), "--out", str(run), *overwrite)
+        one_line(code, err, f"--out {run} is a training run's folder (4 other entries: "
+                 "checkpoint/, metrics.jsonl, run.lock, tb/)", "only replaces a previous HF")  # fmt: skip
+        code, err = export(capsys, "--checkpoint", str(step[0]), "--out", str(link), *overwrite)
+        one_line(code, err, f"--out {link} (= {run}) is a training run's folder")
+        code, err = export(
+            capsys, "--checkpoint", str(step[0]), "--out", str(run / "checkpoint"), *overwrite
+        )
+        one_line(code, err, f"--out {run}/checkpoint is a training run's folder (1 other entries: "
+                 "step-10/)")  # fmt: skip
+        code, err = export(capsys, "--checkpoint", str(step[0]), "--out", str(src / "hf"))
+        one_line(code, err, f"--out {src}/hf lies inside the checkpoint step {src}")
+    assert _listing(run) == before
+    assert not list(tmp_path.glob(".*tmp-*")), "no staging folder left behind"
+
+
+def test_overwrite_replaces_only_a_previous_export(capsys, tmp_path, step):
+    d, _ = step
+    out = tmp_path / "hf"
+    assert export_main([*CONFIG, "--checkpoint", str(d), "--out", str(out)]) == 0
+    capsys.readouterr()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert len(set(modes.values())) == 1, f"exported files' modes differ: {modes}"
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    # a previous export, through a symlink: replaced where it lies, the link kept
+    assert export_main([*CONFIG, "--checkpoint", str(d), "--out", str(link), "--overwrite"]) == 0
+    assert link.is_symlink() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "link"], "nothing left aside"
+    capsys.readouterr()
+    (out / "notes.txt").write_text("mine")
+    code, err = export(capsys, "--checkpoint", str(d), "--out", str(out), "--overwrite")
+    one_line(code, err, f"--out {out} is not an HF export (1 other entries: notes.txt)")
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_another_model_names_the_export_fix(capsys, tmp_path, step):
+    """Before: the resume's hint "or start a new --dump_folder", meaningless for an export."""
+    code, err = export(capsys, "--checkpoint", str(step[0]), "--out", str(tmp_path / "hf"),
+                       "--model.n_layers", "2")  # fmt: skip
+    one_line(code, err, f"--checkpoint {step[0]} does not fit this model: ",
+             "pass the --config_file and --model.* options of the run that saved it")  # fmt: skip
+    assert "--dump_folder" not in err and not (tmp_path / "hf").exists()

@@ -145,6 +145,81 @@ def test_training_config_checks_the_hf_folder_before_starting(tmp_path):
         load_config(argv)
 
 
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> Path:
+    model = _random_model(0)
+    return write_hf_folder(model, model.config, tmp_path_factory.mktemp("hf") / "hf",
+                           tokenizer_dir=TOKENIZER)  # fmt: skip
+
+
+INDEX_CASES = {
+    # before: AttributeError: 'list' object has no attribute 'values', a 20-line traceback
+    "list": ('{"weight_map": ["model.safetensors"]}',
+             "weight_map is a list (['model.safetensors']), not an object of tensor name"),
+    # before: the bare JSON error, no file named
+    "cut": ('{"metadata": {}, "weight_map": {"a": "model.safet',
+            "invalid JSON (Unterminated string starting at: line 1 column 38 (char 37); a file "
+            "cut short?)"),
+    "not-object": ("[1, 2]", "a list ([1, 2]), not a JSON object with a weight_map"),
+    "no-map": ('{"metadata": {}}', 'no "weight_map" (tensor name -> safetensors file)'),
+    "empty": ('{"weight_map": {}}', "weight_map is empty: it lists no tensors"),
+    "shard-number": ('{"weight_map": {"a": 3}}',
+                     "weight_map['a'] is a number (3), not the name of a safetensors file"),
+    "shard-outside": ('{"weight_map": {"a": "../x.safetensors"}}',
+                      "weight_map['a'] is a string ('../x.safetensors'), not the name"),
+}  # fmt: skip
+
+CONFIG_CASES = {
+    # before: "rope_parameters.rope_theta is absent", as if the field were missing
+    "rope-string": ({"rope_parameters": "default"},
+                    "config.json: rope_parameters is a string ('default'), not an object of RoPE "
+                    "settings (rope_type, rope_theta, partial_rotary_factor, ...)"),
+    "rope-scaling-list": ({"rope_scaling": [1, 2]}, "config.json: rope_scaling is a list ([1, 2])"),
+    "rope-per-type": ({"rope_parameters": {"full_attention": 5}},
+                      "config.json: rope_parameters.full_attention is a number (5), not an object"),
+    "text-config": ({"model_type": "qwen3_5", "text_config": "x"},
+                    "config.json: text_config is a string ('x'), not an object"),
+}  # fmt: skip
+
+
+def _pre_launch_error(tmp_path: Path, hf_folder: Path, name: str, edit) -> tuple[Path, str]:
+    """A copy of ``hf_folder`` whose file ``name`` is rewritten by ``edit(old text) -> new
+    text``, through the pre-launch check (what ``train.sh`` runs before torchrun): the file and
+    the one-line ConfigError."""
+    import shutil
+
+    from torchtitan_cp.train import load_config
+
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    path = folder / name
+    path.write_text(edit(path.read_text() if path.exists() else ""))
+    argv = ["--config_file", CONFIG, "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+            "--checkpoint.initial_load_model_only", "--checkpoint.initial_load_path",
+            str(folder)]  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    assert "\n" not in str(e.value)
+    return path, str(e.value)
+
+
+@pytest.mark.parametrize("case", sorted(INDEX_CASES))
+def test_every_index_defect_is_one_line_naming_file_and_field(tmp_path, hf_folder, case):
+    text, needle = INDEX_CASES[case]
+    index, line = _pre_launch_error(tmp_path, hf_folder, "model.safetensors.index.json",
+                                    lambda _: text)  # fmt: skip
+    assert line.startswith(f"{index}: ") and needle in line, line
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_config_fields_of_the_wrong_type_are_named(tmp_path, hf_folder, case):
+    fields, needle = CONFIG_CASES[case]
+    cfg_file, line = _pre_launch_error(
+        tmp_path, hf_folder, "config.json", lambda old: json.dumps({**json.loads(old), **fields})
+    )
+    assert line.startswith(f"{cfg_file.parent}/{needle}"), line
+
+
 @pytest.mark.slow
 def test_training_continues_from_an_hf_folder_and_exports_back(tmp_path):
     """Train 10 steps, export to an HF folder (scripts/export_hf.py), start a CP=2 run from

@@ -7,16 +7,148 @@ the ranks, a busy dump folder, an unusable checkpoint, a loss spike, a rank that
 answering), the first failing rank's line is printed once and the launch exits with that rank's
 status (2 for configuration and data problems), instead of torchrun's ``ChildFailedError`` block
 and status 1. Any other failure (a traceback) is reported by torchrun as usual.
+
+Multi-node (``--rdzv-backend=static``, ``--nnodes`` > 1): the rendezvous wait is bounded by
+``RDZV_TIMEOUT`` seconds (default 300, the ``timeout`` of torchrun's static rendezvous, which
+would otherwise wait 600 s in silence). A node other than 0 first waits for node 0's endpoint to
+accept a connection, with a line every 10 s; then every node says every 10 s that it waits for
+the others until torchrun starts its ranks. When the time runs out, on any node, the launch
+ends with one line naming the endpoint and the fix, exit 2.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
-from typing import Any
+import threading
+import time
+from typing import IO, Any
 
 PREFIX = "torchtitan_cp.train: error: "
+LAUNCH_PREFIX = "torchtitan_cp.launch: error: "
+RDZV_TIMEOUT_DEFAULT = 300
+REPORT_EVERY = 10.0  # seconds between a waiting node's lines
+
+
+class LaunchError(Exception):
+    """A one-line launch failure (exit status 2)."""
+
+
+def rdzv_timeout() -> int:
+    """``RDZV_TIMEOUT`` in whole seconds (default 300)."""
+    raw = os.environ.get("RDZV_TIMEOUT", "")
+    if not raw:
+        return RDZV_TIMEOUT_DEFAULT
+    if not raw.isdigit() or int(raw) < 1:
+        raise LaunchError(f"RDZV_TIMEOUT must be a whole number of seconds >= 1, got '{raw}'")
+    return int(raw)
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` as torchrun reads it: (host, port)."""
+    host, sep, port = endpoint.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise LaunchError(
+            f"rendezvous endpoint {endpoint} must be host:port (an IPv6 address in brackets, "
+            "[::1]:29500), port 1..65535"
+        )
+    return host, int(port)
+
+
+def wait_for_endpoint(
+    host: str, port: int, *, node: int, nnodes: int, timeout: float, out: IO[str] = sys.stderr
+) -> float:
+    """Wait until ``host:port`` (node 0's rendezvous store) accepts a TCP connection, printing
+    a line every ``REPORT_EVERY`` seconds; returns the seconds waited, raises ``LaunchError``
+    after ``timeout`` seconds."""
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    start = time.monotonic()
+    next_report = start
+    problem = "nothing answered"
+    while True:
+        now = time.monotonic()
+        if now >= next_report:
+            print(f"node {node} of {nnodes}: waiting for node 0 at {endpoint} "
+                  f"({now - start:.0f} s of {timeout:g} s, RDZV_TIMEOUT)", file=out, flush=True)  # fmt: skip
+            next_report += REPORT_EVERY
+        left = timeout - (now - start)
+        if left <= 0:
+            raise LaunchError(
+                f"node {node} of {nnodes}: no rendezvous at {endpoint} within {timeout:g} s "
+                f"(RDZV_TIMEOUT; {problem}): start node 0 (NODE_RANK=0) with the same "
+                f"RDZV_ENDPOINT, check that {host} is node 0's address and port {port} is open "
+                "to this machine, or raise RDZV_TIMEOUT"
+            )
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, left)):
+                return time.monotonic() - start
+        except socket.gaierror as e:
+            problem = f"{host}: {e.strerror or e}"
+        except OSError as e:
+            problem = e.strerror or str(e) or "nothing answered"
+        time.sleep(max(0.0, min(1.0, timeout - (time.monotonic() - start))))
+
+
+def _has_children(pid: int) -> bool:
+    """Whether process ``pid`` has started a child (torchrun starts its ranks once the
+    rendezvous is complete); True when this cannot be told (no /proc), so a caller stops."""
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                if f.read().strip():
+                    return True
+    except OSError:
+        return True
+    return False
+
+
+class RendezvousSpeaker(threading.Thread):
+    """While torchrun's rendezvous runs (until this process has started a rank, or ``done``
+    is set), a line every ``every`` seconds: ``{who} ({t} s of {timeout} s, RDZV_TIMEOUT)``."""
+
+    def __init__(self, who: str, *, timeout: float, every: float, waited: float = 0.0,
+                 out: IO[str] = sys.stderr) -> None:  # fmt: skip
+        super().__init__(daemon=True, name="rendezvous-speaker")
+        self.who, self.timeout, self.every, self.out = who, timeout, every, out
+        self.start_time = time.monotonic() - waited
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        pid = os.getpid()
+        next_line = time.monotonic() + self.every
+        while not self.done.wait(0.5):
+            if _has_children(pid):
+                return
+            now = time.monotonic()
+            if now >= next_line:
+                print(f"{self.who} ({now - self.start_time:.0f} s of {self.timeout:g} s, "
+                      "RDZV_TIMEOUT)", file=self.out, flush=True)  # fmt: skip
+                next_line += self.every
+
+
+def _multinode(args: Any) -> tuple[str, int, int, int] | None:
+    """(host, port, node rank, node count) of a static multi-node launch, else None."""
+    nnodes = str(getattr(args, "nnodes", "1"))
+    if getattr(args, "rdzv_backend", "") != "static" or not nnodes.isdigit() or nnodes == "1":
+        return None
+    host, port = split_endpoint(str(args.rdzv_endpoint))
+    return host, port, int(args.node_rank), int(nnodes)
+
+
+def _rendezvous_error(exc: BaseException, where: tuple[str, int, int, int], timeout: int) -> str:
+    host, port, node, nnodes = where
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    others = "the other nodes" if node == 0 else "node 0 and the other nodes"
+    return (
+        f"node {node} of {nnodes}: the rendezvous at {endpoint} did not complete within "
+        f"{timeout} s (RDZV_TIMEOUT; {first}): start {others} with NNODES={nnodes} and the same "
+        "RDZV_ENDPOINT, or raise RDZV_TIMEOUT"
+    )
 
 
 def one_line_failure(failures: dict[int, Any]) -> tuple[str, int] | None:
@@ -67,6 +199,7 @@ class _HeldLogs(logging.Handler):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed import DistError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
@@ -74,9 +207,42 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ[LAUNCHER_ENV] = "1"  # the ranks leave their one-line error to this process
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    speaker: RendezvousSpeaker | None = None
+    try:
+        where = _multinode(args)
+        timeout = rdzv_timeout()
+        if where is not None:
+            conf = [kv for kv in (args.rdzv_conf or "").split(",") if kv and
+                    not kv.startswith("timeout=")]  # fmt: skip
+            args.rdzv_conf = ",".join([*conf, f"timeout={timeout}"])
+            host, port, node, nnodes = where
+            waited = 0.0
+            if node > 0:
+                waited = wait_for_endpoint(host, port, node=node, nnodes=nnodes, timeout=timeout)
+                # the rest of the rendezvous (the store, the other nodes) gets what is left
+                args.rdzv_conf = ",".join([*conf, f"timeout={max(1, int(timeout - waited))}"])
+            else:
+                print(f"node 0 of {nnodes}: hosting the rendezvous at {args.rdzv_endpoint}; "
+                      f"waiting up to {timeout} s (RDZV_TIMEOUT) for the other "
+                      f"{nnodes - 1} node(s)", file=sys.stderr, flush=True)  # fmt: skip
+            speaker = RendezvousSpeaker(
+                f"node {node} of {nnodes}: waiting for the other nodes at {args.rdzv_endpoint}",
+                timeout=timeout, every=REPORT_EVERY, waited=waited,
+            )  # fmt: skip
+            speaker.start()
+    except LaunchError as e:
+        print(f"{LAUNCH_PREFIX}{e}", file=sys.stderr)
+        return 2
     held = _HeldLogs()
     try:
         torchrun.run(args)
+    except DistError as e:  # the rendezvous store timed out: before any rank started
+        if where is None:
+            held.restore(replay=True)
+            raise
+        held.restore(replay=False)
+        print(f"{LAUNCH_PREFIX}{_rendezvous_error(e, where, timeout)}", file=sys.stderr)
+        return 2
     except ChildFailedError as e:
         found = one_line_failure(e.failures)
         held.restore(replay=found is None)
@@ -95,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         held.restore(replay=True)
         raise
+    finally:
+        if speaker is not None:
+            speaker.done.set()
     held.restore(replay=True)
     return 0
 

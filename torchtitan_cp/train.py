@@ -22,7 +22,15 @@ from typing import Any
 
 from torchtitan_cp.data.jsonl import DataError
 from torchtitan_cp.run.errors import LAUNCHER_ENV
-from torchtitan_cp.trainer.config import ConfigError, apply_table, read_toml, split_config_file
+from torchtitan_cp.trainer.config import (
+    ConfigError,
+    allowed_text,
+    apply_table,
+    field_annotation,
+    literal_values,
+    read_toml,
+    split_config_file,
+)
 
 DEFAULT_CONFIG = "configs/debug_cpu.toml"
 
@@ -54,6 +62,7 @@ def load_config(argv: list[str]):
     except SystemExit as e:
         if e.code:  # tyro's boxed error message, folded into one line
             message = _one_line(captured.getvalue())
+            message = _choice_message(message, type(config))
             stray = re.fullmatch(r"Unrecognized options: ([^-\s]\S*)", message)
             if stray:  # a positional argument: most often a config file without the flag
                 message = (
@@ -106,6 +115,20 @@ def _failing_section(exc: BaseException, config: Any) -> str:
 
     path = find(config, "")
     return f"[{path}] " if path else ""
+
+
+def _choice_message(message: str, cls: type) -> str:
+    """tyro's "invalid choice 'x' for argument '--a.b-c'. Expected one of (...)" (its order
+    changes between runs) as ``--a.b_c must be one of ...`` in the key's declared order, the
+    TOML error's order."""
+    found = re.match(r"invalid choice (.*) for argument '--([\w.-]+)'\.", message)
+    if not found:
+        return message
+    dotted = found[2].replace("-", "_")
+    enum = literal_values(field_annotation(cls, dotted))
+    if enum is None:
+        return message
+    return f"--{dotted} must be one of {allowed_text(*enum)}, got {found[1]}"
 
 
 def _one_line(box: str) -> str:

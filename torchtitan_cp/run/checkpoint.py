@@ -27,7 +27,9 @@ import argparse
 import errno
 import hashlib
 import json
+import logging
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -74,6 +76,17 @@ def control_group(timeout: timedelta | None = None) -> Any:
         group = dist.new_group(backend="gloo", timeout=timeout or CONTROL_TIMEOUT)
         _CONTROL_GROUP = (world, group)
     return _CONTROL_GROUP[1]
+
+
+def set_control_timeout(timeout: timedelta) -> None:
+    """Set the control group's timeout (a no-op without one). The checkpointer sets
+    ``comm.train_timeout_seconds`` once training runs, so a rank stopped during a save (clearing
+    the step, the manifest) ends the others within the bound of a training step and the line
+    names that key; it kept ``comm.init_timeout_seconds`` (300 s) before. Every rank calls it at
+    the same point, after the collectives that the longer timeout was for."""
+    pg = control_group()
+    if pg is not None:
+        dist.set_timeout(timeout, pg)
 
 
 def _rank(pg: Any) -> int:
@@ -567,6 +580,17 @@ def fit_error(checkpoint_id: str, problem: str) -> CheckpointError:
     return CheckpointError(f"checkpoint {checkpoint_id} does not fit this run: {problem}; {fix}")
 
 
+class _DropMessage(logging.Filter):
+    """Drops the log records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
 def _os_error(exc: BaseException) -> OSError | None:
     """The OSError behind ``exc``: itself, its cause or context, or a rank's failure inside a
     DCP ``CheckpointException``."""
@@ -586,18 +610,32 @@ def _os_error(exc: BaseException) -> OSError | None:
     return None
 
 
+# What DCP writes per item beside its payload (torch 2.14, measured on the debug model's steps):
+# torch.save's zip container (~1.56 KiB for a tensor, ~1.23 KiB for another object) and the
+# item's entry in .metadata (~0.27 KiB). A step of many small items (AdamW's per-parameter step
+# counters and param groups) is ~20 % larger than its tensors' bytes.
+_TENSOR_ITEM_BYTES = 1850
+_OBJECT_ITEM_BYTES = 1530
+
+
 def _state_bytes(state: Any) -> int:
-    """Bytes of the tensors this rank holds in a (nested) state dict."""
+    """About the bytes this rank's share of a (nested) state dict takes in a DCP step: each
+    item DCP writes (a tensor, or another leaf, pickled) with its per-item cost. Lists are
+    walked as DCP walks them (only when they hold tensors or mappings; else one item)."""
     if isinstance(state, torch.Tensor):
         local = state.to_local() if hasattr(state, "to_local") else state
-        return local.numel() * local.element_size()
+        return local.numel() * local.element_size() + _TENSOR_ITEM_BYTES
     if isinstance(state, dict):
         return sum(_state_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
+    if isinstance(state, list) and any(isinstance(v, torch.Tensor | dict | list) for v in state):
         return sum(_state_bytes(v) for v in state)
-    if hasattr(state, "state_dict"):
+    if hasattr(state, "state_dict") and callable(state.state_dict):
         return _state_bytes(state.state_dict())
-    return 0
+    try:
+        payload = len(pickle.dumps(state))
+    except Exception:  # not picklable here: DCP would fail on it anyway
+        payload = 0
+    return payload + _OBJECT_ITEM_BYTES
 
 
 def _existing(path: str) -> str:
@@ -643,7 +681,16 @@ class HybridCheckpointManager(CheckpointManager):
         file presence and sizes only (for checkpoints too big to hash at every start)."""
 
         def __post_init__(self) -> None:
-            CheckpointManager.Config.__post_init__(self)
+            # torchtitan warns "initial_load_model_only=True has no effect without an
+            # initial_load_path" whenever this Config holds its own defaults (model_only True,
+            # no path): the recipe's defaults and each TOML section re-check are built before
+            # the command line sets the path, so it warned while the path was set and loaded.
+            quiet = _DropMessage("initial_load_model_only=True has no effect without")
+            logger.addFilter(quiet)
+            try:
+                CheckpointManager.Config.__post_init__(self)
+            finally:
+                logger.removeFilter(quiet)
             if self.async_mode != "disabled":
                 raise ValueError(
                     f"checkpoint.async_mode = '{self.async_mode}' is not supported: the "
@@ -656,6 +703,9 @@ class HybridCheckpointManager(CheckpointManager):
         self.run_id: str | None = None
         self.resumed_from = 0
         self.on_loaded: Any = None
+        # comm.train_timeout_seconds (set by the trainer): the control group's timeout once
+        # training runs, as torchtitan sets it for the other groups after the first step.
+        self.train_timeout: timedelta | None = None
         self.discard_later_steps = config.discard_later_steps
         self.sha256 = config.verify == "sha256"
         super().__init__(config, **kwargs)
@@ -732,6 +782,10 @@ class HybridCheckpointManager(CheckpointManager):
         step_dir = self._create_checkpoint_id(curr_step)
         run_id = self._run_id()
         pg = self._pg()
+        if self.train_timeout is not None and curr_step > self.resumed_from + 1:
+            # torchtitan lowers the other groups' timeouts to comm.train_timeout_seconds after
+            # the first step of this process (after its save): the control group follows.
+            set_control_timeout(self.train_timeout)
 
         def clear() -> str | None:
             if not os.path.isdir(step_dir):

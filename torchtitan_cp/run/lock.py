@@ -1,4 +1,6 @@
-"""One run per dump folder: an exclusive ``fcntl.flock`` on ``<dump_folder>/run.lock``.
+"""One run per dump folder: an exclusive ``fcntl.flock`` on ``<dump_folder>/run.lock``, and on
+``<checkpoint folder>/run.lock`` when a run saves checkpoints (so a run whose absolute
+``--checkpoint.folder`` is another live run's is refused before it loads anything).
 
 Rank 0 holds the lock for the run's lifetime. The kernel drops an ``flock`` when its holder's
 file descriptor closes, also when the process is killed, so a lock we can take is never held by a
@@ -110,12 +112,17 @@ def _gone(holder: dict[str, Any]) -> str:
 
 
 class RunLock:
-    """The dump folder's run lock. ``acquire`` raises ``RunError`` naming the holder when
-    another live run holds it; ``release`` (or process exit) frees it."""
+    """A folder's run lock (the dump folder's, or the checkpoint folder's with
+    ``what="checkpoint folder"``, ``option="--checkpoint.folder"``). ``acquire`` raises
+    ``RunError`` naming the holder when another live run holds it; ``release`` (or process
+    exit) frees it."""
 
-    def __init__(self, dump_folder: str) -> None:
+    def __init__(
+        self, dump_folder: str, *, what: str = "dump folder", option: str = "--dump_folder"
+    ) -> None:
         self.dump_folder = dump_folder
         self.path = os.path.join(dump_folder, LOCK_FILE)
+        self.what, self.option = what, option
         self._f: IO[str] | None = None
 
     @property
@@ -129,8 +136,8 @@ class RunLock:
             f = open(self.path, "a+")  # noqa: SIM115 - held open for the run's lifetime
         except OSError as e:
             raise RunError(
-                f"dump folder {self.dump_folder} is not writable (cannot create {LOCK_FILE}: "
-                f"{e.strerror}); pass a writable --dump_folder"
+                f"{self.what} {self.dump_folder} is not writable (cannot create {LOCK_FILE}: "
+                f"{e.strerror}); pass a writable {self.option}"
             ) from None
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -138,17 +145,17 @@ class RunLock:
             holder = _read_holder(f)
             f.close()
             raise RunError(
-                f"dump folder {self.dump_folder} is in use by another run ({_describe(holder)}; "
-                f"lock {self.path}): wait for it to finish or pass another --dump_folder"
+                f"{self.what} {self.dump_folder} is in use by another run ({_describe(holder)}; "
+                f"lock {self.path}): wait for it to finish or pass another {self.option}"
             ) from None
         stale = _read_holder(f)
         refusal = _live_holder(stale, self.path) if stale else None
         if refusal is not None:
             f.close()
             raise RunError(
-                f"dump folder {self.dump_folder}: its lock {self.path} names {_describe(stale)}, "
-                f"{refusal}; if that run is over, delete {self.path}; else wait for it or pass "
-                "another --dump_folder"
+                f"{self.what} {self.dump_folder}: its lock {self.path} names "
+                f"{_describe(stale)}, {refusal}; if that run is over, delete {self.path}; else "
+                f"wait for it or pass another {self.option}"
             )
         me = {
             "host": socket.gethostname(),

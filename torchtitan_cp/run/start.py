@@ -1,7 +1,8 @@
 """A run's hold on its dump folder, decided once at start before the model is built.
 
 ``start_run`` (all ranks, right after the process group exists): rank 0 takes the dump folder's
-run lock, checks that the checkpoint folder is writable and plans the resume (verification,
+run lock, checks that the checkpoint folder is writable, takes its run lock too (a run that
+saves checkpoints; none when it is the dump folder itself) and plans the resume (verification,
 steps moved aside); every rank gets the same ``RunContext`` or raises the same ``RunError``.
 
 ``metrics.jsonl`` keeps one history: each run starts with a header line
@@ -40,10 +41,12 @@ class RunContext:
     lock: RunLock | None  # rank 0 only
     plan: ResumePlan | None  # None without checkpointing
     lines: list[str]  # what start_run decided, for the log
+    checkpoint_lock: RunLock | None = None  # rank 0, when the run saves checkpoints
 
     def close(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
+        for lock in (self.checkpoint_lock, self.lock):
+            if lock is not None:
+                lock.release()
 
 
 def start_run(
@@ -71,10 +74,27 @@ def start_run(
     if stale:
         lines.append(stale)
     plan = None
-    if checkpoint.enable and not checkpoint.create_seed_checkpoint:
-        folder = os.path.join(dump_folder, checkpoint.folder)
-        if not checkpoint.load_only:
+    folder = os.path.join(dump_folder, checkpoint.folder)
+    ckpt_lock = RunLock(folder, what="checkpoint folder", option="--checkpoint.folder")
+    # A run that writes checkpoints also locks its checkpoint folder (unless it is the dump
+    # folder itself): an absolute --checkpoint.folder may be another run's, whose dump folder
+    # lock does not cover it.
+    if (
+        checkpoint.enable
+        and not checkpoint.load_only
+        and os.path.realpath(folder) != os.path.realpath(dump_folder)
+    ):
+        try:
             on_rank0(lambda: check_writable(folder), pg)
+            found = on_rank0(lambda: ckpt_lock.acquire(run_id, start_time), pg)
+        except BaseException:
+            lock.release()  # refused: a clean release, not a stale lock for the next run
+            raise
+        if found:
+            lines.append(found)
+    elif checkpoint.enable and not checkpoint.load_only:
+        on_rank0(lambda: check_writable(folder), pg)
+    if checkpoint.enable and not checkpoint.create_seed_checkpoint:
         plan = plan_resume(
             folder,
             run_id=run_id,
@@ -86,7 +106,14 @@ def start_run(
             pg=pg,
         )
         lines.extend(plan.lines)
-    return RunContext(run_id, start_time, lock if lock.held else None, plan, lines)
+    return RunContext(
+        run_id,
+        start_time,
+        lock if lock.held else None,
+        plan,
+        lines,
+        ckpt_lock if ckpt_lock.held else None,
+    )
 
 
 def run_header(ctx: RunContext, *, resumed_from: int, world_size: int) -> dict[str, Any]:

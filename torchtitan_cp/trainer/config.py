@@ -61,6 +61,8 @@ class LinearAttentionConfig:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is not None:  # Optional[int], list[str]: the whole annotation
+        return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -97,6 +99,50 @@ def _matches(value: Any, tp: Any) -> bool:
     return True  # an annotation this layer does not model: let the dataclass decide
 
 
+def literal_values(tp: Any) -> tuple[tuple[Any, ...], bool] | None:
+    """The values a ``Literal`` annotation allows, in declared order (a stable order for
+    messages), and whether ``None`` is allowed too (``Literal[...] | None``); None when ``tp``
+    is not an enum-like annotation."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return literal_values(typing.get_args(tp)[0])
+    if origin is Literal:
+        return typing.get_args(tp), False
+    if origin in (typing.Union, types.UnionType):
+        values: list[Any] = []
+        none = False
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                none = True
+                continue
+            sub = literal_values(arg)
+            if sub is None:
+                return None
+            values.extend(v for v in sub[0] if v not in values)
+        return (tuple(values), none) if values else None
+    return None
+
+
+def field_annotation(cls: type, dotted: str) -> Any:
+    """The annotation of the config key ``dotted`` (``model.attention_cp``) in the dataclass
+    ``cls``, or None when there is no such key."""
+    tp: Any = cls
+    for part in dotted.split("."):
+        hints = _hints(tp) if isinstance(tp, type) and dataclasses.is_dataclass(tp) else {}
+        if part not in hints:
+            return None
+        tp = hints[part]
+        while typing.get_origin(tp) is typing.Annotated:
+            tp = typing.get_args(tp)[0]
+    return tp
+
+
+def allowed_text(values: tuple[Any, ...], none: bool = False) -> str:
+    """``'a', 'b'`` (declared order), ``(or None to leave it unset)`` when None is allowed."""
+    listed = ", ".join(repr(v) for v in values)
+    return listed + (" (or None to leave it unset)" if none else "")
+
+
 def _hints(cls: type) -> dict[str, Any]:
     try:
         return typing.get_type_hints(cls, include_extras=True)
@@ -121,6 +167,11 @@ def apply_table(obj: Any, table: dict[str, Any], *, where: str, prefix: str = ""
         tp = hints.get(key)
         ok = _matches(value, tp) if tp is not None else _same_kind(value, current)
         if not ok:
+            enum = literal_values(tp) if tp is not None else None
+            if enum is not None:  # TOML has no null: the listed values are the choices
+                raise ConfigError(
+                    f"{where}: key '{dotted}' must be one of {allowed_text(enum[0])}, got {value!r}"
+                )
             want = _type_name(tp) if tp is not None else type(current).__name__
             raise ConfigError(
                 f"{where}: key '{dotted}' expects {want}, got {type(value).__name__} {value!r}"

@@ -343,6 +343,7 @@ class HybridTrainer(Trainer):
             ckpt.run_id = self.run.run_id
             ckpt.plan = self.run.plan
             ckpt.on_loaded = self._start_metrics_run
+            ckpt.train_timeout = timedelta(seconds=config.comm.train_timeout_seconds)
         self.spike_guard = SpikeGuard(config.spike_guard) if config.spike_guard.enabled else None
         self._step_loss: torch.Tensor | None = None
         # This rank's loss sum and valid tokens of the step (after CP sharding), for the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +178,75 @@ def _multimodal(hf: dict[str, Any]) -> bool:
         "qwen3_5", "qwen3_5_moe")  # fmt: skip
 
 
+def _kind(value: Any) -> str:
+    """A JSON value's type, as a reader of the file would name it, with the value."""
+    names = {str: "a string", list: "a list", bool: "a boolean", int: "a number",
+             float: "a number", dict: "an object", type(None): "null"}  # fmt: skip
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return f"{names.get(type(value), type(value).__name__)} ({shown})"
+
+
+def shape_problem(hf: dict[str, Any]) -> str | None:
+    """A field of ``config.json`` whose JSON type no reader can use (``text_config`` or the
+    RoPE settings not an object), named with its key path; None when the shapes are right."""
+    if _multimodal(hf) and "text_config" in hf and not isinstance(hf["text_config"], dict):
+        return f"text_config is {_kind(hf['text_config'])}, not an object of language-model fields"
+    multimodal = _multimodal(hf)
+    text = hf["text_config"] if multimodal and isinstance(hf.get("text_config"), dict) else hf
+    pre = "text_config." if multimodal else ""
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = text.get(name)
+        if rope is not None and not isinstance(rope, dict):
+            return (
+                f"{pre}{name} is {_kind(rope)}, not an object of RoPE settings (rope_type, "
+                "rope_theta, partial_rotary_factor, ...)"
+            )
+        per_type = rope.get("full_attention") if isinstance(rope, dict) else None
+        if per_type is not None and not isinstance(per_type, dict):
+            return (
+                f"{pre}{name}.full_attention is {_kind(per_type)}, not an object of RoPE settings"
+            )
+    return None
+
+
+def _read_json_object(path: Path, holding: str) -> dict[str, Any]:
+    """``path`` parsed as a JSON object; a one-line ValueError naming the file otherwise
+    (``holding``: what the object should hold, for the message)."""
+    try:
+        data = json.loads(path.read_text())
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e}; a file cut short?)") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: {_kind(data)}, not a JSON object {holding}")
+    return data
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file) of ``model.safetensors.index.json``; a
+    one-line ValueError naming the file and the field for any defect."""
+    data = _read_json_object(index, "with a weight_map")
+    weight_map = data.get("weight_map")
+    if weight_map is None:
+        raise ValueError(f'{index}: no "weight_map" (tensor name -> safetensors file)')
+    if not isinstance(weight_map, dict):
+        raise ValueError(
+            f"{index}: weight_map is {_kind(weight_map)}, not an object of tensor name -> "
+            "safetensors file"
+        )
+    if not weight_map:
+        raise ValueError(f"{index}: weight_map is empty: it lists no tensors")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or "/" in shard or shard.startswith("."):
+            raise ValueError(
+                f"{index}: weight_map[{name!r}] is {_kind(shard)}, not the name of a "
+                "safetensors file in the folder"
+            )
+    return weight_map
+
+
 def _field(d: dict[str, Any], key: str, prefix: str, default: Any) -> HFValue:
     if key in d:
         return HFValue(d[key], prefix + key)
@@ -296,6 +366,10 @@ def write_hf_folder(
     sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     hf = {k: v.contiguous() for k, v in adapter.to_hf(sd).items()}
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors creates its file 0600; give it the mode of the files written beside it
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)
     (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():
@@ -314,18 +388,13 @@ def check_hf_folder(path: str | Path, cfg: Any) -> None:
     cfg_file = root / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{cfg_file}: missing (an HF Qwen3.5 folder needs its config.json)")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_file}: invalid JSON: {e}") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{cfg_file}: not a JSON object")
-    problem = config_mismatch(hf, cfg)
+    hf = _read_json_object(cfg_file, "of model settings")
+    problem = shape_problem(hf) or config_mismatch(hf, cfg)
     if problem is not None:
         raise ValueError(f"{cfg_file}: {problem}")
     index = root / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = read_index(index)
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (root / s).is_file()]
         if missing:
