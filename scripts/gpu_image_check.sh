@@ -21,7 +21,7 @@ CACHE="${GPU_IMAGE_DIR:-$ROOT/.gpu_image}"
 VENV="$CACHE/venv"
 # What the GPU image has (docs/gpu.md, "The GPU image"), as far as the check uses it.
 IMAGE_PACKAGES=(torch==2.11.0 numpy tokenizers huggingface_hub safetensors pytest pytest-xdist
-                pytest-timeout hypothesis attrs rich typing-extensions)
+                pytest-timeout hypothesis attrs rich typing-extensions pandas pyarrow)
 unset PYTHONPATH  # nothing from the calling environment leaks into the image
 step() { echo; echo "== gpu_image_check: $*"; }
 

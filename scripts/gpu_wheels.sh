@@ -23,22 +23,25 @@ while [[ $# -gt 0 ]]; do
 done
 [[ "$PYVER" =~ ^3\.[0-9]+$ ]] || { echo "gpu_wheels: --python-version must be 3.N, got '$PYVER'" >&2; exit 2; }
 DIR="${DIR:-$ROOT/.whl}"
-MAX_MIB=64  # what one call to the GPU machine may carry
+# One call to the GPU machine carries at most 64 MiB (wheels and the tree together); the first
+# call keeps to 40, so the tree and the wheels can grow without the call failing before it starts.
+MAX_MIB=40
 
 # What the GPU check imports (scripts/gpu_imports.py) and what its first stage's trainer run
 # needs, as distributions. torchtitan comes without its declared dependencies: of them the
 # trainer imports datasets (with pyarrow and pandas), torchdata, tyro, spmd_types and tokenizers;
 # wandb and tensorboard (both off in the check; compat.py covers a missing tensorboard) and
-# pillow are left out. pyarrow is pinned to the oldest datasets accepts: 40.8 MiB against 52 for
-# the newest, which would not fit. fla-core imports packaging at module level without declaring it.
+# pillow are left out. pyarrow and pandas (40.8 + ~12 MiB, most of the old 60) are not carried:
+# the image has both (docs/gpu.md, "The GPU image"). fla-core imports packaging at module level
+# without declaring it.
 NO_DEPS=(torchtitan==0.3.0)
-WITH_DEPS=(fla-core==0.6.0 packaging spmd_types==0.2.3 tyro pytest datasets==4.7.0
-           pyarrow==21.0.0 torchdata)
+WITH_DEPS=(fla-core==0.6.0 packaging spmd_types==0.2.3 tyro pytest datasets==4.7.0 torchdata)
 # What the GPU image already has (docs/gpu.md, "The GPU image"; scripts/gpu_image_check.sh
 # installs the same list into its emulated image): torch with its CUDA libraries and its own
 # dependencies but fsspec (datasets caps its version), triton, numpy, and the packages below with
-# their dependencies (huggingface_hub brings hf-xet). Normalised names.
-IMAGE_HAS='^(torch|triton|numpy|nvidia-.*|cuda-.*|sympy|mpmath|networkx|jinja2|markupsafe|filelock|setuptools|typing-extensions|tokenizers|huggingface-hub|hf-xet|safetensors|pytest|pluggy|iniconfig|hypothesis|sortedcontainers|attrs|rich|pygments|markdown-it-py|mdurl)$'
+# their dependencies (huggingface_hub brings hf-xet; pandas python-dateutil, pytz, tzdata and
+# six). Normalised names.
+IMAGE_HAS='^(torch|triton|numpy|nvidia-.*|cuda-.*|sympy|mpmath|networkx|jinja2|markupsafe|filelock|setuptools|typing-extensions|tokenizers|huggingface-hub|hf-xet|safetensors|pytest|pluggy|iniconfig|hypothesis|sortedcontainers|attrs|rich|pygments|markdown-it-py|mdurl|pyarrow|pandas|python-dateutil|pytz|tzdata|six)$'
 # Declared but not imported by the check: aiohttp and its stack (fsspec's http filesystem, for
 # streaming remote datasets; datasets imports it only if present). 2.9 MiB of the 64.
 NOT_NEEDED='^(aiohttp|aiohappyeyeballs|aiosignal|multidict|yarl|propcache|frozenlist)$'
@@ -80,9 +83,16 @@ for pin in "${PINS[@]}"; do
 done
 echo "$MANIFEST" > "$DIR/gpu_wheels.txt"
 sed -n '3,$p' "$DIR/gpu_wheels.txt"
-mib="$(awk -v b="$total" 'BEGIN { printf "%.1f", b / 1048576 }')"
-echo "gpu_wheels: ${#PINS[@]} wheels for CPython $PYVER in $DIR, $mib MiB in total (limit $MAX_MIB MiB)"
-if (( total > MAX_MIB * 1048576 )); then
-  echo "gpu_wheels: $mib MiB exceeds the $MAX_MIB MiB a GPU call may carry" >&2
+# The tree travels with every call too: tracked files and untracked ones git does not ignore.
+tree=0
+while IFS= read -r -d '' f; do
+  [[ -f "$ROOT/$f" ]] && tree=$((tree + $(stat -c %s "$ROOT/$f")))
+done < <(git -C "$ROOT" ls-files -z --cached --others --exclude-standard)
+mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
+echo "gpu_wheels: ${#PINS[@]} wheels for CPython $PYVER in $DIR, $(mib "$total") MiB; the tree" \
+  "$(mib "$tree") MiB; together $(mib $((total + tree))) MiB (limit $MAX_MIB MiB)"
+if (( total + tree > MAX_MIB * 1048576 )); then
+  echo "gpu_wheels: wheels $(mib "$total") MiB + tree $(mib "$tree") MiB exceed the $MAX_MIB MiB" \
+    "the first GPU call may carry" >&2
   exit 1
 fi

@@ -391,3 +391,57 @@ def run_sweep(
     """``sweep_worlds`` on ``world`` spawned gloo ranks, then ``report_worst`` over them.
     ``layouts`` and ``check`` must be picklable (module-level functions or partials of them)."""
     report_worst(tol, run_distributed(_sweep_worker, world, tol, layouts, check, timeout=timeout))
+
+
+class _CoalescedWork:
+    """One work standing for a whole batch of point-to-point ops, as NCCL returns: complete
+    when every op is."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+class NcclLikeP2P:
+    """``with NcclLikeP2P() as p:`` gloo behaving as NCCL does where pass-KV's code branches on
+    it: ``dist.batch_isend_irecv`` returns one work for the whole batch (NCCL coalesces the
+    batch into one group), and ``dist.get_backend`` reports ``"nccl"`` (so ``_warm_up``'s
+    all-reduce runs). ``p.batches`` counts batches posted, ``p.works`` the works returned and
+    ``p.all_reduces`` the all-reduces made meanwhile. The ops themselves still run on gloo."""
+
+    def __init__(self) -> None:
+        self.batches = self.works = self.all_reduces = 0
+
+    def __enter__(self) -> NcclLikeP2P:
+        import torch.distributed as dist
+
+        self._saved = (dist.batch_isend_irecv, dist.get_backend, dist.all_reduce)
+        real_batch, _, real_reduce = self._saved
+
+        def batch(ops: list) -> list:
+            works = real_batch(ops)
+            self.batches += 1
+            out = [_CoalescedWork(works)] if works else []
+            self.works += len(out)
+            return out
+
+        def reduce(*args: Any, **kwargs: Any) -> Any:
+            self.all_reduces += 1
+            return real_reduce(*args, **kwargs)
+
+        dist.batch_isend_irecv = batch
+        dist.get_backend = lambda group=None: "nccl"
+        dist.all_reduce = reduce
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        dist.batch_isend_irecv, dist.get_backend, dist.all_reduce = self._saved

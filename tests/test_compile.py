@@ -116,6 +116,22 @@ def test_conv_torch_op_matches_kernel_bitwise_and_opcheck():
     torch.library.opcheck(conv_ops.causal_conv1d_torch_op, (x, w, None, None, CU, "none"))
 
 
+def test_conv_torch_op_fake_is_contiguous_for_permuted_dense_inputs():
+    """Dense but permuted inputs (a transposed ``[1, D, T]`` buffer, a transposed weight and
+    state): the op returns contiguous tensors and its fakes say so (``empty_like`` carried the
+    input's strides: opcheck's fake-tensor test failed with a stride mismatch)."""
+    gen = torch.Generator().manual_seed(2)
+    cu = torch.tensor([0, 13, 27, T], dtype=torch.int32)
+    x = torch.randn(1, 5, T, generator=gen, dtype=torch.float64).transpose(1, 2)
+    w = torch.randn(4, 5, generator=gen, dtype=torch.float64).t()
+    b = torch.randn(5, generator=gen, dtype=torch.float64)
+    h = torch.randn(3, 3, 5, generator=gen, dtype=torch.float64).transpose(1, 2)
+    assert not x.is_contiguous() and not w.is_contiguous() and not h.is_contiguous()
+    args = [t.requires_grad_(True) for t in (x, w, b, h)]
+    assert conv_ops.causal_conv1d_torch_op(*args, cu, "silu").is_contiguous()
+    torch.library.opcheck(conv_ops.causal_conv1d_torch_op, (*args, cu, "silu"))
+
+
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_fla_fake_impls_give_fla_shapes(kind):
     """Shapes and dtypes the fake impls promise, for bf16 inputs as on the GPU (fla returns
@@ -164,6 +180,11 @@ def test_fla_fake_impls_give_fla_shapes(kind):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's Triton kernels need CUDA")
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_fla_ops_opcheck_cuda(kind):
+    from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
+
+    refused = fla_gdn_backward_refusal() if kind == "gdn" else None
+    if refused is not None:  # opcheck runs the backward, which fla raises in here (fla #640)
+        pytest.skip(f"GDN's fla backward is refused here: {refused}")
     ins = [x.detach().cuda().float().requires_grad_(True) for x in _delta_inputs(kind, 3)]
     cu = CU.cuda()
     torch.library.opcheck(
@@ -353,6 +374,9 @@ TRAIN_COMPILE = {
                 "--model.layer_options.mamba2.head_dim", "16",
                 "--model.layer_options.mamba2.state_dim", "16"], "inductor"),
     "qwen3_5": (["--config_file", "configs/qwen35_debug_cpu.toml"], "aot_eager"),
+    # pass-KV attention as one custom op in the compiled blocks (issue 25's done-when run).
+    "hybrid_pass_kv": (["--config_file", "configs/debug_cpu.toml",
+                        "--model.attention_cp", "pass_kv"], "inductor"),
 }  # fmt: skip
 
 

@@ -158,12 +158,34 @@ def _full_ring_checks(rank: int, group) -> None:
     assert sum(b for kind, _, b in posted[:n_fwd] if kind == "recv") == t["received"] * row
 
 
+def _nccl_branch_checks(rank: int, world: int) -> float:
+    """NCCL's branches on gloo (``du.NcclLikeP2P``): one work per posted batch, so a round's
+    receive completes only with its send, and ``_warm_up``'s all-reduce once per group, then
+    never again. Pass-KV still equals unsharded attention on every layout of this world."""
+    import torch.distributed as dist
+
+    from torchtitan_cp.ops.attention import pass_kv
+
+    group = dist.new_group(list(range(world)))  # a group no call has warmed up yet
+    worst = 0.0
+    with du.NcclLikeP2P() as p:
+        for seed, (name, *rest) in enumerate(_layouts(world)):
+            case = (f"nccl-like W{world}/{name}", *rest)
+            worst = max(worst, _check(rank, group, case, torch.float64, seed))
+        assert group in pass_kv._warm
+    assert p.all_reduces == 1, p.all_reduces  # the warm-up, on the first call only
+    assert p.batches > 0 and p.works == p.batches, (p.batches, p.works)
+    return worst
+
+
 def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     worst = du.sweep_worlds(rank, world, TOL, _layouts, _check)
     _count_checks(rank, dist.group.WORLD)
     _full_ring_checks(rank, dist.group.WORLD)
+    nccl = _nccl_branch_checks(rank, world)
+    worst["torch.float64"] = max(worst["torch.float64"], nccl)
     return worst
 
 

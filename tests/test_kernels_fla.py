@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.reference import conv_reference, delta_rule_reference, rel_err
+from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
 from torchtitan_cp.ops.conv.local import causal_conv1d
 from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule
 from torchtitan_cp.ops.ssd.local import chunk_ssd
@@ -50,6 +51,9 @@ def test_fla_delta_rule_matches_oracle(kind, tables):
         cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, backend="fla", **_tables(cu, tables),
     )  # fmt: skip
     assert rel_err(o, o_ref) < TOL and rel_err(ht, ht_ref) < TOL
+    refused = fla_gdn_backward_refusal() if kind == "gdn" else None
+    if refused is not None:  # fla raises in GDN's backward here (fla #640): forward only
+        pytest.skip(f"GDN checked forward only: {refused}")
     do, dht = torch.randn_like(o_ref), torch.randn_like(ht_ref)
     g_ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), ref)
     g_dev = torch.autograd.grad(
@@ -97,7 +101,8 @@ def _delta_and_conv_step(with_tables: bool) -> None:
     y = causal_conv1d(x, w, chunk_indices=tables.get("chunk_indices"), **kw)
     q, k, v = (F.normalize(t, dim=-1) for t in y.view(1, T, 3, H, K).unbind(2))
     loss = y.new_zeros(())
-    for kind in ("kda", "gdn"):
+    # GDN's fla backward is refused on some Hopper + Triton pairs (fla #640): KDA only there.
+    for kind in ("kda",) if fla_gdn_backward_refusal() else ("kda", "gdn"):
         g = -torch.rand(*((1, T, H, K) if kind == "kda" else (1, T, H)), device="cuda")
         o, _ = chunk_delta_rule(q, k, v, g, torch.rand(1, T, H, device="cuda"), kind=kind,
                                 **tables, **kw)  # fmt: skip

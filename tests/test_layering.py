@@ -9,6 +9,8 @@ import functools
 import sys
 from pathlib import Path
 
+import pytest
+
 import torchtitan_cp
 
 PACKAGE = Path(torchtitan_cp.__file__).parent
@@ -29,13 +31,31 @@ ARROWS: dict[str, set[str]] = {
     "__init__": set(),
 }
 
+# ops/: the shared infrastructure has fixed layers; every other folder is an op family (its
+# math: delta_rule, ssd, conv, attention, ...), found from the folder, not listed here, so a new
+# family needs no edit of this file. Families sit on layer 2 and do not import each other.
+OPS_INFRASTRUCTURE = {"common": 0, "fla_compat": 1, "cp": 1, "__init__": 3}
+OP_FAMILY_LAYER = 2
+
+
+def op_families(ops_dir: Path = PACKAGE / "ops") -> list[str]:
+    """The op families: the packages under ``ops_dir`` other than the shared ones."""
+    return sorted(
+        p.name
+        for p in ops_dir.iterdir()
+        if (p / "__init__.py").is_file() and p.name not in OPS_INFRASTRUCTURE
+    )
+
+
+def ops_layers(ops_dir: Path = PACKAGE / "ops") -> dict[str, int]:
+    """The layer of every sub-part of ``ops_dir``: the shared ones', then each family's."""
+    return {**OPS_INFRASTRUCTURE, **dict.fromkeys(op_families(ops_dir), OP_FAMILY_LAYER)}
+
+
 # Inside a package: the layer of each sub-part (a part imports its own layer's modules of the
 # same sub-part and any lower layer; sub-parts of one layer do not import each other).
 LAYERS: dict[str, dict[str, int]] = {
-    "ops": {
-        "common": 0, "fla_compat": 1, "cp": 1,
-        "delta_rule": 2, "ssd": 2, "conv": 2, "attention": 2, "__init__": 3,
-    },
+    "ops": ops_layers(),
     "models": {
         "context": 0, "blocks": 1, "mixers": 2, "hybrid": 3, "qwen35": 3, "recipe": 4,
         "__init__": 5,
@@ -101,6 +121,16 @@ def _sub_part(module: str) -> str:
     return parts[2] if len(parts) > 2 else "__init__"
 
 
+def _layer(pkg: str, sub_part: str, layers: dict[str, dict[str, int]] = LAYERS) -> int:
+    layer = layers[pkg].get(sub_part)
+    assert layer is not None, (
+        f"torchtitan_cp/{pkg}/{sub_part} has no layer: give it one in tests/test_layering.py "
+        f"LAYERS[{pkg!r}]"
+        + (" (or make it a folder: a folder under ops/ is an op family)" if pkg == "ops" else "")
+    )
+    return layer
+
+
 def test_packages_import_only_what_is_below_them():
     bad = []
     for name in MODULES:
@@ -125,7 +155,7 @@ def test_layers_inside_ops_and_models():
             src, dst = _sub_part(name), _sub_part(target)
             if src == dst:
                 continue
-            low, high = LAYERS[pkg][dst], LAYERS[pkg][src]
+            low, high = _layer(pkg, dst), _layer(pkg, src)
             if low >= high or (pkg, src, dst) in FORBIDDEN:
                 bad.append(f"{name} imports {target} ({pkg}: {src} -> {dst})")
     assert not bad, "\n".join(bad)
@@ -199,6 +229,34 @@ def test_no_import_tricks():
         if "noqa: E402" in source:
             bad.append(f"{name}: noqa: E402")
     assert not bad, "\n".join(bad)
+
+
+def test_op_families_come_from_the_folders():
+    # The shipped families are found; every module of ops/ has a layer (a new folder gets the
+    # op-family rule, a new top-level module is named in a one-line failure, not a KeyError).
+    assert {"delta_rule", "conv", "attention"} <= set(op_families())
+    assert not set(op_families()) & set(OPS_INFRASTRUCTURE)
+    for name in MODULES:
+        if _part(name) == "ops":
+            _layer("ops", _sub_part(name))
+
+
+def test_a_new_op_family_gets_the_family_rule(tmp_path):
+    """A folder added under ops/ is an op family on layer 2 without an edit here (above
+    ops/common and ops/cp, beside the other families); a stray top-level module is one
+    assertion line naming it, not a KeyError (checked on a scratch ops/ layout)."""
+    ops = tmp_path / "ops"
+    for part in ("common", "cp", "delta_rule", "gla"):
+        (ops / part).mkdir(parents=True)
+        (ops / part / "__init__.py").write_text("")
+    (ops / "notes").mkdir()  # a folder without __init__.py is no package
+    (ops / "stray.py").write_text("")
+    layers = {"ops": ops_layers(ops)}
+    assert op_families(ops) == ["delta_rule", "gla"]
+    assert _layer("ops", "gla", layers) == _layer("ops", "delta_rule", layers) == OP_FAMILY_LAYER
+    assert OP_FAMILY_LAYER > _layer("ops", "cp", layers) > _layer("ops", "common", layers)
+    with pytest.raises(AssertionError, match=r"torchtitan_cp/ops/stray has no layer"):
+        _layer("ops", "stray", layers)
 
 
 def test_the_scan_resolves_relative_and_submodule_imports():

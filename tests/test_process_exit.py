@@ -97,3 +97,21 @@ def test_trainer_entry_point_leaves_through_exit_process(tmp_path):
     proc = _run(tmp_path, code, *args, "--dump_folder", str(tmp_path / "run"))
     assert proc.returncode == 0 and ABORT not in proc.stderr, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "2", proc.stdout
+
+
+def test_exit_process_flushes_c_stdio_into_a_pipe():
+    """A C-level ``printf`` into a pipe (fully buffered, as NCCL_DEBUG's lines are under
+    torchrun) reaches the reader: ``exit_process`` flushes C stdio before ``os._exit``, which
+    skips libc's own flush (``os._exit`` alone: the line is lost)."""
+    code = (
+        "import ctypes\n"
+        "from torchtitan_cp.run.process_exit import exit_process\n"
+        "ctypes.CDLL(None).printf(b'NCCL INFO from C\\n')\n"
+        "exit_process(0)\n"
+    )
+    env = repo_env()
+    env.pop("PYTHONUNBUFFERED", None)  # set, Python would make C's stdout unbuffered too
+    cmd = [sys.executable, "-c", code]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == "NCCL INFO from C\n", (proc.stdout, proc.stderr[-2000:])

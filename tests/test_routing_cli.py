@@ -5,8 +5,16 @@ import os
 
 import pytest
 
+from tests.helpers import positions_from_lengths
 from tests.launch import run_module
-from torchtitan_cp.routing.__main__ import main
+from torchtitan_cp.routing import (
+    balancer_names,
+    format_fragments,
+    headtail_fragments,
+    host_layout,
+    parse_fragments,
+)
+from torchtitan_cp.routing.__main__ import layout_from_documents, main
 
 ARGS = [
     "explain",
@@ -104,6 +112,7 @@ def test_plot_into_read_only_directory_exit_2(tmp_path, capsys):
         (["explain", "--cu-seqlens", "0,4", "--fragments", "0:3", "--rank", "0"], "short of"),
         (["explain", "--cu-seqlens", "0,4", "--fragments", "0:4", "--rank", "3"], "out of range"),
         (["explain", "--cu-seqlens", "0,4", "--fragments", "0:4"], "required"),
+        (["explain", "--cu-seqlens", "0,4", "--rank", "0"], "the layout is required"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],
@@ -140,3 +149,101 @@ def test_subprocess_plot_to_directory_exit_2(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1 and "is a directory" in bad.stderr
     assert not tmp_path.with_suffix(".png").exists()
+
+
+# --- documents and a load balancer instead of a hand-written table ---------------------------
+
+DOCS = ["explain", "--doc-lens", "300", "50", "162", "--world", "2"]
+
+
+def test_doc_lens_give_the_balancers_layout(capsys):
+    """Head-tail over one row of 512 tokens: the same plan as the hand-written table of
+    torch's head-tail order (``headtail_fragments``) over the same documents."""
+    assert main([*DOCS, "--balancer", "headtail", "--rank", "1", "--json"]) == 0
+    from_docs = json.loads(capsys.readouterr().out)
+    table = format_fragments(headtail_fragments(seq_len=512, batch_size=1, world_size=2))
+    assert table == "0:128,384:512;128:384"
+    hand = ["explain", "--cu-seqlens", "0,300,350,512", "--fragments", table, "--rank", "1"]
+    assert main([*hand, "--json"]) == 0
+    assert from_docs == json.loads(capsys.readouterr().out)
+    assert from_docs["subsequences"] == [[0, 128, 300], [1, 300, 350], [2, 350, 384]]
+
+
+def test_doc_lens_default_to_contiguous():
+    cu, table = layout_from_documents([300, 50, 162], 2)
+    assert cu == [0, 300, 350, 512] and table == [[(0, 256)], [(256, 512)]]
+
+
+def test_a_document_crossing_a_row_end_goes_on_in_the_next_row():
+    """Rows of 256: document 0 (300 tokens) is cut at the row end; the next row starts a
+    document (so no tokens are lost and no row starts inside one)."""
+    cu, table = layout_from_documents([300, 50, 162], 2, "headtail", seq_len=256)
+    assert cu == [0, 256, 300, 350, 512]
+    assert table == [[(0, 64), (192, 320), (448, 512)], [(64, 192), (320, 448)]]
+
+
+@pytest.mark.parametrize("balancer", balancer_names())
+def test_every_balancer_matches_training_host_layout(balancer):
+    """The CLI's layout is the one training builds (``host_layout``) for the same rows, for
+    every registered balancer (a new one is covered by registering it)."""
+    lens, seq_len = [100, 156, 256, 40, 216], 256
+    positions = positions_from_lengths(3, seq_len, lens)
+    want = host_layout(positions, load_balancer=balancer, world_size=2, device="cpu", block_size=64)
+    cu, table = layout_from_documents(lens, 2, balancer, seq_len=seq_len, ptrr_block_size=64)
+    assert cu == want.cu_seqlens.tolist() == [0, 100, 256, 512, 552, 768]
+    assert table == want.fragments
+
+
+def test_table_names_the_layout_it_explains(capsys):
+    """The table's first line is the layout as ``--cu-seqlens`` / ``--fragments``, so a layout
+    from documents can be edited by hand and explained again."""
+    assert main([*DOCS, "--balancer", "headtail", "--rank", "0"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == 'layout: --cu-seqlens 0,300,350,512 --fragments "0:128,384:512;128:384"'
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--doc-lens", "300", "0", "--world", "2", "--rank", "0"], "document 1 has length 0"),
+        (["--doc-lens", "5", "--rank", "0"], "--doc-lens needs --world"),
+        (["--doc-lens", "4", "--world", "0", "--rank", "0"], "--world must be >= 1"),
+        (["--doc-lens", "4", "--world", "2", "--rank", "2"], "--rank 2 is out of range"),
+        (["--doc-lens", "4", "--world", "2", "--balancer", "x", "--rank", "0"], "invalid choice"),
+        (["--doc-lens", "5", "3", "--world", "1", "--seq-len", "3", "--rank", "0"],
+         "8 tokens do not fill rows of --seq-len 3"),
+        (["--doc-lens", "300", "--world", "2", "--balancer", "ptrr", "--rank", "0"],
+         "the sum of --doc-lens (300) at --world 2"),
+        (["--doc-lens", "6", "--world", "2", "--balancer", "headtail", "--rank", "0"],
+         "use 4 or 8"),
+        (["--doc-lens", "8", "--world", "2", "--ptrr-block-size", "0", "--rank", "0"],
+         "--ptrr-block-size must be >= 1"),
+        (["--doc-lens", "4", "--cu-seqlens", "0,4", "--world", "1", "--rank", "0"],
+         "either --doc-lens or --cu-seqlens"),
+        (["--cu-seqlens", "0,4", "--fragments", "0:4", "--world", "2", "--rank", "0"],
+         "--world goes only with --doc-lens"),
+        (["--cu-seqlens", "0,4", "--rank", "0"], "the layout is required"),
+        (["--rank", "0"], "the layout is required"),
+    ],
+)  # fmt: skip
+def test_bad_documents_exit_2(extra, message, capsys):
+    assert main(["explain", *extra]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_cp_md_example_from_documents(capsys):
+    """docs/cp.md's worked example (W = 4 head-tail over 6 documents) from its document
+    lengths: the layout and pass-KV rounds the page shows."""
+    assert layout_from_documents([6, 4, 6, 6, 4, 6], 4, "headtail") == (
+        [0, 6, 10, 16, 22, 26, 32],
+        parse_fragments("0:4,28:32;4:8,24:28;8:12,20:24;12:20"),
+    )
+    argv = ["explain", "--doc-lens", "6", "4", "6", "6", "4", "6", "--world", "4"]
+    assert main([*argv, "--balancer", "headtail", "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1: own rows [0, 8), rounds [1, 3]" in out
+    assert (
+        "round 1: recv rows [0, 4) of rank 0 for queries [0, 2); send rows [2, 4) to rank 2" in out
+    )

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.launch import REPO
 
@@ -39,15 +40,21 @@ def test_gpu_check_path_stage_dry_run_watches_whole_trainer_steps(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     parts = _parts(results, "path")
     assert parts["imports"]["ok"] and parts["trainer_imports"]["ok"] and parts["done"]["ok"]
+    # What decides correctness on a GPU is recorded with the stage (issue 25): versions, and
+    # whether fla runs GDN's backward here (on CPU: no Hopper, so it does).
+    env = parts["environment"]
+    assert env["torch_version"] == torch.__version__ and env["fla_core"] == "0.6.0"
+    assert {"cuda", "triton", "ptxas", "tilelang"} <= env.keys() and env[
+        "fla_gdn_backward"
+    ] == "runs"
     host = parts["trainer_host"]["steps"]
     assert host["2"] == host["3"] == []
-    # The log step reads the loss and the gradient norm (_log_step) and the worst rank's average
-    # loss (_global_max_loss), and puts the routing counters on the device for their all-reduce
-    # and reads them back (_routing_metrics); nothing else, all in the recipe's trainer.
+    # The log step reads the loss and the gradient norm (_log_step; one rank's average loss is
+    # also the largest, so no second read), and puts the routing counters on the device for their
+    # all-reduce and reads them back (_routing_metrics); nothing else, all in the recipe's trainer.
     assert {e.split(" at ")[1].split(":")[0] for e in host["4"]} == {"trainer/trainer.py"}
     assert sorted((e.split(" ")[0], e.rsplit(" ", 1)[1]) for e in host["4"]) == [
         ("blocking-h2d", "_routing_metrics"),
-        ("readback", "_global_max_loss"),
         ("readback", "_log_step"),
         ("readback", "_log_step"),
         ("readback", "_routing_metrics"),
@@ -196,10 +203,11 @@ def test_gpu_wheels_resolves_for_python_312(tmp_path):
     names = {pin.split("==")[0] for pin in pins}
     assert {"torchtitan", "fla-core", "einops", "packaging", "spmd-types", "tyro"} <= names
     assert {"typeguard", "docstring-parser"} <= names  # tyro's
-    # The trainer's data pipeline: datasets with the smallest pyarrow it accepts.
-    assert {"datasets", "pyarrow", "pandas", "torchdata"} <= names and "pyarrow==21.0.0" in pins
+    # The trainer's data pipeline: datasets and torchdata; pyarrow and pandas are the image's.
+    assert {"datasets", "torchdata"} <= names
     # What the image has, and what the check does not import.
-    image = {"torch", "triton", "numpy", "tokenizers", "huggingface-hub", "pytest", "sympy"}
+    image = {"torch", "triton", "numpy", "tokenizers", "huggingface-hub", "pytest", "sympy",
+             "pyarrow", "pandas"}  # fmt: skip
     assert not {n for n in names if n in image or n.startswith("nvidia")}
     assert not names & {"wandb", "tensorboard", "aiohttp", "pillow", "hf-xet"}
     wheels = sorted(p.name for p in tmp_path.glob("*.whl"))
@@ -209,8 +217,10 @@ def test_gpu_wheels_resolves_for_python_312(tmp_path):
         assert tags[0] in ("py3", "py2.py3", "cp312", "py312"), wheel
         assert tags[2] == "any" or "manylinux" in tags[2] and "x86_64" in tags[2], wheel
     total = sum(p.stat().st_size for p in tmp_path.glob("*.whl"))
-    assert total <= 64 * 2**20
     assert f"{len(pins)} wheels for CPython 3.12" in proc.stdout
+    # Wheels and tree together within 40 MiB (the first call's budget of the 64 it may carry).
+    together = float(proc.stdout.split("together ")[1].split(" MiB")[0])
+    assert total / 2**20 < together <= 40, proc.stdout
 
 
 def test_sync_check_names_the_synchronising_frame():

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.attention.flex_attention import BlockMask
 
-from torchtitan_cp.ops import flex_document_mask
+from torchtitan_cp.ops import flex_document_mask, pass_kv_handle
 from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
 from torchtitan_cp.ops.cp.driver import context_parallel_recurrence, local_tables
 from torchtitan_cp.ops.cp.recurrence import Recurrence
@@ -44,6 +44,8 @@ class SequenceContext:
             or passes K/V.
         pass_kv: the pass-KV attention schedule of this rank with its device ids (under CP
             with ``model.attention_cp = "pass_kv"``), else None.
+        pass_kv_handle: ``ops.pass_kv_handle(pass_kv)``, the one-element tensor that names the
+            schedule to the pass-KV custom op (compiled blocks see only tensors), or None.
     """
 
     routing: DeviceRouting
@@ -53,6 +55,7 @@ class SequenceContext:
     source: str = "host"
     block_mask: BlockMask | None = None
     pass_kv: DevicePassKV | None = None
+    pass_kv_handle: torch.Tensor | None = None
 
     @property
     def cp_enabled(self) -> bool:
@@ -102,12 +105,13 @@ def build_sequence_context(
     if torch.device(device).type == "cuda":
         ids = ids.pin_memory()
     ids = ids.to(device, non_blocking=True)
-    schedule = None
+    schedule = handle = None
     if pass_kv and plan.world_size > 1:
         schedule = plan.pass_kv.to_device(device, ids[0], ids[1])
+        handle = pass_kv_handle(schedule)
     return SequenceContext(
         routing=routing, group=group, token_ids=ids[0], doc_ids=ids[1], source=source,
-        block_mask=block_mask, pass_kv=schedule,
+        block_mask=block_mask, pass_kv=schedule, pass_kv_handle=handle,
     )  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 versions (docs/CONTRACTS.md, docs/cp.md)."""
 
 from .attention.flex_mask import check_flex_shape, flex_document_mask
-from .attention.pass_kv import pass_kv_attention
+from .attention.pass_kv import pass_kv_attention, pass_kv_attention_op, pass_kv_handle
 from .attention.sdpa import context_parallel_attention
 from .common.checks import Backend
 from .conv.halo import context_parallel_conv_history
@@ -21,4 +21,6 @@ __all__ = [
     "context_parallel_delta_rule",
     "flex_document_mask",
     "pass_kv_attention",
+    "pass_kv_attention_op",
+    "pass_kv_handle",
 ]

@@ -1,7 +1,11 @@
 """``python -m torchtitan_cp.routing explain``: show one rank's routing for a layout.
 
-Example::
+The layout is either documents and a load balancer (what training does: the balancer of
+``routing.balancers`` run on the host, as ``routing.sources.host_layout``) or a hand-written
+fragment table. Examples::
 
+    python -m torchtitan_cp.routing explain --doc-lens 300 50 162 --world 2 \\
+        --balancer headtail --rank 1 [--seq-len 256] [--ptrr-block-size 128]
     python -m torchtitan_cp.routing explain --cu-seqlens 0,40,232,384 \\
         --fragments "0:96,288:384;96:192,192:288" --rank 1 [--json] [--plot layout.png]
 """
@@ -15,10 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
-from .layouts import FragmentTable, parse_fragments
-from .plan import RoutingPlan
+import torch
 
-__all__ = ["explain", "main", "plot_layout"]
+from .balancers import balancer_names, get_balancer
+from .layouts import FragmentTable, format_fragments, parse_fragments
+from .plan import RoutingPlan
+from .sources import host_layout
+
+__all__ = ["explain", "layout_from_documents", "main", "plot_layout"]
 
 
 class _UsageError(Exception):
@@ -38,6 +46,62 @@ def _parse_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from None
+
+
+def layout_from_documents(
+    doc_lens: Sequence[int],
+    world: int,
+    balancer: str = "contiguous",
+    *,
+    seq_len: int | None = None,
+    ptrr_block_size: int = 128,
+) -> tuple[list[int], FragmentTable]:
+    """Global ``cu_seqlens`` and every rank's fragments when documents of ``doc_lens`` tokens
+    are packed, in order, into rows of ``seq_len`` tokens (default: one row of all of them) and
+    sharded over ``world`` CP ranks by ``balancer`` (a name of ``routing.balancers``; PTRR in
+    blocks of ``ptrr_block_size``), exactly as training's host source does
+    (``routing.sources.host_layout``). A document that crosses a row end goes on as a new
+    document at the next row's start (every row start is a document start). Bad input is one
+    ``ValueError`` line naming the option."""
+    lens = list(doc_lens)
+    if not lens:
+        raise ValueError("--doc-lens: give at least one document length")
+    bad = next((i for i, n in enumerate(lens) if n < 1), None)
+    if bad is not None:
+        raise ValueError(f"--doc-lens: document {bad} has length {lens[bad]}; lengths must be >= 1")
+    if world < 1:
+        raise ValueError(f"--world must be >= 1, got {world}")
+    if ptrr_block_size < 1:
+        raise ValueError(f"--ptrr-block-size must be >= 1, got {ptrr_block_size}")
+    total = sum(lens)
+    row = total if seq_len is None else seq_len
+    if row < 1:
+        raise ValueError(f"--seq-len must be >= 1, got {row}")
+    if total % row:
+        raise ValueError(
+            f"--doc-lens: {total} tokens do not fill rows of --seq-len {row} "
+            f"({total // row} row(s) and {total % row} token(s) over)"
+        )
+    balancer_ = get_balancer(balancer, ptrr_block_size=ptrr_block_size)
+    try:
+        balancer_.check(row, world)
+    except ValueError as err:
+        where = "--seq-len" if seq_len is not None else "the sum of --doc-lens"
+        raise ValueError(f"{where} ({row}) at --world {world}: {err}") from None
+    # Position of token t: its offset from the later of its document's start and its row's.
+    tokens = torch.arange(total)
+    starts = torch.repeat_interleave(
+        torch.cumsum(torch.tensor([0, *lens[:-1]]), 0), torch.tensor(lens)
+    )
+    positions = (tokens - torch.maximum(starts, tokens - tokens % row)).view(total // row, row)
+    layout = host_layout(
+        positions,
+        load_balancer=balancer_,
+        world_size=world,
+        device="cpu",
+        block_size=ptrr_block_size,
+    )
+    return layout.cu_seqlens.tolist(), layout.fragments
 
 
 def explain(plan: RoutingPlan) -> dict[str, Any]:
@@ -61,10 +125,12 @@ def explain(plan: RoutingPlan) -> dict[str, Any]:
     }
 
 
-def _table(plan: RoutingPlan) -> str:
+def _table(plan: RoutingPlan, cu_seqlens: Sequence[int], fragments: FragmentTable) -> str:
     info = explain(plan)
     terminal = set(info["terminal"])
     lines = [
+        f"layout: --cu-seqlens {','.join(map(str, cu_seqlens))} "
+        f'--fragments "{format_fragments(fragments)}"',
         f"rank {plan.rank} of {plan.world_size}: {len(plan.fragments)} fragment(s), "
         f"{plan.num_subsequences} subsequence(s), {plan.num_tokens} local tokens, "
         f"num_slots {plan.num_slots}",
@@ -169,14 +235,58 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m torchtitan_cp.routing", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     ex = sub.add_parser("explain", help="show one rank's subsequences and state routes")
-    ex.add_argument("--cu-seqlens", type=_parse_ints, required=True, help="e.g. 0,40,232,384")
-    ex.add_argument(
-        "--fragments", type=str, required=True, help='e.g. "0:96,288:384;96:192,192:288"'
+    docs = ex.add_argument_group("documents and a load balancer (what training does)")
+    docs.add_argument(
+        "--doc-lens", type=int, nargs="+", metavar="N", help="document lengths, e.g. 300 50 162"
     )
+    docs.add_argument("--world", type=int, help="CP ranks (context_parallel_degree)")
+    docs.add_argument(
+        "--balancer",
+        choices=balancer_names(),
+        help="context_parallel_load_balancer (default: contiguous)",
+    )
+    docs.add_argument("--seq-len", type=int, help="tokens per row (default: all in one row)")
+    docs.add_argument("--ptrr-block-size", type=int, help="PTRR's block size (default: 128)")
+    table = ex.add_argument_group("or a hand-written layout")
+    table.add_argument("--cu-seqlens", type=_parse_ints, help="e.g. 0,40,232,384")
+    table.add_argument("--fragments", type=str, help='e.g. "0:96,288:384;96:192,192:288"')
     ex.add_argument("--rank", type=int, required=True)
     ex.add_argument("--json", action="store_true", help="print one JSON object")
     ex.add_argument("--plot", metavar="PNG", help="also draw the layout to this PNG")
     return parser
+
+
+def _layout(args: argparse.Namespace) -> tuple[list[int], FragmentTable]:
+    """The layout the arguments name: documents and a balancer, or a fragment table."""
+    hand = [f"--{k.replace('_', '-')}" for k in ("cu_seqlens", "fragments") if getattr(args, k)]
+    if args.doc_lens is not None:
+        if hand:
+            raise ValueError(f"give either --doc-lens or {' and '.join(hand)}, not both")
+        if args.world is None:
+            raise ValueError("--doc-lens needs --world (the number of CP ranks)")
+        if args.world >= 1 and not 0 <= args.rank < args.world:
+            raise ValueError(f"--rank {args.rank} is out of range for --world {args.world}")
+        return layout_from_documents(
+            args.doc_lens,
+            args.world,
+            args.balancer or "contiguous",
+            seq_len=args.seq_len,
+            ptrr_block_size=128 if args.ptrr_block_size is None else args.ptrr_block_size,
+        )
+    if len(hand) < 2:
+        raise ValueError(
+            "the layout is required: --doc-lens N... --world W [--balancer NAME], "
+            "or --cu-seqlens with --fragments"
+        )
+    doc_only = [
+        f"--{k.replace('_', '-')}"
+        for k in ("world", "balancer", "seq_len", "ptrr_block_size")
+        if getattr(args, k) is not None
+    ]
+    if doc_only:
+        verb = "go" if len(doc_only) > 1 else "goes"
+        raise ValueError(f"{' and '.join(doc_only)} {verb} only with --doc-lens")
+    return args.cu_seqlens, parse_fragments(args.fragments)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -184,8 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
-        fragments = parse_fragments(args.fragments)
-        plan = RoutingPlan.build(args.cu_seqlens, fragments, args.rank)
+        cu_seqlens, fragments = _layout(args)
+        plan = RoutingPlan.build(cu_seqlens, fragments, args.rank)
         plot_file = _open_plot(args.plot) if args.plot else None
     except (_UsageError, ValueError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
@@ -195,10 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(explain(plan)))
     else:
-        print(_table(plan))
+        print(_table(plan, cu_seqlens, fragments))
     if plot_file is not None:
         with plot_file:
-            plot_layout(args.cu_seqlens, fragments, args.rank, plot_file)
+            plot_layout(cu_seqlens, fragments, args.rank, plot_file)
     return 0
 
 

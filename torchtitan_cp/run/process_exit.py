@@ -11,12 +11,15 @@ after "Process group destroyed", and torchrun reports a finished run as failed (
 CI, on rank 1 of 2-rank CPU runs; tests/test_process_exit.py builds the same abort). Leaving
 before finalization removes that window; nothing the run wrote is lost, because everything
 Python runs before it (threading's shutdown, the ``atexit`` handlers: logging, wandb,
-multiprocessing) still runs.
+multiprocessing) still runs, and C's stdio buffers are flushed (``os._exit`` skips libc's
+``exit``, which would flush them: NCCL_DEBUG's lines and any C++ ``printf`` to a pipe or file
+would be lost).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import sys
 import threading
@@ -26,7 +29,8 @@ from typing import NoReturn
 def exit_process(status: int) -> NoReturn:
     """End this process with ``status`` without interpreter finalization: run what ``sys.exit``
     runs before it (threading's shutdown, the ``atexit`` handlers, a flush of stdout/stderr),
-    then ``os._exit(status)``. Call it from the main thread."""
+    flush C's stdio as libc's ``exit`` would, then ``os._exit(status)``. Call it from the main
+    thread."""
     # What Py_FinalizeEx runs first, in its order: threading's own exit callbacks (they stop
     # concurrent.futures' idle workers, which a plain join would wait on forever), then the
     # joins of the non-daemon threads; then the atexit handlers.
@@ -37,4 +41,13 @@ def exit_process(status: int) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken pipe: nothing left to save
             pass
+    _flush_c_stdio()
     os._exit(status)
+
+
+def _flush_c_stdio() -> None:
+    """``fflush(NULL)``: every open C stdio stream (what libc's ``exit`` does first)."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to load: nothing of it to flush
+        pass

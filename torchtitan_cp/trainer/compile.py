@@ -3,7 +3,10 @@
 torchtitan compiles every block with ``fullgraph=True``. What makes that work here:
 
 * the local kernels run as opaque custom ops while compiling (``ops/<family>/custom_ops.py``),
-  the CP collectives as torch's functional collectives (``ops.cp.collectives``);
+  the CP collectives as torch's functional collectives (``ops.cp.collectives``), pass-KV
+  attention (``model.attention_cp = "pass_kv"``: point-to-point rounds over the host schedule)
+  as one custom op that gets the schedule through a handle tensor
+  (``ops.pass_kv_attention_op``);
 * every routing tensor a block reads has a shape that does not depend on the microbatch's
   document layout: ``RoutingCaps`` pads them (``routing_caps`` below), so a new layout is new
   data for the same graph, never a recompile.
@@ -102,14 +105,6 @@ def check_compile(config: Any, model_cfg: Any) -> RoutingCaps | None:
         raise ConfigError(
             f"compile.enable: model.layer_pattern has layers without torch.compile custom ops: "
             f"{kinds}; use compile.enable = false or other layer letters"
-        )
-    cp_degree = config.parallelism.context_parallel_degree
-    if getattr(model_cfg, "attention_cp", "all_gather") == "pass_kv" and cp_degree > 1:
-        raise ConfigError(
-            "model.attention_cp = 'pass_kv' cannot run under compile.enable with "
-            f"context_parallel_degree {cp_degree}: its point-to-point rounds are a Python loop "
-            "over the host schedule, which torch.compile(fullgraph=True) cannot trace; use "
-            "model.attention_cp = 'all_gather' or compile.enable = false"
         )
     device = compat.device_type()
     if model_cfg.uses_flex_attention(device) and cc.backend not in ("inductor", "aot_eager"):

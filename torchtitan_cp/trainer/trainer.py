@@ -210,7 +210,6 @@ class HybridMetricsProcessor(MetricsProcessor):
         super().__init__(config, **kwargs)
         self.extra_metrics_fn = None
         self.validation_metrics_fn = None
-        self.max_loss_fn = None
         self.jsonl: JsonlLogger | None = None
         if config.jsonl_file and dist.get_rank() == rank:
             container = LoggerContainer()
@@ -229,8 +228,6 @@ class HybridMetricsProcessor(MetricsProcessor):
         extra = dict(extra_metrics or {})
         if self.extra_metrics_fn is not None:
             extra.update(self.extra_metrics_fn())
-        if self.max_loss_fn is not None:  # every rank logs: a collective
-            global_max_loss = self.max_loss_fn()
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         if "routing/source" in extra:
             logger.info(
@@ -350,7 +347,6 @@ class HybridTrainer(Trainer):
         # rank-normalised global_max_loss.
         self._rank_loss_sum: torch.Tensor | None = None
         self._rank_tokens: torch.Tensor | None = None
-        metrics.max_loss_fn = self._global_max_loss
         if self.spike_guard is not None:
             self.optimizers.register_step_pre_hook(lambda *args, **kwargs: self._guard_step())
 
@@ -524,12 +520,11 @@ class HybridTrainer(Trainer):
                 # accumulated_loss = local loss sum / global valid tokens: summed over the loss
                 # mesh it is the global average; rescaled by the local count, the local one.
                 mesh = pd.get_optional_mesh("loss")
-                local_avg = accumulated_loss * global_valid_tokens / local_valid_tokens
                 ntokens = torch.tensor(self.ntokens_seen, dtype=torch.int64, device=self.device)
                 global_avg_loss = dist_utils.dist_sum(accumulated_loss, mesh)
-                global_max_loss = dist_utils.dist_max(local_avg, mesh)
+                global_max_loss = self._global_max_loss()  # per-rank averages, one all-reduce
                 global_ntokens_seen = dist_utils.dist_sum(ntokens, mesh)
-            else:
+            else:  # one rank: its own average is the maximum
                 global_avg_loss = global_max_loss = float(accumulated_loss.item())
                 global_ntokens_seen = self.ntokens_seen
         if not math.isfinite(global_avg_loss):

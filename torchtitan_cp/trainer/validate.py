@@ -294,6 +294,12 @@ def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: 
             f"'{backend}' uses fla-core on CUDA, which is not installed; pip install "
             "fla-core==0.6.0, or use 'torch'",
         )
+    if backend == "fla" and device_type == "cuda" and _has_gdn(model_cfg):
+        from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
+
+        reason = fla_gdn_backward_refusal()
+        _need(reason is None, f"linear_attention.backend = 'fla' for GDN layers: {reason}; "
+              "or use 'auto' (GDN on the PyTorch kernels)")  # fmt: skip
     if device_type == "cuda":
         import torch
 
@@ -307,6 +313,15 @@ def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: 
     # The trainer runs the same model checks (check_model), so the pre-launch check and the
     # trainer agree.
     check_attention_backend(config, model_cfg, device_type=device_type)
+
+
+def _has_gdn(model_cfg: Any) -> bool:
+    """Whether the model has GDN layers: hybrid ``G`` letters, Qwen3.5's GatedDeltaNets."""
+    if "G" in getattr(model_cfg, "layer_pattern", ""):
+        return True
+    return any(
+        getattr(lay, "delta_net", None) is not None for lay in getattr(model_cfg, "layers", ())
+    )
 
 
 def _check_torch(config: Any, world_size: int) -> None:

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from torchtitan_cp.models.context import SequenceContext
-from torchtitan_cp.ops import pass_kv_attention
+from torchtitan_cp.ops import pass_kv_attention_op
 
 __all__ = [
     "ATTENTION_CP_MODES",
@@ -46,13 +46,13 @@ def routed_pass_kv(
 ) -> torch.Tensor:
     """Pass-KV attention of ``q [1, T, Hq, D]``, ``k``/``v [1, T, Hkv, ·]`` over ``ctx``'s
     schedule; the per-pair kernel is flex on the flex backend, plain math on sdpa (which returns
-    no log-sum-exp)."""
-    if ctx.pass_kv is None:
+    no log-sum-exp). Runs as one custom op (``ops.pass_kv_attention_op``), eager or compiled:
+    a compiled block sees q, k, v and the schedule's handle, never the schedule, so every
+    layout runs the same graph."""
+    if ctx.pass_kv_handle is None or ctx.group is None:
         raise ValueError(
             "model.attention_cp = 'pass_kv' under context parallelism needs a SequenceContext "
             "with the pass-KV schedule (SequencePreprocessor(attention_cp='pass_kv') builds one)"
         )
     kernel = "flex" if backend == "flex" else "math"
-    return pass_kv_attention(
-        q, k, v, routing=ctx.pass_kv, group=ctx.group, scale=scale, kernel=kernel
-    )
+    return pass_kv_attention_op(q, k, v, ctx.pass_kv_handle, ctx.group, scale=scale, kernel=kernel)

@@ -91,8 +91,14 @@ class LayerKind:
 
     def backend(self, requested: str) -> str:
         """The backend this kind runs for ``linear_attention.backend = requested``: ``auto``
-        picks only what the kind has (both: fla on CUDA, torch elsewhere; one: that one)."""
+        picks only what the kind has (both: fla on CUDA, torch elsewhere; one: that one). GDN
+        where fla-core refuses its backward (``ops.common.fla_refusals``): ``auto`` runs torch
+        (one warning), ``fla`` is a ValueError naming the versions."""
         has = self.kernels.backends
+        if self.name == "gdn":  # fla refuses GDN's backward on some GPU + Triton pairs
+            from torchtitan_cp.ops.common.fla_refusals import gdn_backend
+
+            requested = gdn_backend(requested)
         if requested != "auto" or not has or set(has) >= {"torch", "fla"}:
             return requested
         return has[0]

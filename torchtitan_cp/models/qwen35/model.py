@@ -331,7 +331,10 @@ class Qwen35TextModel(Qwen35Model):
         if config.vision_encoder is not None:
             self.vision_encoder = config.vision_encoder.build()
             self.spatial_merge_size = config.vision_encoder.spatial_merge_size
-        route_delta_nets(self, config.linear_attention_backend)
+        from torchtitan_cp.ops.common.fla_refusals import gdn_backend
+
+        # fla refuses GatedDeltaNet's backward on some GPU + Triton pairs: auto runs torch there.
+        route_delta_nets(self, gdn_backend(config.linear_attention_backend))  # type: ignore[arg-type]
 
     def forward(  # pyrefly: ignore[bad-override]
         self,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from torch import Tensor
 
 from torchtitan_cp.routing.pass_kv import DevicePassKV, PassKVRound
 
+from ..common.custom_ops import NS, autograd_inside_op
 from ..common.dtypes import compute_dtype
 from ..cp.collectives import group_rank, group_size
 from .sdpa import document_causal_mask
@@ -45,6 +46,8 @@ __all__ = [
     "flex_pair_attention",
     "math_pair_attention",
     "pass_kv_attention",
+    "pass_kv_attention_op",
+    "pass_kv_handle",
 ]
 
 # Largest query-block x key mask the math kernel materialises at once (elements).
@@ -69,6 +72,10 @@ class PairMask:
         """Boolean ``[q1 - q0, Tk]`` (True = attend) for query rows ``[q0, q1)``."""
         sl = slice(q0, q1)
         return document_causal_mask(self.q_tok[sl], self.q_doc[sl], self.k_tok, self.k_doc)
+
+    def rows(self, q0: int, q1: int) -> PairMask:
+        """The mask of query rows ``[q0, q1)`` against all keys (no cache: a new pair)."""
+        return PairMask(self.q_tok[q0:q1], self.q_doc[q0:q1], self.k_tok, self.k_doc)
 
 
 class PairKernel(Protocol):
@@ -131,31 +138,51 @@ def _flex_fns(device: torch.device) -> tuple[Callable[..., Any], Callable[..., A
     return _compiled["flex"], _compiled["mask"]
 
 
+# Flex's query/key lengths are padded to a multiple of this (its block size): every pair then
+# has lengths >= 128 (no 0/1 specialisation of a one-row hull) and far fewer distinct shapes, so
+# the dynamic-shape compiles stay within dynamo's recompile limit (past it, flex would silently
+# run its unfused path that materialises all scores).
+FLEX_PAD = 128
+
+
+def _pad_rows(t: Tensor, n: int, dim: int) -> Tensor:
+    if t.shape[dim] == n:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
 def flex_pair_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: PairMask, scale: float
 ) -> tuple[Tensor, Tensor]:
     """Flex-attention pair kernel (the CUDA path): one ``BlockMask`` per pair, built once per
     microbatch from the pair's device ids (no host sync: the ids are already on the device) and
-    cached on ``mask``; ``lse`` from flex's ``AuxRequest(lse=True)``."""
+    cached on ``mask``; ``lse`` from flex's ``AuxRequest(lse=True)``. Queries and keys are
+    padded to a multiple of ``FLEX_PAD`` rows (padded keys are masked out, padded queries'
+    rows dropped), so the compiled kernel sees few, never 0/1, lengths."""
     from torch.nn.attention.flex_attention import AuxRequest
 
     flex, create_mask = _flex_fns(q.device)
+    tq, tk = q.shape[2], k.shape[2]
+    pq, pk = -(-tq // FLEX_PAD) * FLEX_PAD, -(-tk // FLEX_PAD) * FLEX_PAD
     block_mask = mask.cache.get("flex")
     if block_mask is None:
-        q_tok, q_doc, k_tok, k_doc = mask.q_tok, mask.q_doc, mask.k_tok, mask.k_doc
+        # Padded rows get document ids no real row has (-1 queries, -2 keys): never attended.
+        q_tok, k_tok = _pad_rows(mask.q_tok, pq, 0), _pad_rows(mask.k_tok, pk, 0)
+        q_doc = torch.cat([mask.q_doc, mask.q_doc.new_full((pq - tq,), -1)])
+        k_doc = torch.cat([mask.k_doc, mask.k_doc.new_full((pk - tk,), -2)])
 
         def mask_mod(b, h, qi, ki):
             return (q_doc[qi] == k_doc[ki]) & (k_tok[ki] <= q_tok[qi])
 
-        block_mask = create_mask(
-            mask_mod, None, None, q_tok.numel(), k_tok.numel(), device=q.device
-        )
+        block_mask = create_mask(mask_mod, None, None, pq, pk, device=q.device)
         mask.cache["flex"] = block_mask
     o, aux = flex(
-        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-        return_aux=AuxRequest(lse=True),
+        _pad_rows(q, pq, 2), _pad_rows(k, pk, 2), _pad_rows(v, pk, 2), block_mask=block_mask,
+        scale=scale, enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True),
     )  # fmt: skip
-    return o, aux.lse
+    return o[:, :, :tq], aux.lse[:, :, :tq]
 
 
 KERNELS: dict[str, PairKernel] = {"math": math_pair_attention, "flex": flex_pair_attention}
@@ -265,7 +292,9 @@ def _post(
     if len(works) != len(ops):
         # A coalescing backend (NCCL) returns one work for the whole batch: the receive is
         # complete only when that work is (waiting on it orders NCCL's stream, not the host).
-        return _Posted(buf, works, works)
+        # It is waited once: by received() when there is a receive (which every caller waits
+        # for before the send), else by sent().
+        return _Posted(buf, works, []) if buf is not None else _Posted(None, [], works)
     return _Posted(buf, works[n_send:], works[:n_send])  # gloo: one work per op
 
 
@@ -347,6 +376,16 @@ def _forward(call: _Call, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
+def _query_block(kernel: PairKernel, tq: int, tk: int) -> int:
+    """Query rows per recompute in a block's backward. The math kernel keeps its float32 scores
+    ``[B, Hq, rows, Tk]`` for autograd, so it recomputes in row blocks of at most
+    ``_MASK_ELEMENTS`` mask elements (saved memory O(block x Tk), not O(Tq x Tk)); flex saves
+    only its inputs, output and lse, so one call covers the block (and keeps its cached mask)."""
+    if kernel is math_pair_attention:
+        return max(1, min(tq, _MASK_ELEMENTS // max(tk, 1)))
+    return tq
+
+
 def _block_grads(
     call: _Call | PairKernelCall,
     q: Tensor,
@@ -361,18 +400,35 @@ def _block_grads(
     The merged output is ``O = sum_b exp(lse_b - lse) o_b``, so block b's cotangents are
     ``w * dO`` for ``o_b`` and ``w * (<dO, o_b> - <dO, O>)`` for ``lse_b`` (``w = exp(lse_b -
     lse)``); autograd through the kernel turns them into the block's dq, dk, dv (the same as
-    the flash-attention backward with the global lse)."""
-    if q.shape[2] == 0 or rows.shape[0] == 0:  # a rank without tokens
+    the flash-attention backward with the global lse). Query rows are recomputed in blocks
+    (``_query_block``): each block's graph is freed before the next is built, and its dK/dV add
+    up."""
+    tq, tk = q.shape[2], rows.shape[0]
+    if tq == 0 or tk == 0:  # a rank without tokens
         return torch.zeros_like(q, dtype=lse.dtype), torch.zeros_like(rows)
-    with torch.enable_grad():
-        q_ = q.detach().requires_grad_(True)
-        kv_ = rows.detach().requires_grad_(True)
-        o_b, lse_b = call.kernel(q_, *_heads(kv_, call.dk), mask, call.scale)
-        w = torch.exp(lse_b.detach().to(lse.dtype) - lse)  # 0 where the block has no key
-        g_o = (w.unsqueeze(-1) * do).to(o_b.dtype)
-        g_lse = (w * ((do * o_b.detach().to(do.dtype)).sum(-1) - delta)).to(lse_b.dtype)
-        dq, dkv = torch.autograd.grad((o_b, lse_b), (q_, kv_), (g_o, g_lse))
-    return dq, dkv
+    step = _query_block(call.kernel, tq, tk)
+    kv_ = rows.detach().requires_grad_(True)
+    dqs: list[Tensor] = []
+    dkv: Tensor | None = None
+    for q0 in range(0, tq, step):
+        q1 = min(q0 + step, tq)
+        sub = mask if (q0, q1) == (0, tq) else mask.rows(q0, q1)
+        with torch.enable_grad():
+            q_ = q[:, :, q0:q1].detach().requires_grad_(True)
+            o_b, lse_b = call.kernel(q_, *_heads(kv_, call.dk), sub, call.scale)
+            w = torch.exp(lse_b.detach().to(lse.dtype) - lse[..., q0:q1])  # 0: no key here
+            d = do[:, :, q0:q1]
+            g_o = (w.unsqueeze(-1) * d).to(o_b.dtype)
+            g_lse = (w * ((d * o_b.detach().to(d.dtype)).sum(-1) - delta[..., q0:q1])).to(
+                lse_b.dtype
+            )
+            dq, dkv_b = torch.autograd.grad((o_b, lse_b), (q_, kv_), (g_o, g_lse))
+        del o_b, lse_b, w, g_o, g_lse
+        dqs.append(dq)
+        dkv = dkv_b if dkv is None else dkv + dkv_b
+        del dkv_b
+    assert dkv is not None
+    return (dqs[0] if len(dqs) == 1 else torch.cat(dqs, dim=2)), dkv
 
 
 def _backward(
@@ -460,14 +516,13 @@ class _PassKV(torch.autograd.Function):
 _warm: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
-def _warm_up(group: dist.ProcessGroup) -> None:
-    # NCCL: a batch of point-to-point ops may involve a subset of the group only after the
-    # group's first collective, which every rank joins (one tiny all-reduce, no host sync).
+def _warm_up(group: dist.ProcessGroup, device: torch.device) -> None:
+    """NCCL: a batch of point-to-point ops may involve a subset of the group only after the
+    group's first collective, which every rank joins: one tiny all-reduce on ``device`` (no host
+    sync), once per group. gloo needs none."""
     if group in _warm or dist.get_backend(group) == "gloo":
         return
-    dist.all_reduce(
-        torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group
-    )
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
     _warm.add(group)
 
 
@@ -516,8 +571,8 @@ def pass_kv_attention(
             f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})"
         )
     fn = KERNELS[kernel] if isinstance(kernel, str) else kernel
-    if group is not None and world > 1 and q.is_cuda:
-        _warm_up(group)
+    if group is not None and world > 1:
+        _warm_up(group, q.device)
     masks, own_mask = _pair_masks(routing)
     call = _Call(
         routing=routing, group=group, kernel=fn,
@@ -526,4 +581,138 @@ def pass_kv_attention(
     )  # fmt: skip
     out = _PassKV.apply(q, k, v, call)
     assert isinstance(out, Tensor)
+    return out
+
+
+# ------------------------------------------------------------------------ the compiled path
+#
+# Under torch.compile(fullgraph=True) the rounds (a Python loop over the host schedule around
+# point-to-point calls) cannot be traced, and tracing them would specialise the graph on each
+# microbatch's schedule. So the compiled blocks call pass-KV as one opaque custom op: its inputs
+# are q, k, v and a one-element "handle" tensor whose address names the microbatch's
+# DevicePassKV (registered when the SequenceContext is built, outside the graph); the schedule
+# itself never enters the graph, so a new layout is new data for the same graph.
+
+_HANDLES: weakref.WeakValueDictionary[int, DevicePassKV] = weakref.WeakValueDictionary()
+
+
+def pass_kv_handle(routing: DevicePassKV) -> Tensor:
+    """The handle naming ``routing`` for ``pass_kv_attention_op``: a one-element tensor on the
+    routing's device, unique while alive (its address is the key; nothing is read from it, so
+    no host sync). Made once per ``DevicePassKV`` and kept in its cache."""
+    handle = routing.cache.get("handle")
+    if handle is None:
+        handle = torch.empty(1, dtype=torch.int8, device=routing.token_ids.device)
+        _HANDLES[handle.data_ptr()] = routing
+        routing.cache["handle"] = handle
+    return handle
+
+
+def _op_call(handle: Tensor, group_name: str, scale: float, kernel: str, dk: int) -> _Call:
+    routing = _HANDLES.get(handle.data_ptr())
+    if routing is None:
+        raise RuntimeError(
+            "pass_kv_attention_op: the handle names no live pass-KV schedule (make it with "
+            "pass_kv_handle(routing) and keep the routing alive while the op and its backward run)"
+        )
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    masks, own_mask = _pair_masks(routing)
+    return _Call(
+        routing=routing, group=_resolve_process_group(cast(Any, group_name)), kernel=KERNELS[kernel],
+        scale=scale, dk=dk, trace=None, masks=masks, own_mask=own_mask,
+    )  # fmt: skip
+
+
+def _pack(k: Tensor, v: Tensor) -> Tensor:
+    return torch.cat([k, v], dim=-1).transpose(0, 1).contiguous()
+
+
+@torch.library.custom_op(f"{NS}::pass_kv_attention", mutates_args=())
+def _pass_kv_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, handle: Tensor, group_name: str, scale: float, kernel: str
+) -> tuple[Tensor, Tensor]:
+    """``(o [B, T, Hq, Dv] in q's dtype, lse [B, Hq, T] accumulation dtype)``, contiguous."""
+    call = _op_call(handle, group_name, scale, kernel, k.shape[-1])
+    group = call.group
+    if group is not None and group_size(group) > 1:
+        _warm_up(group, q.device)
+    out, lse = _forward(call, q.transpose(1, 2), _pack(k, v))
+    return out.to(q.dtype).transpose(1, 2).contiguous(), lse.contiguous()
+
+
+@_pass_kv_fwd_op.register_fake
+def _(q, k, v, handle, group_name, scale, kernel):
+    B, T, Hq, _ = q.shape
+    return q.new_empty(B, T, Hq, v.shape[-1]), q.new_empty(B, Hq, T, dtype=compute_dtype(q.dtype))
+
+
+@torch.library.custom_op(f"{NS}::pass_kv_attention_bwd", mutates_args=())
+def _pass_kv_bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    handle: Tensor,
+    group_name: str,
+    scale: float,
+    kernel: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` like q, k, v (contiguous): ``_backward``'s rounds."""
+    dk_ = k.shape[-1]
+    call = _op_call(handle, group_name, scale, kernel, dk_)
+    with autograd_inside_op():  # the blocks' recompute runs under autograd
+        dq, dkv = _backward(call, q.transpose(1, 2), _pack(k, v), out.transpose(1, 2), lse,
+                            grad.transpose(1, 2))  # fmt: skip
+    dkv = dkv.transpose(0, 1)
+    return (
+        dq.transpose(1, 2).to(q.dtype).contiguous(),
+        dkv[..., :dk_].to(k.dtype).contiguous(),
+        dkv[..., dk_:].to(v.dtype).contiguous(),
+    )
+
+
+@_pass_kv_bwd_op.register_fake
+def _(q, k, v, out, lse, grad, handle, group_name, scale, kernel):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_pass_kv(ctx, inputs, output) -> None:
+    q, k, v, handle, group_name, scale, kernel = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, handle)
+    ctx.args = (group_name, scale, kernel)
+
+
+def _backward_pass_kv(ctx, grad, _grad_lse):
+    q, k, v, out, lse, handle = ctx.saved_tensors
+    dq, dk, dv = _pass_kv_bwd_op(q, k, v, out, lse, grad.contiguous(), handle, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+_pass_kv_fwd_op.register_autograd(_backward_pass_kv, setup_context=_setup_pass_kv)
+
+
+def pass_kv_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    handle: Tensor,
+    group: dist.ProcessGroup,
+    *,
+    scale: float | None = None,
+    kernel: str = "math",
+) -> Tensor:
+    """``pass_kv_attention`` as one custom op (what compiled blocks call): ``handle`` from
+    ``pass_kv_handle(routing)``, made outside the compiled region; ``kernel`` "math" or "flex".
+    The same rounds, messages and numbers as ``pass_kv_attention``; it keeps k and v (not the
+    packed copy) for the backward. Returns ``[B, T_local, Hq, Dv]`` in q's dtype."""
+    from torch.distributed._functional_collectives import _resolve_group_name
+
+    out, _ = _pass_kv_fwd_op(
+        q, k, v, handle, _resolve_group_name(group),
+        scale if scale is not None else q.shape[-1] ** -0.5, kernel,
+    )  # fmt: skip
     return out

@@ -27,6 +27,14 @@ from .torch_kernel import causal_conv1d_torch
 __all__ = ["causal_conv1d_fla_op", "causal_conv1d_torch_op"]
 
 
+def _dense(t: Tensor) -> Tensor:
+    """A contiguous tensor like ``t``: every op here returns contiguous outputs (the real ones
+    call ``.contiguous()``, fla's kernels write contiguous buffers), so the fakes promise that
+    layout, not the input's (``empty_like`` of a dense but permuted input would carry its
+    strides, and inductor would plan for a layout the real op does not return)."""
+    return t.new_empty(t.shape)
+
+
 # ----------------------------------------------------------------------------- conv, torch
 
 
@@ -43,12 +51,12 @@ def causal_conv1d_torch_op(
     act = None if activation == "none" else activation
     return causal_conv1d_torch(
         x, weight, bias, cu_seqlens_cpu=cu_seqlens_cpu, initial_state=initial_state, activation=act
-    )
+    ).contiguous()
 
 
 @causal_conv1d_torch_op.register_fake
 def _(x, weight, bias, initial_state, cu_seqlens_cpu, activation):
-    return torch.empty_like(x)
+    return _dense(x)
 
 
 @torch.library.custom_op(f"{NS}::causal_conv1d_torch_bwd", mutates_args=())
@@ -78,14 +86,14 @@ def causal_conv1d_torch_bwd_op(
     dx, dw = next(grads), next(grads)
     db = next(grads) if bias is not None else x.new_empty(0)
     dh = next(grads) if initial_state is not None else x.new_empty(0)
-    return dx, dw, db, dh
+    return dx.contiguous(), dw.contiguous(), db.contiguous(), dh.contiguous()
 
 
 @causal_conv1d_torch_bwd_op.register_fake
 def _(x, weight, bias, initial_state, cu_seqlens_cpu, dy, activation):
-    db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
-    dh = torch.empty_like(initial_state) if initial_state is not None else x.new_empty(0)
-    return torch.empty_like(x), torch.empty_like(weight), db, dh
+    db = _dense(bias) if bias is not None else x.new_empty(0)
+    dh = _dense(initial_state) if initial_state is not None else x.new_empty(0)
+    return _dense(x), _dense(weight), db, dh
 
 
 def _setup_conv_torch(ctx, inputs, output) -> None:
@@ -135,7 +143,7 @@ def causal_conv1d_fla_op(
 
 @causal_conv1d_fla_op.register_fake
 def _(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices, activation):
-    return torch.empty_like(x)
+    return _dense(x)
 
 
 @torch.library.custom_op(f"{NS}::causal_conv1d_fla_bwd", mutates_args=())
@@ -173,9 +181,9 @@ def causal_conv1d_fla_bwd_op(
 
 @causal_conv1d_fla_bwd_op.register_fake
 def _(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices, dy, activation):
-    db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
-    dh = torch.empty_like(initial_state) if initial_state is not None else x.new_empty(0)
-    return torch.empty_like(x), torch.empty_like(weight), db, dh
+    db = _dense(bias) if bias is not None else x.new_empty(0)
+    dh = _dense(initial_state) if initial_state is not None else x.new_empty(0)
+    return _dense(x), _dense(weight), db, dh
 
 
 def _setup_conv_fla(ctx, inputs, output) -> None:

@@ -1,0 +1,64 @@
+"""fla-core's refusal of GDN's backward on Hopper with 3.4.0 <= triton < 3.7.1 (fla #640), the
+lent H200's own case (triton 3.6.0): known before the run, on a CPU machine by faking the
+device's answer (``fla_refusals.device_facts``). ``fla`` for GDN layers is a one-line refusal
+naming the versions (pre-launch check and model build); ``auto`` runs GDN (hybrid ``G``,
+Qwen3.5's GatedDeltaNet) on the PyTorch kernels with one warning; KDA is untouched."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from torchtitan_cp.ops.common import fla_refusals
+from torchtitan_cp.ops.common.fla_refusals import DeviceFacts, fla_gdn_backward_refusal
+
+H200_IMAGE = DeviceFacts((9, 0), "3.6.0", False)  # docs/gpu.md: the lent machine
+
+
+def test_refusal_follows_fla_s_own_condition():
+    reason = fla_gdn_backward_refusal(H200_IMAGE)
+    assert reason is not None and "\n" not in reason
+    assert "triton 3.6.0" in reason and "capability 9.0" in reason and "#640" in reason
+    assert fla_gdn_backward_refusal(DeviceFacts((9, 0), "3.4.0", False)) is not None
+    for ok in (DeviceFacts((9, 0), "3.7.1", False), DeviceFacts((9, 0), "3.3.1", False),
+               DeviceFacts((9, 0), "3.6.0", True), DeviceFacts((8, 0), "3.6.0", False),
+               DeviceFacts((10, 0), "3.6.0", False), DeviceFacts(None, "3.6.0", False),
+               DeviceFacts((9, 0), None, False)):  # fmt: skip
+        assert fla_gdn_backward_refusal(ok) is None, ok
+
+
+def test_faked_h200_refuses_fla_for_gdn_and_auto_falls_back(monkeypatch, caplog):
+    from torchtitan_cp.models.hybrid.layers import LAYERS
+    from torchtitan_cp.train import load_config
+    from torchtitan_cp.trainer.config import ConfigError
+    from torchtitan_cp.trainer.validate import _check_backends
+
+    monkeypatch.setattr(fla_refusals, "device_facts", lambda: H200_IMAGE)
+    monkeypatch.setattr(fla_refusals, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger=fla_refusals.__name__):
+        assert LAYERS["G"].backend("auto") == "torch"
+        assert LAYERS["G"].backend("auto") == "torch"
+    assert len([r for r in caplog.records if "triton 3.6.0" in r.getMessage()]) == 1
+    assert LAYERS["K"].backend("auto") == "auto" and LAYERS["G"].backend("torch") == "torch"
+    with pytest.raises(ValueError, match=r"'fla' for GDN layers: .*triton 3.6.0"):
+        LAYERS["G"].backend("fla")
+    # The pre-launch check (as on the CUDA machine): one line with the versions, for the
+    # hybrid's G layers and for Qwen3.5's GatedDeltaNets; KDA-only models pass it.
+    for argv in (["--config_file", "configs/debug_cpu.toml", "--model.layer_pattern", "KGKA"],
+                 ["--config_file", "configs/qwen35_debug_cpu.toml"]):  # fmt: skip
+        config = load_config(argv)
+        config.linear_attention.backend = "fla"
+        from torchtitan_cp.models.recipe import recipe_model_spec
+
+        model_cfg = recipe_model_spec(config.model).model
+        with pytest.raises(ConfigError, match=r"GDN layers: .*triton 3\.6\.0") as err:
+            _check_backends(config, model_cfg, "cuda", 1)
+        assert "\n" not in str(err.value)
+    # The Qwen3.5 model built with auto routes its GatedDeltaNets to the torch kernels.
+    config = load_config(["--config_file", "configs/qwen35_debug_cpu.toml"])
+    model = recipe_model_spec(config.model).model.build()
+    from torchtitan_cp.models.qwen35.model import RoutedGatedDeltaKernel
+
+    kernels = [m for m in model.modules() if isinstance(m, RoutedGatedDeltaKernel)]
+    assert kernels and all(k.backend == "torch" for k in kernels)
