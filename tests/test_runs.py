@@ -331,10 +331,10 @@ def test_spike_guard_skip_recovers_from_one_spike_and_stops_on_lasting_ones(tmp_
 
 
 def one_line_stderr(err: str) -> str:
-    """The launch's own stderr (rank output, prefixed ``[rankN]:`` by train.sh's --tee, and
-    _env.sh's ``[env]`` lines left out) is exactly one error line, with no torchrun block and no
-    traceback from rank 0; returns it."""
-    own = [x for x in err.splitlines() if not x.startswith(("[rank", "[env]"))]
+    """The launch's own stderr (rank output, prefixed ``[rankN]:`` by train.sh's --tee,
+    _env.sh's ``[env]`` lines and the check's ``[mesh]`` line left out) is exactly one error
+    line, with no torchrun block and no traceback from rank 0; returns it."""
+    own = [x for x in err.splitlines() if not x.startswith(("[rank", "[env]", "[mesh]"))]
     assert len(own) == 1 and own[0].startswith("torchtitan_cp.train: error: "), err[-3000:]
     assert "ChildFailedError" not in err and "[rank0]:Traceback" not in err, err[-3000:]
     return own[0]

@@ -37,10 +37,20 @@ def assert_one_line(code: int, err: str, *needles: str) -> None:
 
 def test_default_config_passes_and_prints_the_process_count(capsys, tmp_path):
     code, out, err = check(capsys, "--dump_folder", str(tmp_path / "run"), nproc="2")
-    assert (code, out, err) == (0, "2\n", "")
+    assert (code, out, err) == (0, "2\n", "[mesh] dp_shard 2 (2 processes)\n")
     assert not (tmp_path / "run").exists(), "the check creates nothing"
     code, out, _ = check(capsys, "--dump_folder", str(tmp_path), nproc="auto")
     assert code == 0 and int(out) == (torch.cuda.device_count() if ON_CUDA else 2)
+
+
+def test_check_reports_the_mesh(capsys, tmp_path):
+    """``--check`` names the mesh torchtitan will build (stderr; stdout stays the count)."""
+    args = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
+            "2", "--dump_folder", str(tmp_path)]  # fmt: skip
+    code, out, err = check(capsys, *args, nproc="4")
+    assert (code, out, err) == (0, "4\n", "[mesh] cp 2 x tp 2 (4 processes)\n")
+    code, out, err = check(capsys, *args, "--nnodes", "2", nproc="4")
+    assert (code, err) == (0, "[mesh] dp_shard 2 x cp 2 x tp 2 (8 processes)\n")
 
 
 # Each row: the flags, the process count, and what the line must say (the key and the fix).
@@ -66,7 +76,38 @@ BAD_VALUES = [
      ["context_parallel_degree (4)", "does not divide the 2 processes"]),
     (["--parallelism.data_parallel_shard_degree", "3"], "2",
      ["data_parallel_shard_degree (3)", "but 2 processes run"]),
-    (["--parallelism.tensor_parallel_degree", "2"], "2", ["tensor_parallel_degree = 2"]),
+    # issue 22: the mesh (TP heads, TP x CP inside a node, EP, PP) before any rank starts
+    (["--parallelism.tensor_parallel_degree", "4"], "4",
+     ["tensor_parallel_degree = 4 does not divide model.n_heads = 2 (layer K", "[1, 2]"]),
+    (["--model.layer_pattern", "KMA", "--parallelism.tensor_parallel_degree", "2"], "2",
+     ["layer M (Mamba2) cannot run under parallelism.tensor_parallel_degree > 1"]),
+    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
+      "--nnodes", "2"], "2",
+     ["tensor_parallel_degree (2) x context_parallel_degree (2) = 4 ranks do not fit inside "
+      "a node of 2 processes"]),
+    (["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "255"], "2",
+     ["training.seq_len (255) must be divisible by context_parallel_degree x "
+      "tensor_parallel_degree (1 x 2)"]),
+    (["--parallelism.tensor_parallel_degree", "2", "--model.enable_weight_tying", "True"], "2",
+     ["model.enable_weight_tying cannot be combined with parallelism.tensor_parallel_degree"]),
+    (["--parallelism.tensor_parallel_degree", "2"], "3",
+     ["tensor_parallel_degree (2)", "does not divide the 3 processes"]),
+    (["--parallelism.expert_parallel_degree", "2"], "2",
+     ["expert_parallel_degree = 2: the hybrid decoder has no experts"]),
+    (["--config_file", "configs/qwen35_debug_cpu.toml", "--model.flavor", "debugmodel_moe",
+      "--parallelism.expert_parallel_degree", "3"], "3",
+     ["expert_parallel_degree = 3 does not divide the 8 experts of qwen3_5", "[1, 2, 4, 8]"]),
+    (["--config_file", "configs/qwen35_debug_cpu.toml", "--model.flavor", "debugmodel_moe",
+      "--parallelism.expert_parallel_degree", "4"], "2",
+     ["expert_parallel_degree (4) must divide data_parallel_shard_degree x "
+      "context_parallel_degree (2 x 1)"]),
+    (["--config_file", "configs/qwen35_debug_cpu.toml", "--model.flavor", "debugmodel_moe",
+      "--parallelism.tensor_parallel_degree", "2"], "2",
+     ["tensor parallelism of Qwen3.5's MoE layers is not done"]),
+    (["--config_file", "configs/qwen35_debug_cpu.toml", "--parallelism.expert_parallel_degree",
+      "2"], "2", ["expert_parallel_degree = 2: this qwen3_5 flavor has no experts"]),
+    (["--parallelism.pipeline_parallel_degree", "2"], "2",
+     ["pipeline_parallel_degree = 2: this recipe has no pipeline parallelism"]),
     (["--validator.freq", "0"], "2", ["validator.freq must be >= 1", "--validator.no-enable"]),
     (["--validator.steps", "0"], "2", ["[validator] validation steps must be positive or -1"]),
     (["--metrics.log_freq", "0"], "2", ["metrics.log_freq must be >= 1"]),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import math
 import re
 from collections import namedtuple
 from datetime import timedelta
@@ -179,7 +180,8 @@ def _shim_pg_timeouts() -> None:
 
 def _shim_grad_norm() -> None:
     # 3. On CPU, fp32 norms accumulate sequentially (~3e-5 relative error on a 1M-parameter
-    # model), which hides whether two runs agree: take the total norm in float64 there.
+    # model), which hides whether two runs agree: take the total norm in float64 there (with
+    # expert parallelism, as torchtitan does: the experts' and the rest's, each on its mesh).
     import torchtitan.distributed.utils as dist_utils
 
     original = dist_utils.clip_grad_norm_
@@ -189,17 +191,31 @@ def _shim_grad_norm() -> None:
                         foreach=None, pp_mesh=None, ep_enabled=False):  # fmt: skip
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         grads = [p.grad for p in params if p.grad is not None]
-        if pp_mesh is not None or ep_enabled or any(g.device.type != "cpu" for g in grads):
+        if pp_mesh is not None or any(g.device.type != "cpu" for g in grads):
             return original(params, max_norm, norm_type, error_if_nonfinite, foreach,
                             pp_mesh, ep_enabled)  # fmt: skip
         from torch.distributed.tensor import DTensor
 
-        total = torch.nn.utils.get_total_norm(
-            [g.to(torch.float64) for g in grads], norm_type, error_if_nonfinite, foreach
-        )
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.float(), foreach)
+        def norm(gs: list[torch.Tensor]) -> torch.Tensor:
+            n = torch.nn.utils.get_total_norm(
+                [g.to(torch.float64) for g in gs], norm_type, error_if_nonfinite, foreach
+            )
+            return n.full_tensor() if isinstance(n, DTensor) else n
+
+        groups = [[p for p in params if p.grad is not None]]
+        if ep_enabled:  # experts live on the EP mesh, the rest on another: one norm each
+            on_ep = [isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+                     for p in groups[0]]  # fmt: skip
+            groups = [[p for p, e in zip(groups[0], on_ep) if e == want] for want in (True, False)]
+        parts = [norm([p.grad for p in group if p.grad is not None]) for group in groups]
+        if len(parts) == 1:
+            total = parts[0]
+        elif math.isinf(norm_type):
+            total = torch.maximum(parts[0], parts[1])
+        else:
+            total = (parts[0] ** norm_type + parts[1] ** norm_type) ** (1.0 / norm_type)
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.float(), foreach)
         return total
 
     dist_utils.clip_grad_norm_ = clip_grad_norm_

@@ -20,12 +20,19 @@ from typing import Any
 from torchtitan_cp import compat
 from torchtitan_cp.data import jsonl
 from torchtitan_cp.models import HybridDecoder, recipe_model_spec
-from torchtitan_cp.models.hybrid.layers import check_backend
+from torchtitan_cp.models.hybrid.layers import check_backend, check_tensor_parallel
 from torchtitan_cp.ops import check_flex_shape
 from torchtitan_cp.routing import get_balancer
 from torchtitan_cp.trainer.config import ConfigError
 
-__all__ = ["check_attention_backend", "check_model", "parse_nnodes", "parse_nproc", "validate"]
+__all__ = [
+    "check_attention_backend",
+    "check_model",
+    "mesh_text",
+    "parse_nnodes",
+    "parse_nproc",
+    "validate",
+]
 
 
 def _whole_number(text: str, what: str, meaning: str) -> int:
@@ -73,11 +80,15 @@ def _dp_degree(config: Any, world_size: int) -> int:
     }
     for key, d in degrees.items():
         _need(d >= 1, f"parallelism.{key} must be >= 1, got {d}")
-    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
-        _need(
-            degrees[key] == 1,
-            f"parallelism.{key} = {degrees[key]}: the hybrid recipe supports FSDP and context "
-            "parallelism only; set it to 1",
+    _need(
+        p.pipeline_parallel_degree == 1,
+        f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}: this recipe has "
+        "no pipeline parallelism (torchtitan bans packed documents with PP); set it to 1",
+    )
+    if p.expert_parallel_degree > 1 and config.model.name != "qwen3_5":
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {p.expert_parallel_degree}: the hybrid "
+            "decoder has no experts; set it to 1"
         )
     shard = p.data_parallel_shard_degree
     _need(
@@ -85,11 +96,13 @@ def _dp_degree(config: Any, world_size: int) -> int:
         f"parallelism.data_parallel_shard_degree must be -1 (the "
         f"rest of the processes) or >= 1, got {shard}",
     )
-    others = p.data_parallel_replicate_degree * p.context_parallel_degree
+    tp = p.tensor_parallel_degree
+    others = p.data_parallel_replicate_degree * p.context_parallel_degree * tp
     if shard == -1:
         _need(
             world_size % others == 0,
             f"parallelism.context_parallel_degree ({p.context_parallel_degree}) x "
+            f"tensor_parallel_degree ({tp}) x "
             f"data_parallel_replicate_degree ({p.data_parallel_replicate_degree}) = {others} "
             f"does not divide the {world_size} processes; use a divisor of {world_size} or "
             f"start a multiple of {others} processes (NPROC x NNODES)",
@@ -100,17 +113,60 @@ def _dp_degree(config: Any, world_size: int) -> int:
             shard * others == world_size,
             f"parallelism: data_parallel_shard_degree ({shard}) x replicate "
             f"({p.data_parallel_replicate_degree}) x context_parallel_degree "
-            f"({p.context_parallel_degree}) = {shard * others}, but {world_size} processes "
+            f"({p.context_parallel_degree}) x tensor_parallel_degree ({tp}) = "
+            f"{shard * others}, but {world_size} processes "
             "run; make the product equal NPROC x NNODES or set data_parallel_shard_degree = -1",
         )
+    ep = p.expert_parallel_degree
+    _need(
+        ep == 1 or (shard * p.context_parallel_degree) % ep == 0,
+        f"parallelism.expert_parallel_degree ({ep}) must divide data_parallel_shard_degree x "
+        f"context_parallel_degree ({shard} x {p.context_parallel_degree}): experts are split "
+        "over those ranks",
+    )
     return shard * p.data_parallel_replicate_degree
 
 
+def mesh_text(config: Any, world_size: int) -> str:
+    """The device mesh torchtitan builds for ``world_size`` processes, in its order (pp,
+    dp_replicate, dp_shard, cp, tp; ep borrowed from dp_shard x cp), e.g.
+    ``dp_shard 1 x cp 2 x tp 2 (4 processes)``."""
+    p = config.parallelism
+    tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
+    rep = p.data_parallel_replicate_degree
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        shard = world_size // max(1, rep * cp * tp * p.pipeline_parallel_degree)
+    axes = [("pp", p.pipeline_parallel_degree), ("dp_replicate", rep), ("dp_shard", shard),
+            ("cp", cp), ("tp", tp)]  # fmt: skip
+    text = " x ".join(f"{name} {d}" for name, d in axes if d > 1) or "one rank"
+    if p.expert_parallel_degree > 1:
+        text += f", ep {p.expert_parallel_degree} (inside dp_shard x cp)"
+    return f"{text} ({world_size} processes)"
+
+
+def _check_tp_cp_within_node(config: Any, world_size: int, per_node: int) -> None:
+    """TP and CP are the innermost mesh axes: a TP x CP group of ranks exchanges activations
+    every layer, so by default it must fit inside one node (NPROC_PER_NODE)."""
+    p = config.parallelism
+    tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
+    if tp == 1 or world_size == per_node:
+        return
+    _need(
+        per_node % (tp * cp) == 0,
+        f"parallelism.tensor_parallel_degree ({tp}) x context_parallel_degree ({cp}) = "
+        f"{tp * cp} ranks do not fit inside a node of {per_node} processes (NPROC_PER_NODE); "
+        f"make tensor_parallel_degree x context_parallel_degree divide {per_node}",
+    )
+
+
 def _check_cp_within_nodes(config: Any, world_size: int, per_node: int) -> None:
-    """CP is the innermost mesh axis (torchtitan orders pp, dp_replicate, dp_shard, cp, tp), so
-    ranks r..r+CP-1 form a CP group and torchrun numbers each node's processes consecutively: a
-    group stays inside a node when CP divides the processes per node, or covers whole nodes
-    when they divide CP. Anything else splits a group unevenly across nodes."""
+    """CP is the innermost mesh axis but TP (torchtitan orders pp, dp_replicate, dp_shard, cp,
+    tp), so (without TP) ranks r..r+CP-1 form a CP group and torchrun numbers each node's
+    processes consecutively: a group stays inside a node when CP divides the processes per
+    node, or covers whole nodes when they divide CP. Anything else splits a group unevenly
+    across nodes."""
+    _check_tp_cp_within_node(config, world_size, per_node)
     cp = config.parallelism.context_parallel_degree
     if world_size == per_node or cp <= 1 or per_node % cp == 0 or cp % per_node == 0:
         return
@@ -188,6 +244,15 @@ def _check_seq_len(config: Any, model_cfg: Any) -> None:
     if max_len is not None:
         _need(
             seq <= max_len, f"training.seq_len ({seq}) exceeds the model's max_seq_len ({max_len})"
+        )
+    tp = config.parallelism.tensor_parallel_degree
+    if tp > 1:
+        # Sequence parallelism splits each row's local span over the TP ranks.
+        _need(
+            seq % (max(cp, 1) * tp) == 0,
+            f"training.seq_len ({seq}) must be divisible by context_parallel_degree x "
+            f"tensor_parallel_degree ({max(cp, 1)} x {tp}): sequence parallelism splits each "
+            "CP rank's tokens over its TP ranks",
         )
     if cp > 1:
         # torchtitan's trainer asks for 2 x CP whatever the balancer; the balancer adds its own.
@@ -474,8 +539,16 @@ def check_model(config: Any) -> tuple[Any, bool]:
     if isinstance(spec.model, HybridDecoder.Config):
         try:  # every kind of the pattern has the linear-attention backend asked for
             check_backend(spec.model.layer_pattern, config.linear_attention.backend)
+            # every kind can shard its heads over TP
+            check_tensor_parallel(spec.model, config.parallelism.tensor_parallel_degree)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if spec.model.enable_weight_tying and config.parallelism.tensor_parallel_degree > 1:
+            raise ConfigError(
+                "model.enable_weight_tying cannot be combined with parallelism."
+                "tensor_parallel_degree > 1 (the embedding is row-sharded, the LM head "
+                "column-sharded); set one of them off"
+            )
     if config.model.name == "qwen3_5":
         from torchtitan_cp.models.qwen35.model import check_qwen35_parallelism
 

@@ -55,6 +55,12 @@ class HeadsMixer(Module):
         )  # fmt: skip
 
     @staticmethod
+    def tensor_parallel_heads(cfg: Any) -> list[tuple[str, int]]:
+        """The head counts (config key, count) that ``parallelism.tensor_parallel_degree``
+        must divide (the registry's hook; ``parallelize_heads`` shards them)."""
+        return [("model.n_heads", cfg.n_heads)]
+
+    @staticmethod
     def flops(cfg: Any, seq_len: int) -> int:
         """Training FLOPs per token beyond the parameter matmuls (``recurrence_flops``)."""
         return recurrence_flops(cfg.n_heads, cfg.head_dim, cfg.value_head_dim or cfg.head_dim)

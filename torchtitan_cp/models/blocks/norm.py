@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchtitan.protocols.module import Module
 
+from torchtitan_cp.models.blocks.tensor_parallel import local
 from torchtitan_cp.ops.common.dtypes import compute_dtype
 
 __all__ = ["GatedGroupRMSNorm", "GatedRMSNorm"]
@@ -40,7 +41,7 @@ class GatedRMSNorm(Module):
         o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
         gate = gate.to(acc)
         act = torch.sigmoid(gate) if self.activation == "sigmoid" else F.silu(gate)
-        return (o32 * self.weight.to(acc) * act).to(dtype)
+        return (o32 * local(self.weight).to(acc) * act).to(dtype)
 
 
 class GatedGroupRMSNorm(Module):
@@ -65,4 +66,4 @@ class GatedGroupRMSNorm(Module):
         acc = compute_dtype(y.dtype)
         u = (y.to(acc) * F.silu(z.to(acc))).unflatten(-1, (-1, self.group_size))
         u = (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        return (u * self.weight.to(acc)).to(y.dtype)
+        return (u * local(self.weight).to(acc)).to(y.dtype)

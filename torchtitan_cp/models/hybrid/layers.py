@@ -25,6 +25,7 @@ __all__ = [
     "LayerKind",
     "LayerOptions",
     "check_backend",
+    "check_tensor_parallel",
     "parse_layer_pattern",
 ]
 
@@ -46,6 +47,12 @@ class Mixer(Protocol):
 
     def flops(self, cfg: Any, seq_len: int, /) -> int:
         """Training FLOPs per token (forward + backward) beyond its parameter matmuls."""
+        ...
+
+    def tensor_parallel_heads(self, cfg: Any, /) -> list[tuple[str, int]]:
+        """(config key, count) of each head count a TP degree must divide; a ValueError
+        saying why when the kind cannot shard over TP. The mixer's ``parallelize_heads(mesh)``
+        then shards it."""
         ...
 
 
@@ -140,3 +147,20 @@ def check_backend(pattern: str, backend: str) -> None:
                 f"linear_attention.backend = {backend!r}: layer {c} ({kind.description}) has no "
                 f"{backend} kernel, only {' and '.join(has)}; use 'auto' or one of those"
             )
+
+
+def check_tensor_parallel(cfg: Any, tp: int) -> None:
+    """A ValueError (one line: the key, the letter, what would work) when the decoder config
+    ``cfg`` cannot shard its heads over ``tp`` ranks: a kind that cannot shard, or a head count
+    the degree does not divide."""
+    if tp == 1:
+        return
+    for c in dict.fromkeys(cfg.layer_pattern):
+        for key, heads in LAYERS[c].mixer.tensor_parallel_heads(cfg):
+            if heads % tp:
+                fits = [d for d in range(1, heads + 1) if heads % d == 0]
+                raise ValueError(
+                    f"parallelism.tensor_parallel_degree = {tp} does not divide {key} = {heads} "
+                    f"(layer {c}, {LAYERS[c].description}): heads are split whole across TP "
+                    f"ranks; use a degree in {fits}"
+                )

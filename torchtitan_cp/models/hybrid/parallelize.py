@@ -1,10 +1,12 @@
-"""Apply context parallelism (flex K/V all-gather), activation checkpointing, compile and FSDP
-(over dp_shard × cp) to the hybrid decoder."""
+"""Apply tensor parallelism (heads, sequence parallel), context parallelism (flex K/V
+all-gather), activation checkpointing, compile and FSDP (over dp_shard × cp) to the hybrid
+decoder."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
@@ -13,7 +15,40 @@ from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
 from torchtitan_cp import compat
 from torchtitan_cp.models.blocks.flex import apply_flex_context_parallel
+from torchtitan_cp.models.blocks.tensor_parallel import (
+    check_all_on_tp_mesh,
+    parallelize_decoder_ends,
+    sequence_parallel_block,
+)
+from torchtitan_cp.models.hybrid.decoder import HybridBlock, HybridDecoder
+from torchtitan_cp.models.hybrid.layers import check_tensor_parallel
 from torchtitan_cp.models.mixers.attention import SoftmaxAttention
+
+__all__ = ["apply_tensor_parallel", "parallelize_hybrid"]
+
+
+def apply_tensor_parallel(model: HybridDecoder, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallelism over heads with sequence parallelism, torchtitan's Llama plan
+    (``blocks/tensor_parallel.py``): the ends of the decoder (``parallelize_decoder_ends``), each
+    block's norms sequence-parallel, its mixer and feed-forward gathering their input
+    (``Shard(1)`` -> ``Replicate``) and reduce-scattering their output projection. Each mixer
+    shards its own heads (``parallelize_heads``, one per kind). A mixer's input arrives as a
+    local tensor, so the CP collectives inside it run on plain tensors of the rank's heads,
+    over the CP group of its TP rank."""
+    cfg = model.config
+    if cfg.enable_weight_tying:
+        raise ValueError(
+            "model.enable_weight_tying cannot be combined with parallelism."
+            "tensor_parallel_degree > 1 (the embedding is row-sharded, the LM head column-sharded)"
+        )
+    check_tensor_parallel(cfg, tp_mesh.size())
+    parallelize_decoder_ends(model, tp_mesh)
+    for block in model.layers.values():
+        assert isinstance(block, HybridBlock)
+        # the mixer is called with (x, ctx, positions): only x is sharded
+        sequence_parallel_block(block, tp_mesh, "mixer", 3, "feed_forward")
+        block.mixer.parallelize_heads(tp_mesh)
+    check_all_on_tp_mesh(model)
 
 
 def parallelize_hybrid(
@@ -30,11 +65,11 @@ def parallelize_hybrid(
     all-gather, applied before FSDP as torchtitan requires): the KDA/GDN and sdpa attention
     layers read the per-microbatch ``SequenceContext`` and exchange states themselves. CP ranks
     hold the same parameters, so FSDP shards (and reduces gradients) over the flattened
-    dp_shard × cp mesh."""
+    dp_shard × cp mesh. Tensor parallelism (``apply_tensor_parallel``) comes first, as in
+    torchtitan: FSDP then shards the TP-sharded parameters over its own mesh."""
     if parallel_dims.tp_enabled:
-        raise NotImplementedError(
-            "parallelism.tensor_parallel_degree > 1 is not supported by the hybrid recipe"
-        )
+        assert isinstance(model, HybridDecoder)
+        apply_tensor_parallel(model, parallel_dims.get_mesh("tp"))
     if parallel_dims.ep_enabled:
         raise NotImplementedError(
             "the hybrid recipe has no experts: expert_parallel_degree must be 1"

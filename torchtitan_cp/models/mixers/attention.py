@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.blocks.attention_cp import (
@@ -38,6 +41,7 @@ from torchtitan_cp.models.blocks.flex import (
 )
 from torchtitan_cp.models.blocks.init import linear
 from torchtitan_cp.models.blocks.rope import apply_rope
+from torchtitan_cp.models.blocks.tensor_parallel import tp_heads
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.ops import context_parallel_attention
 
@@ -75,6 +79,12 @@ class SoftmaxAttention(Module):
         )  # fmt: skip
 
     @staticmethod
+    def tensor_parallel_heads(cfg: Any) -> list[tuple[str, int]]:
+        """The head counts TP must divide (the registry's hook): queries and K/V heads."""
+        return [("model.attn_n_heads", cfg.attn_n_heads),
+                ("model.attn_n_kv_heads", cfg.attn_n_kv_heads)]  # fmt: skip
+
+    @staticmethod
     def flops(cfg: Any, seq_len: int) -> int:
         """QK^T and PV over the (causal, un-sparsified) context, forward and backward."""
         return 6 * cfg.attn_n_heads * 2 * cfg.attn_head_dim * seq_len
@@ -105,14 +115,25 @@ class SoftmaxAttention(Module):
         self.flex = DocumentFlexAttention(DocumentFlexAttention.Config())
         self.flex_cp = False  # set by apply_flex_context_parallel once K/V are gathered
 
+    def parallelize_heads(self, mesh: DeviceMesh) -> None:
+        """Tensor parallelism over heads on the TP ``mesh``: wq/wk/wv column-wise, wo
+        row-wise into the sequence-parallel layout. A rank's query heads are contiguous, so
+        they keep their K/V heads (GQA groups) when both counts divide by the degree."""
+        tp_heads(mesh, self.n_heads, "model.attn_n_heads")
+        tp_heads(mesh, self.n_kv_heads, "model.attn_n_kv_heads")
+        plan: dict = {name: ColwiseParallel() for name in ("wq", "wk", "wv")}
+        plan["wo"] = RowwiseParallel(output_layouts=Shard(1))
+        parallelize_module(self, mesh, plan)
+
     def forward(
         self, x: torch.Tensor, ctx: SequenceContext, positions: torch.Tensor | None
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         xs = x.reshape(1, bsz * seqlen, -1)
-        q = self.wq(xs).unflatten(-1, (self.n_heads, self.head_dim))
-        k = self.wk(xs).unflatten(-1, (self.n_kv_heads, self.head_dim))
-        v = self.wv(xs).unflatten(-1, (self.n_kv_heads, self.head_dim))
+        # -1 heads: this rank's (all of them without tensor parallelism).
+        q = self.wq(xs).unflatten(-1, (-1, self.head_dim))
+        k = self.wk(xs).unflatten(-1, (-1, self.head_dim))
+        v = self.wv(xs).unflatten(-1, (-1, self.head_dim))
         if self.use_rope:
             if positions is None:
                 raise ValueError("SoftmaxAttention with RoPE needs the document positions")
@@ -130,7 +151,8 @@ class SoftmaxAttention(Module):
                 q, k, v, token_ids=ctx.token_ids, doc_ids=ctx.doc_ids, group=ctx.group,
                 max_tokens=ctx.routing.num_tokens,
             )  # fmt: skip
-        return self.wo(o.flatten(-2)).reshape(bsz, seqlen, -1)
+        # Rows back before the output projection: under TP it reduce-scatters over them.
+        return self.wo(o.reshape(bsz, seqlen, -1))
 
     def _flex(
         self,
@@ -153,10 +175,10 @@ class SoftmaxAttention(Module):
             )
         # Rows back: the mask is per row, and under CP torchtitan gathers K/V along dim 1.
         o = self.flex(
-            q.reshape(bsz, seqlen, self.n_heads, self.head_dim),
-            k.reshape(bsz, seqlen, self.n_kv_heads, self.head_dim),
-            v.reshape(bsz, seqlen, self.n_kv_heads, self.head_dim),
+            q.reshape(bsz, seqlen, -1, self.head_dim),
+            k.reshape(bsz, seqlen, -1, self.head_dim),
+            v.reshape(bsz, seqlen, -1, self.head_dim),
             attention_masks=ctx.block_mask,
             enable_gqa=self.n_heads != self.n_kv_heads,
         )
-        return o.reshape(1, bsz * seqlen, self.n_heads, self.head_dim)
+        return o.reshape(1, bsz * seqlen, -1, self.head_dim)

@@ -18,11 +18,16 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torchtitan.distributed.tensor_parallel import NoParallel
 
 from torchtitan_cp.models.blocks.conv import ShortConvolution
 from torchtitan_cp.models.blocks.heads import HeadsMixer
 from torchtitan_cp.models.blocks.init import init_decay, linear
 from torchtitan_cp.models.blocks.norm import GatedRMSNorm
+from torchtitan_cp.models.blocks.tensor_parallel import distribute_parameter, local, tp_heads
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.ops import Kind
 from torchtitan_cp.ops.common.dtypes import compute_dtype
@@ -38,6 +43,9 @@ class DeltaNetMixer(HeadsMixer):
 
     kind: ClassVar[Kind]
     gate_activation: ClassVar[Literal["sigmoid", "silu"]]
+    # Gate projections: per head (column-sharded under TP) and shared by the heads (replicated).
+    head_projections: ClassVar[tuple[str, ...]]
+    shared_projections: ClassVar[tuple[str, ...]] = ()
     dt_bias: nn.Parameter  # created by _init_gates: [H*K] (KDA) or [H] (GDN)
 
     @dataclass(kw_only=True, slots=True)
@@ -70,6 +78,24 @@ class DeltaNetMixer(HeadsMixer):
         """Create the decay-gate and output-gate parameters (and ``dt_bias``)."""
         raise NotImplementedError
 
+    def parallelize_heads(self, mesh: DeviceMesh) -> None:
+        """Tensor parallelism over heads on the TP ``mesh``: q/k/v, beta and the per-head gate
+        projections column-wise, the output projection row-wise into the sequence-parallel
+        layout, ``A_log`` / ``dt_bias`` sharded with their heads, the conv over its rank's
+        rows of ``[q | k | v]``; the low-rank gate inputs and the norm weight, shared by the
+        heads, replicated. The forward then runs on this rank's heads."""
+        tp_heads(mesh, self.n_heads, "model.n_heads")
+        h, k, v = self.n_heads, self.head_dim, self.value_head_dim
+        columns = ("q_proj", "k_proj", "v_proj", "b_proj", *self.head_projections)
+        plan: dict = {name: ColwiseParallel() for name in columns}
+        plan |= {name: NoParallel(use_local_output=True) for name in self.shared_projections}
+        plan["o_proj"] = RowwiseParallel(output_layouts=Shard(1))
+        parallelize_module(self, mesh, plan)
+        self.qkv_conv.parallelize_heads(mesh, [h * k, h * k, h * v])
+        distribute_parameter(self, "A_log", mesh, shard=True)
+        distribute_parameter(self, "dt_bias", mesh, shard=True)
+        distribute_parameter(self.o_norm, "weight", mesh, shard=False)
+
     def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(f, dt_bias, A_log)`` broadcastable to the gate's shape."""
         raise NotImplementedError
@@ -93,10 +119,11 @@ class DeltaNetMixer(HeadsMixer):
         self, x: torch.Tensor, ctx: SequenceContext, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        h, k, v = self.n_heads, self.head_dim, self.value_head_dim
+        k, v = self.head_dim, self.value_head_dim
         # The local span is the B rows' local pieces back to back: one packed stream.
         xs = x.reshape(1, bsz * seqlen, -1)
         qkv = torch.cat([self.q_proj(xs), self.k_proj(xs), self.v_proj(xs)], dim=-1)
+        h = qkv.shape[-1] // (2 * k + v)  # this rank's heads (all of them without TP)
         q, kk, vv = self.qkv_conv(qkv, ctx, self.backend).split([h * k, h * k, h * v], dim=-1)
         q, kk, vv = q.unflatten(-1, (h, k)), kk.unflatten(-1, (h, k)), vv.unflatten(-1, (h, v))
         q = F.normalize(q, p=2, dim=-1)
@@ -105,7 +132,8 @@ class DeltaNetMixer(HeadsMixer):
         o = ctx.run_recurrence(self.recurrence, (q, kk, vv, self._gate(xs), beta))
         gate = self._output_gate(xs)
         o = self.o_norm(o.to(xs.dtype), gate.unflatten(-1, (h, v)))
-        return self.o_proj(o.flatten(-2)).reshape(bsz, seqlen, -1)
+        # Rows back before the output projection: under TP it reduce-scatters over them.
+        return self.o_proj(o.reshape(bsz, seqlen, -1))
 
 
 class KDAMixer(DeltaNetMixer):
@@ -113,6 +141,8 @@ class KDAMixer(DeltaNetMixer):
 
     kind = "kda"
     gate_activation = "sigmoid"
+    head_projections = ("f_b_proj", "g_b_proj")
+    shared_projections = ("f_a_proj", "g_a_proj")
 
     @dataclass(kw_only=True, slots=True)
     class Config(DeltaNetMixer.Config):
@@ -126,9 +156,9 @@ class KDAMixer(DeltaNetMixer):
         self.dt_bias = nn.Parameter(torch.empty(h * k))
 
     def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h, k = self.n_heads, self.head_dim
-        f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (h, k))
-        return f, self.dt_bias.view(h, k), self.A_log.view(h, 1)
+        k = self.head_dim  # this rank's heads: -1 (all of them without TP)
+        f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (-1, k))
+        return f, local(self.dt_bias).view(-1, k), local(self.A_log).view(-1, 1)
 
     def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_b_proj(self.g_a_proj(x))
@@ -139,6 +169,7 @@ class GDNMixer(DeltaNetMixer):
 
     kind = "gdn"
     gate_activation = "silu"
+    head_projections = ("a_proj", "g_proj")
 
     @dataclass(kw_only=True, slots=True)
     class Config(DeltaNetMixer.Config):
@@ -150,7 +181,7 @@ class GDNMixer(DeltaNetMixer):
         self.dt_bias = nn.Parameter(torch.empty(h))
 
     def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.a_proj(x), self.dt_bias, self.A_log
+        return self.a_proj(x), local(self.dt_bias), local(self.A_log)
 
     def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x)

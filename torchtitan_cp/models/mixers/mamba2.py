@@ -80,6 +80,22 @@ class Mamba2Mixer(Module):
         )  # fmt: skip
 
     @staticmethod
+    def tensor_parallel_heads(cfg: Any) -> list[tuple[str, int]]:
+        """The registry's hook: Mamba2 does not shard over TP (yet). Its ``in_proj`` packs
+        ``[z | x | B | C | dt]`` in one matrix (the reference's layout, kept for its
+        checkpoints), so a column shard would hand a rank whole segments, not its heads of
+        each; and its gated norm spans a whole group of heads."""
+        raise ValueError(
+            "layer M (Mamba2) cannot run under parallelism.tensor_parallel_degree > 1: its "
+            "in_proj packs [z|x|B|C|dt] in one matrix, which a column shard would split by "
+            "segment instead of by head; use K, G, R or A layers, or tensor_parallel_degree 1"
+        )
+
+    def parallelize_heads(self, mesh: Any) -> None:
+        """Refused (``tensor_parallel_heads``)."""
+        self.tensor_parallel_heads(None)
+
+    @staticmethod
     def flops(cfg: Any, seq_len: int) -> int:
         """Training FLOPs per token beyond the parameter matmuls: ``recurrence_flops`` over
         the heads, K = state_dim (N), V = head_dim (P)."""

@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from torchtitan_cp.models.blocks.heads import HeadsMixer
 from torchtitan_cp.models.blocks.init import linear
 from torchtitan_cp.models.blocks.norm import GatedRMSNorm
 from torchtitan_cp.models.blocks.rope import apply_rope
+from torchtitan_cp.models.blocks.tensor_parallel import distribute_parameter, tp_heads
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.ops.common.dtypes import compute_dtype
 from torchtitan_cp.ops.cp.recurrence import recurrence
@@ -29,10 +34,11 @@ from torchtitan_cp.ops.cp.recurrence import recurrence
 __all__ = ["RetentionMixer", "retention_decay"]
 
 
-def retention_decay(heads: int, like: Tensor) -> Tensor:
-    """RetNet's decay of head h, ``log(1 - 2^(-5-h))`` for h < ``heads``: ``[heads]`` on
-    ``like``'s device in its ``compute_dtype`` (built there: no host-to-device copy)."""
-    h = torch.arange(heads, device=like.device, dtype=compute_dtype(like.dtype))
+def retention_decay(heads: int, like: Tensor, first: int = 0) -> Tensor:
+    """RetNet's decay of head h, ``log(1 - 2^(-5-h))`` for ``first <= h < first + heads``
+    (``first``: the first head of a TP rank): ``[heads]`` on ``like``'s device in its
+    ``compute_dtype`` (built there: no host-to-device copy)."""
+    h = torch.arange(first, first + heads, device=like.device, dtype=compute_dtype(like.dtype))
     return torch.log1p(-torch.exp2(-5.0 - h))
 
 
@@ -54,11 +60,24 @@ class RetentionMixer(HeadsMixer):
         self.o_norm = GatedRMSNorm.Config(dim=v, eps=config.norm_eps, activation="silu").build()
         self.o_proj = linear(h * v, d, std=0.02 / math.sqrt(2 * (config.layer_id + 1)))
 
+    def parallelize_heads(self, mesh: DeviceMesh) -> None:
+        """Tensor parallelism over heads on the TP ``mesh``: q/k/v/g column-wise, the output
+        projection row-wise into the sequence-parallel layout, the norm weight (shared by the
+        heads) replicated; each rank's fixed decays are those of its own heads."""
+        local_heads = tp_heads(mesh, self.n_heads, "model.n_heads")
+        plan: dict = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj", "g_proj")}
+        plan["o_proj"] = RowwiseParallel(output_layouts=Shard(1))
+        parallelize_module(self, mesh, plan)
+        distribute_parameter(self.o_norm, "weight", mesh, shard=False)
+        first = mesh.get_local_rank() * local_heads
+        decay = partial(retention_decay, first=first)
+        self.recurrence = recurrence("ssd", backend=self.backend, fixed_decay=decay)
+
     def forward(
         self, x: torch.Tensor, ctx: SequenceContext, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        h, k, v = self.n_heads, self.head_dim, self.value_head_dim
+        h, k, v = -1, self.head_dim, self.value_head_dim  # h: this rank's heads (all off TP)
         xs = x.reshape(1, bsz * seqlen, -1)  # the local span as one packed stream
         if positions is None:
             raise ValueError("RetentionMixer needs the document positions (RoPE)")
@@ -67,4 +86,5 @@ class RetentionMixer(HeadsMixer):
         kk = apply_rope(self.k_proj(xs).unflatten(-1, (h, k)), pos, self.rope_theta)
         o = ctx.run_recurrence(self.recurrence, (q, kk, self.v_proj(xs).unflatten(-1, (h, v))))
         o = self.o_norm(o.to(xs.dtype), self.g_proj(xs).unflatten(-1, (h, v)))
-        return self.o_proj(o.flatten(-2)).reshape(bsz, seqlen, -1)
+        # Rows back before the output projection: under TP it reduce-scatters over them.
+        return self.o_proj(o.reshape(bsz, seqlen, -1))

@@ -34,8 +34,10 @@ import torch
 from torch import nn
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.moe_sharding import set_moe_sharding_config
 from torchtitan.models.qwen3_5 import qwen3_5_configs
 from torchtitan.models.qwen3_5.model import GatedDeltaNet, Qwen35Model
+from torchtitan.models.qwen3_5.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT
 from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder
 from torchtitan.protocols.module import Module
 
@@ -50,6 +52,7 @@ from torchtitan_cp.models.blocks.flex import (
     DocumentFlexAttention,
     resolve_attention_backend,
 )
+from torchtitan_cp.models.blocks.tensor_parallel import local
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
 from torchtitan_cp.ops import (
     causal_conv1d,
@@ -167,7 +170,8 @@ def _routed_causal_conv(
     kernel = cast(RoutedGatedDeltaKernel, self.kernel)
     ctx = kernel.seq_ctx
     assert ctx is not None, "set by the GatedDeltaNet forward wrapper"
-    weight = cast(torch.Tensor, conv.weight).squeeze(1)  # [D, 1, W] -> [D, W]
+    # [D, 1, W] -> [D, W]; under TP this rank's channels (the conv is sharded with its heads)
+    weight = local(cast(torch.Tensor, conv.weight)).squeeze(1)
     history = None
     if ctx.cp_enabled:
         history = context_parallel_conv_history(x_BLD, routing=ctx.routing, group=ctx.group)
@@ -307,6 +311,15 @@ class Qwen35TextModel(Qwen35Model):
             # Decoder's checks and RoPE sizing; not Qwen35Model's, which fills tensor-parallel
             # sharding configs (and needs the vision encoder) for TP this recipe rejects.
             Decoder.Config.update_from_config(self, config=config, **kwargs)
+            if config.parallelism.expert_parallel_degree > 1:
+                # torchtitan's own expert sharding: experts split over the EP mesh (its
+                # all-to-all token dispatcher), router and shared experts replicated.
+                for layer in self.layers:
+                    if layer.moe is not None:
+                        set_moe_sharding_config(
+                            layer.moe, enable_ep=True, enable_sp=False,
+                            expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT,
+                        )  # fmt: skip
             la = getattr(config, "linear_attention", None)
             if la is not None:
                 self.linear_attention_backend = la.backend
@@ -439,6 +452,71 @@ def check_qwen35_parallelism(cfg: Any, parallelism: Any) -> None:
             f"(parallelism.context_parallel_degree = {cp}): Qwen3.5 scatters image embeddings "
             "into the unsharded sequence; train text-only (model.vision = false)"
         )
-    for key in ("tensor_parallel_degree", "expert_parallel_degree", "pipeline_parallel_degree"):
-        if getattr(parallelism, key, 1) > 1:
-            raise ValueError(f"parallelism.{key} > 1 is not supported for qwen3_5 by this recipe")
+    if getattr(parallelism, "pipeline_parallel_degree", 1) > 1:
+        raise ValueError(
+            "parallelism.pipeline_parallel_degree > 1 is not supported for qwen3_5 by this recipe"
+        )
+    tp = getattr(parallelism, "tensor_parallel_degree", 1)
+    if tp > 1:
+        check_qwen35_tensor_parallel(cfg, tp)
+    ep = getattr(parallelism, "expert_parallel_degree", 1)
+    if ep > 1:
+        check_qwen35_expert_parallel(cfg, ep, tp)
+
+
+def check_qwen35_expert_parallel(cfg: Any, ep: int, tp: int) -> None:
+    """A ValueError naming the key where Qwen3.5 cannot split its experts over ``ep`` ranks."""
+    key = f"parallelism.expert_parallel_degree = {ep}"
+    moes = [layer.moe for layer in cfg.layers if layer.moe is not None]
+    if not moes:
+        raise ValueError(f"{key}: this qwen3_5 flavor has no experts (a dense flavor); set it to 1")
+    if tp > 1:
+        raise ValueError(
+            f"{key} with tensor_parallel_degree = {tp}: EP x TP for Qwen3.5 is not done in this "
+            "recipe; use one of them"
+        )
+    experts = moes[0].num_experts
+    if experts % ep:
+        fits = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ValueError(
+            f"{key} does not divide the {experts} experts of qwen3_5: each EP rank holds a "
+            f"whole share of them; use a degree in {fits}"
+        )
+
+
+def qwen35_head_counts(cfg: Any) -> list[tuple[str, int]]:
+    """(what, count) of every head count of ``cfg``'s layers that TP splits whole."""
+    counts: dict[str, int] = {}
+    for layer in cfg.layers:
+        if layer.attention is not None:
+            counts["attention heads"] = layer.attention.n_heads
+            counts["attention K/V heads"] = layer.attention.n_kv_heads
+        if layer.delta_net is not None:
+            dn = layer.delta_net
+            counts["GatedDeltaNet key heads"] = dn.in_proj_k.out_features // dn.key_head_dim
+            counts["GatedDeltaNet value heads"] = dn.in_proj_a.out_features
+    return list(counts.items())
+
+
+def check_qwen35_tensor_parallel(cfg: Any, tp: int) -> None:
+    """A ValueError naming the key where Qwen3.5 cannot shard its heads over ``tp`` ranks."""
+    key = f"parallelism.tensor_parallel_degree = {tp}"
+    if any(layer.moe is not None for layer in cfg.layers):
+        raise ValueError(
+            f"{key}: tensor parallelism of Qwen3.5's MoE layers is not done in this recipe "
+            "(dense flavors only); use tensor_parallel_degree 1"
+        )
+    if cfg.vision_encoder is not None:
+        raise ValueError(f"{key}: train text-only (model.vision = false) under TP")
+    if cfg.enable_weight_tying:
+        raise ValueError(
+            f"{key} cannot be combined with model.enable_weight_tying (the embedding is "
+            "row-sharded, the LM head column-sharded); set one of them off"
+        )
+    for what, heads in qwen35_head_counts(cfg):
+        if heads % tp:
+            fits = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ValueError(
+                f"{key} does not divide the {heads} {what} of qwen3_5: heads are split whole "
+                f"across TP ranks; use a degree in {fits}"
+            )

@@ -1,19 +1,69 @@
-"""Context parallelism, activation checkpointing, compile and FSDP for ``Qwen35TextModel``."""
+"""Tensor parallelism (dense flavors), context parallelism, activation checkpointing, compile
+and FSDP for ``Qwen35TextModel``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder, apply_fsdp_to_vision_encoder
+from torchtitan.models.common.moe import MoE
+from torchtitan.models.qwen3_5.model import Qwen35TransformerBlock
 
 from torchtitan_cp import compat
 from torchtitan_cp.models.blocks.flex import apply_flex_context_parallel
-from torchtitan_cp.models.qwen35.model import RoutedInnerAttention
+from torchtitan_cp.models.blocks.tensor_parallel import (
+    check_all_on_tp_mesh,
+    distribute_parameter,
+    parallelize_decoder_ends,
+    read_locally,
+    sequence_parallel_block,
+)
+from torchtitan_cp.models.qwen35.model import RoutedInnerAttention, check_qwen35_tensor_parallel
 
-__all__ = ["parallelize_qwen35"]
+__all__ = ["apply_tensor_parallel_qwen35", "parallelize_qwen35"]
+
+
+def apply_tensor_parallel_qwen35(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallelism over heads with sequence parallelism for the dense text model, on
+    torch's plans as for the hybrid decoder (``blocks/tensor_parallel.py``), not upstream's
+    ``model.parallelize``: upstream's sharding configs are written for its spmd_types backend
+    and its own kernel, conv and attention, which this recipe swaps.
+
+    GatedDeltaNet: the six input projections column-wise (GQA: a rank's key heads serve its
+    value heads, both counts dividing by TP), each short conv with its channels (``Shard(0)``,
+    read by the swapped conv), ``A_log`` / ``dt_bias`` with their heads, the gated norm's
+    weight replicated, ``out_proj`` row-wise. Gated attention: wq (query + gate) / wk / wv
+    column-wise, the q/k norms' weights replicated, wo row-wise. Upstream's forwards read those
+    parameters directly on local tensors, so ``read_locally`` hands them the local values."""
+    check_qwen35_tensor_parallel(model.config, tp_mesh.size())  # pyrefly: ignore [bad-argument-type]
+    parallelize_decoder_ends(model, tp_mesh)
+    layers = model.get_submodule("layers")
+    for block in layers.children():
+        assert isinstance(block, Qwen35TransformerBlock)
+        attn: Any = block.attn
+        # GatedDeltaNet is called with (x, masks), the gated attention with (x, masks, positions)
+        sequence_parallel_block(block, tp_mesh, "attn", 3 if block.full_attn else 2, "feed_forward")
+        if block.full_attn:
+            columns, row = ("wq", "wk", "wv"), "wo"
+            read_locally(attn.q_norm, ["weight"], tp_mesh, shard=False)
+            read_locally(attn.k_norm, ["weight"], tp_mesh, shard=False)
+        else:
+            columns = tuple(f"in_proj_{x}" for x in "qkvzab")
+            row = "out_proj"
+            for conv in (attn.conv_q, attn.conv_k, attn.conv_v):
+                distribute_parameter(conv, "weight", tp_mesh, shard=True)
+            read_locally(attn, ["A_log", "dt_bias"], tp_mesh, shard=True)
+            read_locally(attn.norm, ["weight"], tp_mesh, shard=False)
+        plan: dict = {name: ColwiseParallel() for name in columns}
+        plan[row] = RowwiseParallel(output_layouts=Shard(1))
+        parallelize_module(attn, tp_mesh, plan)
+    check_all_on_tp_mesh(model)
 
 
 def parallelize_qwen35(
@@ -32,11 +82,18 @@ def parallelize_qwen35(
     construction), so CP only adds torchtitan's K/V all-gather to flex attention layers (before
     FSDP, as torchtitan requires). CP ranks hold the same parameters: FSDP shards and reduces
     gradients over the flattened dp_shard x cp mesh, as for the hybrid decoder."""
-    for key, on in (("tensor_parallel_degree", parallel_dims.tp_enabled),
-                    ("expert_parallel_degree", parallel_dims.ep_enabled),
-                    ("pipeline_parallel_degree", parallel_dims.pp_enabled)):  # fmt: skip
-        if on:
-            raise NotImplementedError(f"parallelism.{key} > 1 is not supported for qwen3_5")
+    if parallel_dims.pp_enabled:
+        raise NotImplementedError(
+            "parallelism.pipeline_parallel_degree > 1 is not supported for qwen3_5"
+        )
+    if parallel_dims.tp_enabled:
+        apply_tensor_parallel_qwen35(model, parallel_dims.get_mesh("tp"))
+    if parallel_dims.ep_enabled:
+        # torchtitan's MoE modules shard themselves (sharding configs set by the model
+        # config's update_from_config): experts over the EP mesh, its all-to-all dispatcher
+        # wired to it. The CP ranks' tokens are routed like any other data-parallel tokens.
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            moe.parallelize(parallel_dims)
     vision = getattr(model, "vision_encoder", None)
     if parallel_dims.cp_enabled:
         if vision is not None:
@@ -57,10 +114,18 @@ def parallelize_qwen35(
         )
         if vision is not None:
             apply_fsdp_to_vision_encoder(vision, mesh, **common)  # pyrefly: ignore[bad-argument-type]
+        edp_mesh = None
+        if parallel_dims.ep_enabled:  # experts: FSDP over what EP leaves of dp_shard x cp
+            edp_names = (
+                ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"]
+            )
+            edp_mesh = parallel_dims.get_optional_mesh(edp_names)
         apply_fsdp_to_decoder(
             model,  # pyrefly: ignore[bad-argument-type]
             mesh,
             cpu_offload=training.enable_cpu_offload,
+            ep_degree=parallel_dims.ep,
+            edp_mesh=edp_mesh,
             **common,  # pyrefly: ignore[bad-argument-type]
         )
         compat.force_sum_reduction_on_gloo(model)
