@@ -121,7 +121,7 @@ def op_outputs(
     assert o is not None and final is not None  # output_final_state=True
     if initial_state is not None and final.data_ptr() == initial_state.data_ptr():
         final = final.clone()
-    return o, final
+    return o.contiguous(), final.contiguous()
 
 
 def recompute_grads(
@@ -142,7 +142,8 @@ def recompute_grads(
         o, final = kernel(*leaves[:-1], initial_state=leaves[-1])
         assert o is not None and final is not None
         grads = input_grads([o, final], [do, dfinal], leaves)
-    return tuple(gr.to(x.dtype) for gr, x in zip(grads, primals))
+    # Contiguous whatever the inputs' strides: the fakes say so (``new_empty``).
+    return tuple(gr.to(x.dtype).contiguous() for gr, x in zip(grads, primals))
 
 
 def recompute_grads_fake(
@@ -152,5 +153,5 @@ def recompute_grads_fake(
     if initial_state is None:
         dh0 = state_like(inputs, cu_seqlens_cpu)
     else:
-        dh0 = torch.empty_like(initial_state)
-    return tuple(torch.empty_like(x) for x in inputs) + (dh0,)
+        dh0 = initial_state.new_empty(initial_state.shape)
+    return tuple(x.new_empty(x.shape) for x in inputs) + (dh0,)

@@ -59,7 +59,7 @@ def delta_rule_torch_op(
 
 @delta_rule_torch_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens_cpu, kind, scale):
-    return torch.empty_like(v), shared.state_like((q, k, v), cu_seqlens_cpu)
+    return v.new_empty(v.shape), shared.state_like((q, k, v), cu_seqlens_cpu)
 
 
 @torch.library.custom_op(f"{NS}::delta_rule_torch_bwd", mutates_args=())
@@ -185,8 +185,8 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices
     else:
         final = q.new_empty(0, dtype=torch.float32)
     scores = q.new_empty(1, T, HV, FLA_CHUNK_SIZE, dtype=k.dtype)
-    g_cum = torch.empty_like(g, dtype=torch.float32)
-    a2 = torch.empty_like(scores) if kind == "kda" else q.new_empty(0)
+    g_cum = g.new_empty(g.shape, dtype=torch.float32)
+    a2 = scores.new_empty(scores.shape) if kind == "kda" else q.new_empty(0)
     return q.new_empty(1, T, HV, V), final, g_cum, scores, a2
 
 
@@ -246,12 +246,12 @@ def delta_rule_fla_bwd_op(
 def _(q, k, v, beta, g_cumsum, a1, a2, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices,
       do, dfinal, kind, scale):  # fmt: skip
     dh0 = (
-        torch.empty_like(initial_state)
+        initial_state.new_empty(initial_state.shape)
         if initial_state is not None
         else q.new_empty(0, dtype=torch.float32)
     )
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            torch.empty_like(g_cumsum), torch.empty_like(beta), dh0)  # fmt: skip
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            g_cumsum.new_empty(g_cumsum.shape), beta.new_empty(beta.shape), dh0)  # fmt: skip
 
 
 def _setup_delta_rule_fla(ctx, inputs, output) -> None:

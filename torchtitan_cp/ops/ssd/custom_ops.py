@@ -58,7 +58,7 @@ def ssd_torch_op(
 
 @ssd_torch_op.register_fake
 def _(q, k, v, g, initial_state, cu_seqlens_cpu, scale):
-    return torch.empty_like(v), shared.state_like((q, k, v), cu_seqlens_cpu)
+    return v.new_empty(v.shape), shared.state_like((q, k, v), cu_seqlens_cpu)
 
 
 @torch.library.custom_op(f"{NS}::ssd_torch_bwd", mutates_args=())
@@ -161,7 +161,7 @@ def _(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices, chun
         final = q.new_empty(num_seqs(cu_seqlens), HV, K, V, dtype=torch.float32)
     else:
         final = q.new_empty(0, dtype=torch.float32)
-    return q.new_empty(v.shape), final, torch.empty_like(g, dtype=torch.float32)
+    return q.new_empty(v.shape), final, g.new_empty(g.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{NS}::ssd_fla_bwd", mutates_args=())
@@ -202,12 +202,12 @@ def ssd_fla_bwd_op(
 def _(q, k, v, g_cumsum, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets,
       do, dfinal, scale):  # fmt: skip
     dh0 = (
-        torch.empty_like(initial_state)
+        initial_state.new_empty(initial_state.shape)
         if initial_state is not None
         else q.new_empty(0, dtype=torch.float32)
     )
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            torch.empty_like(g_cumsum), dh0)  # fmt: skip
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            g_cumsum.new_empty(g_cumsum.shape), dh0)  # fmt: skip
 
 
 def _setup_ssd_fla(ctx, inputs, output) -> None:
