@@ -186,10 +186,13 @@ def test_every_node_speaks_until_its_ranks_start(monkeypatch):
     from torchtitan_cp import launch
 
     out = io.StringIO()
+    # A child from before the wait (a helper; under pytest, an earlier test's) is not a rank.
+    helper = subprocess.Popen(["sleep", "30"])
     speaker = launch.RendezvousSpeaker("node 0 of 2: waiting for the other nodes at h:1",
                                        timeout=300, every=0.5, waited=3.0, out=out)  # fmt: skip
     speaker.start()
     time.sleep(2.2)
+    assert speaker.is_alive(), "an older child does not end the wait"
     child = subprocess.Popen(["sleep", "30"])  # a rank started: the rendezvous is over
     try:
         speaker.join(timeout=10)
@@ -198,8 +201,9 @@ def test_every_node_speaks_until_its_ranks_start(monkeypatch):
         time.sleep(1.0)
         assert out.getvalue().splitlines() == lines, "nothing after"
     finally:
-        child.kill()
-        child.wait()
+        for p in (child, helper):
+            p.kill()
+            p.wait()
         speaker.done.set()
     import re
 
@@ -218,8 +222,10 @@ def check(capsys, *args: str) -> tuple[int, str, str]:
 def test_check_validates_nnodes_times_nproc(capsys, tmp_path):
     """``--check --nproc N --nnodes M`` (what train.sh runs) validates a world of N x M."""
     dump = ["--dump_folder", str(tmp_path / "run")]
+    # stdout: the process count train.sh reads; stderr: only the mesh report.
     assert check(capsys, "--nproc", "1", "--nnodes", "2", *dump,
-                 "--parallelism.context_parallel_degree", "2") == (0, "1\n", "")  # fmt: skip
+                 "--parallelism.context_parallel_degree", "2") == (
+        0, "1\n", "[mesh] cp 2 (2 processes)\n")  # fmt: skip
     code, _, err = check(capsys, "--nproc", "1", "--nnodes", "3", *dump,
                          "--parallelism.context_parallel_degree", "2")  # fmt: skip
     assert code == 2 and "does not divide the 3 processes" in err and err.count("\n") == 1, err

@@ -93,22 +93,22 @@ def wait_for_endpoint(
         time.sleep(max(0.0, min(1.0, timeout - (time.monotonic() - start))))
 
 
-def _has_children(pid: int) -> bool:
-    """Whether process ``pid`` has started a child (torchrun starts its ranks once the
-    rendezvous is complete); True when this cannot be told (no /proc), so a caller stops."""
+def _children(pid: int) -> set[str] | None:
+    """The child pids of process ``pid`` (torchrun starts its ranks once the rendezvous is
+    complete); None when this cannot be told (no /proc), so a caller stops."""
+    found: set[str] = set()
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/children") as f:
-                if f.read().strip():
-                    return True
+                found.update(f.read().split())
     except OSError:
-        return True
-    return False
+        return None
+    return found
 
 
 class RendezvousSpeaker(threading.Thread):
-    """While torchrun's rendezvous runs (until this process has started a rank, or ``done``
-    is set), a line every ``every`` seconds: ``{who} ({t} s of {timeout} s, RDZV_TIMEOUT)``."""
+    """While torchrun's rendezvous runs (until this process has started a new child, a rank,
+    or ``done`` is set), a line every ``every`` seconds: ``{who} ({t} s of {timeout} s, RDZV_TIMEOUT)``."""
 
     def __init__(self, who: str, *, timeout: float, every: float, waited: float = 0.0,
                  out: IO[str] = sys.stderr) -> None:  # fmt: skip
@@ -119,9 +119,12 @@ class RendezvousSpeaker(threading.Thread):
 
     def run(self) -> None:
         pid = os.getpid()
+        # Children this process already had (a helper, or a test runner's) are not ranks.
+        before = _children(pid)
         next_line = time.monotonic() + self.every
         while not self.done.wait(0.5):
-            if _has_children(pid):
+            now_children = _children(pid)
+            if before is None or now_children is None or now_children - before:
                 return
             now = time.monotonic()
             if now >= next_line:
