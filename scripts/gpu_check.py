@@ -5,8 +5,11 @@ short by a timeout keeps what it finished. Stages (estimates for an H200 in docs
 
 * ``path``: the first stage, enough alone to prove the path. The imports of the CUDA path; fla
   against the pure-PyTorch backend at the shapes of the trainer's model (KDA, GDN, conv, forward
-  and backward, float32), each kind in its own process at the same time (their Triton autotuning
-  and the flex compile fill the on-disk caches the trainer then reads); then the real trainer
+  and backward, float32) and the CP gradients of every simulated rank against the unsharded
+  computation (KDA, GDN; ``cp_gradient_check``), each in its own process at the same time
+  (their Triton compiles and the flex compile fill the on-disk caches the trainer then reads;
+  fla's autotune keeps one config per kernel in this stage, ``scripts/gpu_autotune.py``,
+  recorded with each part); then the real trainer
   (``configs/debug_cpu.toml``, head_dim 64, 4 steps, one process) with its whole steps 2 and 3
   under ``torch.cuda.set_sync_debug_mode("error")``: the host routing path must not
   synchronise, the readback path and torchtitan 0.3.0's own ``train_step`` must. The log step
@@ -48,6 +51,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_autotune  # noqa: E402
 
 from torchtitan_cp.data.host_metadata import HostMetadata  # noqa: E402
 from torchtitan_cp.models import model_config  # noqa: E402
@@ -447,6 +452,149 @@ def kernel_accuracy(
             "within_tol": max(errs.values()) <= ACCURACY_TOL[dtype]}  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------------
+# CP gradients on every rank (FLA #1115: exact forwards, wrong gradients on every non-last rank)
+# ---------------------------------------------------------------------------------------------
+
+CP_GRAD_WORLD = 4
+# Relative to the largest reference gradient of each tensor. torch: float32 CP vs float64
+# unsharded; fla: float32 with TF32 matmuls, as ACCURACY_TOL.
+CP_GRAD_TOL = {"torch": 1e-4, "fla": 5e-3}
+CP_GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def cp_grad_layout(
+    world: int, tokens_per_rank: int
+) -> tuple[list[int], list[list[tuple[int, int]]]]:
+    """Documents over ``world`` contiguous rank spans of ``L = tokens_per_rank`` tokens: a
+    one-token document, one over the first boundary, a 5-token one, one from rank 1 to the
+    last rank (every later boundary, pass-through ranks between), the rest on the last rank.
+    Every rank boundary falls inside a document, so every rank but the last publishes a
+    summary. Returns ``(cu_seqlens, table)``; ``table[r]`` is rank ``r``'s fragments."""
+    from torchtitan_cp.routing import contiguous_fragments
+
+    L = tokens_per_rank
+    total = world * L
+    cuts = {0, 1, L + L // 3, L + L // 3 + 5, (world - 1) * L + L // 3, total}
+    cu = sorted(cuts)
+    table = [list(f) for f in contiguous_fragments(total, 1, world)]
+    return cu, table
+
+
+def cp_gradients(
+    kind: str, backend: str, device: torch.device, *, world: int, tokens_per_rank: int,
+    heads: int, head_dim: int, gen: torch.Generator, cp_op: Callable | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """``world`` ranks' spans simulated in one process: the CP op (``cp_op``, default
+    ``context_parallel_delta_rule``) on the world-1 path over one span that holds every
+    simulated rank's fragment in **reverse** rank order, so no fragment follows its
+    predecessor in the span and every continuation goes through a published summary, the
+    all-gather's buffer and the fold, as across ranks (world 1: the all-gather is the
+    identity, its backward no reduce-scatter). Inputs float32; the reference is the unsharded
+    torch kernel in float64 over the whole stream, same inputs and output cotangent (the loss
+    reads the outputs, as training does). Returns the comparison's inputs: per simulated rank
+    its outputs and input gradients (q, k, v, g, beta; the CP op takes no initial state) next
+    to the reference's on the same tokens, and the reference's whole gradients (the scale)."""
+    from torchtitan_cp.ops import chunk_delta_rule, context_parallel_delta_rule
+    from torchtitan_cp.routing import RoutingPlan
+
+    cp_op = cp_op or context_parallel_delta_rule
+    cu, table = cp_grad_layout(world, tokens_per_rank)
+    T, H, K = cu[-1], heads, head_dim
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    F = torch.nn.functional
+    q, k, v = rnd(1, T, H, K), F.normalize(rnd(1, T, H, K), dim=-1), rnd(1, T, H, K)
+    g = -F.softplus(rnd(1, T, H, K) if kind == "kda" else rnd(1, T, H)) * 0.3
+    beta = torch.sigmoid(rnd(1, T, H))
+    full = [x.to(device) for x in (q, k, v, g, beta)]
+    d_o = rnd(1, T, H, K).to(device)
+
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    leaves = [x.clone().requires_grad_(True) for x in full]
+    o_ref, _ = chunk_delta_rule(*leaves, kind=kind, cu_seqlens=cu_t.to(device),
+                                cu_seqlens_cpu=cu_t, backend="torch")  # fmt: skip
+    ref_grads = torch.autograd.grad((o_ref * d_o).sum(), leaves)
+
+    span_frags = [f for r in reversed(range(world)) for f in table[r]]
+    routing = RoutingPlan.build(cu, [span_frags], 0).to_device(device)
+    span = torch.tensor([t for a, b in span_frags for t in range(a, b)], device=device)
+    loc = [x.index_select(1, span).float().requires_grad_(True) for x in full]
+    o, _ = cp_op(*loc, kind=kind, routing=routing, group=None, backend=backend)
+    grads = torch.autograd.grad((o.double() * d_o.index_select(1, span)).sum(), loc)
+
+    where = {t: i for i, t in enumerate(span.tolist())}  # global token -> span position
+    ranks = []
+    for r in range(world):
+        ids = [t for a, b in table[r] for t in range(a, b)]
+        tokens = torch.tensor(ids, device=device)
+        pos = torch.tensor([where[t] for t in ids], device=device)
+        ranks.append({
+            "o": (o.index_select(1, pos), o_ref.index_select(1, tokens)),
+            **{n: (gr.index_select(1, pos), ref.index_select(1, tokens))
+               for n, gr, ref in zip(CP_GRAD_NAMES, grads, ref_grads)},
+        })  # fmt: skip
+    return {
+        "ranks": ranks,
+        "scale": {"o": o_ref.detach(), **dict(zip(CP_GRAD_NAMES, ref_grads))},
+        "published_summaries": routing.summary_cu_seqlens.numel() - 1,
+        "shape": [T, H, K, K],
+        "cu_seqlens": cu,
+    }
+
+
+def compare_cp_gradients(cmp: dict[str, Any], tol: float) -> dict[str, Any]:
+    """Worst relative error per simulated rank (``max |cp - ref| / max |ref|`` over the whole
+    tensor, worst over the input gradients; forward separately) and the verdict: every
+    rank's gradients and outputs within ``tol``."""
+
+    def rel(name: str, pair) -> float:
+        a, ref = pair
+        return ((a.double() - ref.double()).abs().max() / cmp["scale"][name].abs().max()
+                .clamp(min=1e-12)).item()  # fmt: skip
+
+    grad = [max(rel(n, rank[n]) for n in CP_GRAD_NAMES) for rank in cmp["ranks"]]
+    fwd = [rel("o", rank["o"]) for rank in cmp["ranks"]]
+    return {
+        "max_rel_grad_err_per_rank": grad,
+        "max_rel_out_err_per_rank": fwd,
+        "tol": tol,
+        "within_tol": max(grad + fwd) <= tol,
+    }
+
+
+def cp_gradient_check(kind: str, device: torch.device, backends: list[str], gen, *,
+                      world: int = CP_GRAD_WORLD, tokens_per_rank: int, heads: int,
+                      head_dim: int) -> dict[str, Any]:  # fmt: skip
+    """One record per kind: ``cp_gradients`` + ``compare_cp_gradients`` for each backend.
+    fla's GDN backward where fla refuses it (fla #640) is skipped with its one line."""
+    from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
+
+    out: dict[str, Any] = {"kind": kind, "world": world, "tokens_per_rank": tokens_per_rank,
+                           "layout": "contiguous spans, simulated in one process (world-1 "
+                           "path, spans in reverse rank order)"}  # fmt: skip
+    ok = True
+    for backend in backends:
+        refused = fla_gdn_backward_refusal() if (kind, backend) == ("gdn", "fla") else None
+        if refused is not None:
+            out[backend] = {"skipped": f"fla refuses GDN's backward here: {refused}"}
+            continue
+        cmp = cp_gradients(kind, backend, device, world=world, tokens_per_rank=tokens_per_rank,
+                           heads=heads, head_dim=head_dim, gen=gen)  # fmt: skip
+        tol = CP_GRAD_TOL[backend]
+        if backend == "torch" and torch.get_float32_matmul_precision() != "highest":
+            tol = CP_GRAD_TOL["fla"]  # TF32 matmuls turned on in this process: fla's bound
+        res = compare_cp_gradients(cmp, tol)
+        out.update(shape=cmp["shape"], cu_seqlens=cmp["cu_seqlens"],
+                   published_summaries=cmp["published_summaries"])  # fmt: skip
+        out[backend] = res
+        ok &= res["within_tol"]
+    out["within_tol"] = ok
+    return out
+
+
 def model_shapes(flavor: str, head_dim: int | None) -> dict[str, int]:
     cfg = model_config(flavor, **({"head_dim": head_dim} if head_dim else {}))
     v = getattr(cfg, "value_head_dim", None) or cfg.head_dim
@@ -473,15 +621,22 @@ def run_parallel(cmds: list[list[str]], timeout: float) -> list[int]:
 
 
 def warm_up_and_check_kernels(args, shapes: dict[str, int], kinds: list[str], dtype: str,
-                              tokens: int, flex: list[str]) -> list[int]:  # fmt: skip
-    """fla vs torch per kind, plus one model step (``flex``: its extra arguments) to compile
-    flex attention, all at once in worker processes that append their own results."""
+                              tokens: int, flex: list[str],
+                              cp_kinds: tuple[str, ...] = ()) -> list[int]:  # fmt: skip
+    """fla vs torch per kind, the CP gradient check per ``cp_kinds`` kind, and one model step
+    (``flex``: its extra arguments) to compile flex attention, all at once in worker processes
+    that append their own results."""
     me = [sys.executable, str(Path(__file__).resolve()), "--device", args.device]
     res = [a for p in args.results for a in ("--results", p)]
     cmds = [
         [*me, "--worker", f"accuracy:{kind}", "--stage", args.stage, "--dtype", dtype,
          "--tokens", str(tokens), "--shapes", json.dumps(shapes), *res]
         for kind in kinds
+    ]  # fmt: skip
+    cmds += [
+        [*me, "--worker", f"cp_grad:{kind}", "--stage", args.stage, "--shapes",
+         json.dumps(shapes), *res]
+        for kind in cp_kinds
     ]  # fmt: skip
     if flex:
         cmds.append([*me, "--worker", "model_step", "--stage", args.stage, *flex, *res])
@@ -512,10 +667,16 @@ def stage_path(args, res: Results, gen) -> None:
                 "float32", "--batch", "2", "--seq-len", "256"]  # fmt: skip
         with timed() as t:
             codes = warm_up_and_check_kernels(args, shapes, ["kda", "gdn", "conv"], "float32",
-                                              512, flex)  # fmt: skip
+                                              512, flex, cp_kinds=("kda", "gdn"))  # fmt: skip
         res.add("kernels_and_flex_workers", not any(codes), t(), exit_codes=codes)
     else:
         res.add("kernel_accuracy", True, 0.0, skipped="fla's Triton kernels need CUDA")
+        # The CP gradient check on the torch kernels (fla's need CUDA or the interpreter).
+        for kind in ("kda", "gdn"):
+            with timed() as t:
+                out = cp_gradient_check(kind, torch.device("cpu"), ["torch"], gen,
+                                        tokens_per_rank=32, heads=2, head_dim=16)  # fmt: skip
+            res.add(f"cp_gradients_{kind}", out["within_tol"], t(), **out)
     if trainer_error is not None:
         fallback_model_step(args, res, gen)
         return
@@ -721,7 +882,19 @@ def run_worker(args, res: Results, gen) -> None:
         with timed() as t:
             out = kernel_accuracy(kind, tokens=args.tokens, dtype=_dtype(args), gen=gen,
                                   mean_doc=args.mean_doc, **shapes)  # fmt: skip
-        res.add(f"fla_vs_torch_{kind}_{out['dtype']}", out["within_tol"], t(), **out)
+        res.add(f"fla_vs_torch_{kind}_{out['dtype']}", out["within_tol"], t(), **out,
+                fla_autotune=gpu_autotune.applied())  # fmt: skip
+    elif args.worker.startswith("cp_grad:"):
+        kind = args.worker.split(":", 1)[1]
+        shapes = json.loads(args.shapes)
+        # 4 x 128 tokens: the accuracy workers' 512, their head sizes (fla reuses their kernels;
+        # the summary pass adds value width V + K).
+        with timed() as t:
+            out = cp_gradient_check(kind, torch.device("cuda"), ["torch", "fla"], gen,
+                                    tokens_per_rank=128, heads=shapes["heads"],
+                                    head_dim=shapes["head_dim"])  # fmt: skip
+        res.add(f"cp_gradients_{kind}", out["within_tol"], t(), **out,
+                fla_autotune=gpu_autotune.applied())  # fmt: skip
     elif args.worker == "model_step":
         with timed() as t:
             step = Step(args, "host")
@@ -752,6 +925,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-subsequences", type=int, default=256,
                    help="routing cap of the compiled run (linear_attention.max_subsequences)")  # fmt: skip
     p.add_argument("--worker-timeout", type=float, default=230.0)
+    p.add_argument("--fla-autotune", default="auto", choices=["auto", "one", "full"],
+                   help="fla-core's Triton autotune: one = one config per kernel "
+                   "(scripts/gpu_autotune.py); auto: one in the path stage, else full")  # fmt: skip
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--tokens", type=int, default=512, help=argparse.SUPPRESS)
     p.add_argument("--shapes", default="{}", help=argparse.SUPPRESS)
@@ -761,12 +937,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gen = torch.Generator().manual_seed(0)
     res = Results(args.results, args.stage, args.device)
+    if args.fla_autotune == "one" or (args.fla_autotune == "auto" and args.stage == "path"):
+        # Before fla's kernel modules load (this process and its workers, which see the same
+        # stage): the cold autotune of every candidate config cannot pass the worker timeout.
+        gpu_autotune.prune()
     if args.device == "cuda":
         no_flex_max_autotune()
     if args.worker:
         run_worker(args, res, gen)
         return 0 if res.ok else 1
-    res.add("environment", True, 0.0, **environment(args.device))
+    res.add("environment", True, 0.0, **environment(args.device),
+            fla_autotune=gpu_autotune.applied()["rule"])  # fmt: skip
     with timed() as t:
         try:
             STAGES[args.stage](args, res, gen)

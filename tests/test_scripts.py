@@ -47,6 +47,13 @@ def test_gpu_check_path_stage_dry_run_watches_whole_trainer_steps(tmp_path):
     assert {"cuda", "triton", "ptxas", "tilelang"} <= env.keys() and env[
         "fla_gdn_backward"
     ] == "runs"
+    # The stage prunes fla's autotune to one config per kernel (scripts/gpu_autotune.py) and
+    # says so; the CP gradient check compares every simulated rank (torch kernels on CPU).
+    assert env["fla_autotune"].startswith("one config per fla-core autotuner")
+    for kind in ("kda", "gdn"):
+        cp = parts[f"cp_gradients_{kind}"]
+        assert cp["ok"] and cp["world"] == 4 and cp["published_summaries"] == 3, cp
+        assert len(cp["torch"]["max_rel_grad_err_per_rank"]) == 4 and cp["torch"]["tol"] == 1e-4
     host = parts["trainer_host"]["steps"]
     assert host["2"] == host["3"] == []
     # The log step reads the loss and the gradient norm (_log_step; one rank's average loss is
