@@ -31,11 +31,11 @@ RULE = (
     "first in fla's order among equals"
 )
 
-_state: dict[str, Any] = {"init": None, "pruned": []}
+_state: dict[str, Any] = {"init": None, "pruned": [], "missing": None}
 
 
 def _is_fla(tuner: Any) -> bool:
-    return getattr(tuner.base_fn, "__module__", "").startswith("fla.")
+    return getattr(getattr(tuner, "base_fn", None), "__module__", "").startswith("fla.")
 
 
 def _tile_elements(config: Any) -> int:
@@ -78,8 +78,13 @@ def _built_autotuners(autotuner_cls: type) -> list[Any]:
 
 
 def prune() -> None:
-    """Keep one config per fla-core autotuner in this process, built now or later; idempotent."""
-    from triton.runtime.autotuner import Autotuner
+    """Keep one config per fla-core autotuner in this process, built now or later; idempotent.
+    Without triton (a CPU-only torch: nothing to prune) it only records that."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError as e:
+        _state["missing"] = f"{type(e).__name__}: {e}"
+        return
 
     if _state["init"] is None:
         original = Autotuner.__init__
@@ -96,9 +101,10 @@ def prune() -> None:
 
 def restore() -> None:
     """Undo ``prune()``: the wrapped ``__init__`` and every pruned autotuner's config list."""
-    from triton.runtime.autotuner import Autotuner
-
+    _state["missing"] = None
     if _state["init"] is not None:
+        from triton.runtime.autotuner import Autotuner
+
         Autotuner.__init__ = _state["init"]  # type: ignore[method-assign]
         _state["init"] = None
     for tuner in _state["pruned"]:
@@ -110,6 +116,8 @@ def restore() -> None:
 def applied() -> dict[str, Any]:
     """What ``gpu_check.jsonl`` records: the rule, how many autotuners and candidate configs it
     pruned in this process, and the config each kernel that ran here used."""
+    if _state["missing"] is not None:
+        return {"rule": f"none (triton does not import: {_state['missing']})"}
     if _state["init"] is None:
         return {"rule": "none (fla-core autotunes every candidate config)"}
     pruned = _state["pruned"]
