@@ -671,12 +671,12 @@ def stage_path(args, res: Results, gen) -> None:
         res.add("kernels_and_flex_workers", not any(codes), t(), exit_codes=codes)
     else:
         res.add("kernel_accuracy", True, 0.0, skipped="fla's Triton kernels need CUDA")
-        # The CP gradient check on the torch kernels (fla's need CUDA or the interpreter).
-        for kind in ("kda", "gdn"):
-            with timed() as t:
-                out = cp_gradient_check(kind, torch.device("cpu"), ["torch"], gen,
-                                        tokens_per_rank=32, heads=2, head_dim=16)  # fmt: skip
-            res.add(f"cp_gradients_{kind}", out["within_tol"], t(), **out)
+        # The CP gradient check's workers as on CUDA, on the torch kernels and small shapes
+        # (fla's need CUDA, or the interpreter: tests/test_gpu_check_fla.py).
+        with timed() as t:
+            codes = warm_up_and_check_kernels(args, {"heads": 2, "head_dim": 16}, [],
+                                              "float32", 0, [], cp_kinds=("kda", "gdn"))  # fmt: skip
+        res.add("cp_gradient_workers", not any(codes), t(), exit_codes=codes)
     if trainer_error is not None:
         fallback_model_step(args, res, gen)
         return
@@ -887,11 +887,13 @@ def run_worker(args, res: Results, gen) -> None:
     elif args.worker.startswith("cp_grad:"):
         kind = args.worker.split(":", 1)[1]
         shapes = json.loads(args.shapes)
-        # 4 x 128 tokens: the accuracy workers' 512, their head sizes (fla reuses their kernels;
-        # the summary pass adds value width V + K).
+        # CUDA: 4 x 128 tokens, the accuracy workers' 512 at their head sizes (fla reuses their
+        # kernels; the summary pass adds value width V + K). The dry run: torch, 4 x 32.
+        cuda = args.device == "cuda"
         with timed() as t:
-            out = cp_gradient_check(kind, torch.device("cuda"), ["torch", "fla"], gen,
-                                    tokens_per_rank=128, heads=shapes["heads"],
+            out = cp_gradient_check(kind, torch.device(args.device),
+                                    ["torch", "fla"] if cuda else ["torch"], gen,
+                                    tokens_per_rank=128 if cuda else 32, heads=shapes["heads"],
                                     head_dim=shapes["head_dim"])  # fmt: skip
         res.add(f"cp_gradients_{kind}", out["within_tol"], t(), **out,
                 fla_autotune=gpu_autotune.applied())  # fmt: skip
