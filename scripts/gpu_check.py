@@ -626,7 +626,8 @@ def warm_up_and_check_kernels(args, shapes: dict[str, int], kinds: list[str], dt
     """fla vs torch per kind, the CP gradient check per ``cp_kinds`` kind, and one model step
     (``flex``: its extra arguments) to compile flex attention, all at once in worker processes
     that append their own results."""
-    me = [sys.executable, str(Path(__file__).resolve()), "--device", args.device]
+    me = [sys.executable, str(Path(__file__).resolve()), "--device", args.device,
+          "--fla-autotune", args.fla_autotune]  # fmt: skip
     res = [a for p in args.results for a in ("--results", p)]
     cmds = [
         [*me, "--worker", f"accuracy:{kind}", "--stage", args.stage, "--dtype", dtype,
