@@ -200,3 +200,37 @@ def test_model_and_sequence_do_not_load_torchtitan_fsdp():
     from torchtitan_cp.models.hybrid.parallelize import parallelize_hybrid
 
     assert model_spec("debug").parallelize_fn is parallelize_hybrid
+
+
+@pytest.mark.slow
+def test_config_patch_exit_does_not_recompile_blocks_that_read_compile_on_one_rank():
+    # Shim 8, in a fresh interpreter (the shim is process-wide): a compiled function that reads
+    # the flag as functional collectives do, then inductor's pattern-matcher patch of it. Without
+    # the pin the patch's exit leaves False where the unset sentinel was and the function
+    # recompiles (found as two extra graphs at step 2 of a compiled pass-KV training that ran
+    # after another compiled training had warmed the inductor cache).
+    from tests.launch import run_python
+
+    code = """
+import sys, torch
+from torch._dynamo.utils import counters
+from torchtitan_cp import compat
+if sys.argv[-1] == "pin":
+    compat._shim_pin_compile_on_one_rank()
+@torch.compile(backend="eager", fullgraph=True)
+def f(x):
+    return x * 2 if torch.compiler.config.compile_on_one_rank else x + 1
+x = torch.ones(3)
+f(x)
+with torch.compiler.config.patch(compile_on_one_rank=False):
+    pass
+f(x)
+print(counters["stats"]["unique_graphs"])
+"""
+    graphs = {}
+    for mode in ("pin", "none"):
+        proc = run_python(code.replace('sys.argv[-1] == "pin"', repr(mode == "pin")), check=True)
+        graphs[mode] = int(proc.stdout.split()[-1])
+    assert graphs["pin"] == 1, graphs
+    # The mechanism itself: if torch stops rewriting the override, the pin can go.
+    assert graphs["none"] == 2, graphs

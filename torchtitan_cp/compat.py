@@ -4,7 +4,8 @@ Each shim has a one-line reason and a test in tests/test_compat.py. ``apply()`` 
 and must run before the trainer is built: the entry point (``torchtitan_cp.train``) calls it
 before loading any of torchtitan's trainer code, and ``HybridTrainer.__init__`` again.
 On CUDA machines only the shims that are not CPU-specific are applied; on torch 2.14 (the pin)
-the torch shims (5-7) are not applied, on torch 2.11-2.13 they let one process train.
+the torch shims (5-7) are not applied, on torch 2.11-2.13 they let one process train. Shim 8
+(a torch config pin for compiled runs) is applied everywhere.
 """
 
 from __future__ import annotations
@@ -273,6 +274,17 @@ def _shim_missing_tensorboard() -> None:
     sys.modules["torch.utils.tensorboard"] = module
 
 
+def _shim_pin_compile_on_one_rank() -> None:
+    # 8. torch's config ``patch`` writes the prior *value* back as a user override on exit, so
+    # inductor's first pattern-matcher init (``patch(compile_on_one_rank=False)``) turns the
+    # flag's unset sentinel into ``False``; functional collectives read the flag inside compiled
+    # blocks, dynamo guards that read's type, and every block compiled before that init
+    # recompiles once (a warm inductor cache moves the init to step 2). Pin it now, same value.
+    config = getattr(torch, "compiler", None) and getattr(torch.compiler, "config", None)
+    if config is not None and hasattr(config, "compile_on_one_rank"):
+        config.compile_on_one_rank = bool(config.compile_on_one_rank)
+
+
 def apply() -> None:
     """Apply every shim this machine needs (idempotent). The torch < 2.14 ones come first:
     the CPU ones import torchtitan modules that need them."""
@@ -287,6 +299,7 @@ def apply() -> None:
         _shim_device_bindings()
         _shim_pg_timeouts()
         _shim_grad_norm()
+    _shim_pin_compile_on_one_rank()
     _APPLIED = True
 
 
