@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,10 +35,12 @@ from .dtypes import compute_dtype
 from .fla import device_cu_seqlens
 
 __all__ = [
+    "OpArgs",
     "NS",
     "autograd_inside_op",
     "input_grads",
     "num_seqs",
+    "op_args",
     "op_offsets",
     "op_outputs",
     "recompute_grads",
@@ -64,6 +67,34 @@ def op_offsets(
     if backend != "fla":
         return None, cu_cpu
     return device_cu_seqlens(cu_seqlens, cu_cpu, device)
+
+
+class OpArgs(NamedTuple):
+    """The arguments every family's custom ops share (``op_args``)."""
+
+    scale: float
+    cu_seqlens: Tensor | None
+    cu_seqlens_cpu: Tensor | None
+    initial_state: Tensor | None
+
+
+def op_args(
+    backend: str,
+    K: int,
+    scale: float | None,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    initial_state: Tensor | None,
+    device: torch.device,
+) -> OpArgs:
+    """What a local kernel passes its custom op while dynamo traces: the scale (default
+    ``K ** -0.5``, a float in the schema), ``op_offsets`` and the initial state (float32 for the
+    fla ops, whose kernels keep states in float32)."""
+    scale = K**-0.5 if scale is None else float(scale)
+    cu_dev, cu_cpu = op_offsets(backend, cu_seqlens, cu_seqlens_cpu, device)
+    if backend == "fla" and initial_state is not None:
+        initial_state = initial_state.float()
+    return OpArgs(scale, cu_dev, cu_cpu, initial_state)
 
 
 @contextlib.contextmanager
