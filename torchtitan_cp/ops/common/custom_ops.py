@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -45,6 +45,7 @@ __all__ = [
     "op_outputs",
     "recompute_grads",
     "recompute_grads_fake",
+    "register_recompute_autograd",
     "state_like",
 ]
 
@@ -186,3 +187,24 @@ def recompute_grads_fake(
     else:
         dh0 = initial_state.new_empty(initial_state.shape)
     return tuple(x.new_empty(x.shape) for x in inputs) + (dh0,)
+
+
+def register_recompute_autograd(op: Any, backward_op: Any, num_options: int) -> None:
+    """Register ``op``'s autograd as a call of ``backward_op``, the pattern of every torch-kernel
+    op pair: ``op(*inputs, initial_state, cu_seqlens_cpu, *options)`` saves its tensors (None
+    allowed) and keeps its ``num_options`` trailing non-tensor arguments;
+    ``backward_op(*tensors, do, dfinal, *options)`` returns ``(d inputs..., dh0)``, and dh0 is
+    dropped when the op had no initial state (offsets and options have no gradient)."""
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        cut = len(inputs) - num_options
+        ctx.save_for_backward(*inputs[:cut])
+        ctx.options = inputs[cut:]
+
+    def backward(ctx: Any, do: Tensor, dfinal: Tensor) -> tuple[Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        *grads, dh0 = backward_op(*saved, do, dfinal, *ctx.options)
+        h0 = saved[-2]  # (..., initial_state, cu_seqlens_cpu)
+        return (*grads, dh0 if h0 is not None else None, None, *(None,) * num_options)
+
+    op.register_autograd(backward, setup_context=setup_context)
