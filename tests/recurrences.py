@@ -1,9 +1,14 @@
 """What every registered recurrence (``ops.cp.recurrence.RECURRENCES``) supplies to the shared
-recurrence tests: how to build it, an input maker and a float64 token-by-token oracle.
+recurrence tests: an input maker, a float64 token-by-token oracle, fla's own naive recurrence
+and the arguments of its custom ops.
 
-The shared tests (``tests/test_kernels_ssd.py``'s summary algebra, ``tests/test_cp_ssd.py``) read
-``CASES`` and nothing else; ``test_every_recurrence_has_cases`` fails for a registered recurrence
-without a case here, so a new recurrence is one registry line plus its cases.
+The shared harnesses read ``CASES`` and nothing else: the oracle and summary-algebra tests
+(``tests/test_recurrence_kernels.py``), CP against unsharded (``tests/test_cp_recurrences.py``),
+the custom ops' opcheck and compile-vs-eager (``tests/test_compile.py``) and the fla
+interpreter tier (``tests/test_fla_interpreter.py``). ``test_every_recurrence_has_cases``
+fails for a registered recurrence without a case here, so a new recurrence is one registry line
+plus its cases (and its oracle, a ``step`` for ``tests.reference.token_scan``); a new option of
+an existing recurrence is one more case.
 """
 
 from __future__ import annotations
@@ -18,24 +23,35 @@ from torch import Tensor
 
 from tests.reference import delta_rule_reference, ssd_reference
 
-__all__ = ["CASES", "H", "HV", "K", "V", "RecurrenceCase", "ssd_inputs"]
+__all__ = ["CASES", "H", "HV", "K", "V", "OpCall", "RecurrenceCase", "head_decay", "ssd_inputs"]
 
 H, HV, K, V = 1, 2, 8, 6  # HV = 2 H: grouped value heads (Mamba2's B/C groups, GVA)
+
+OpCall = tuple[Any, tuple[Any, ...]]
+"""A ``torch.library`` custom op and the arguments to call (or ``opcheck``) it with."""
 
 
 @dataclass(frozen=True)
 class RecurrenceCase:
     """One registered recurrence under test, with options.
 
-    ``inputs(T, seed, dtype)``: its token-major inputs ``[1, T, ...]`` (random, float64 values
-    cast to ``dtype``); ``oracle(*inputs, initial_state=, cu_seqlens=)``: ``(o, final)`` in
-    float64, token by token.
+    ``inputs(T, seed, dtype, K=, V=)``: its token-major inputs ``[1, T, ...]`` (random, float64
+    values cast to ``dtype``; H, HV as above, key and value widths K, V); ``names``: what to
+    call them in messages. ``oracle(*inputs, initial_state=, cu_seqlens=)``: ``(o, final)`` in
+    float64, token by token. ``fla_naive(*inputs, initial_state=)``: fla-core's own token loop
+    for one dense sequence (``(o, final)``). ``torch_op(inputs, h0, cu_cpu, scale)`` and
+    ``fla_op(inputs, h0, cu, cu_cpu, chunk_indices, chunk_offsets, scale)``: the custom op the local
+    kernel runs under torch.compile on that backend, with its arguments (``OpCall``).
     """
 
     id: str
     name: str
-    inputs: Callable[[int, int, torch.dtype], list[Tensor]]
+    inputs: Callable[..., list[Tensor]]
+    names: tuple[str, ...]
     oracle: Callable[..., tuple[Tensor, Tensor]]
+    fla_naive: Callable[..., tuple[Tensor, Tensor]]
+    torch_op: Callable[..., OpCall]
+    fla_op: Callable[..., OpCall]
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -43,16 +59,17 @@ def _rnd(gen: torch.Generator) -> Callable[..., Tensor]:
     return lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
 
 
-def ssd_inputs(T: int, seed: int, dtype: torch.dtype = torch.float64) -> list[Tensor]:
-    """``(q, k, v, g)`` for SSD: q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, g ``[1, T, HV]``."""
-    rnd = _rnd(torch.Generator().manual_seed(seed))
-    q, k, v = rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, HV, V)
-    g = -F.softplus(rnd(1, T, HV)) * 0.3
-    return [x.to(dtype) for x in (q, k, v, g)]
+def _rep(*xs: Tensor) -> list[Tensor]:
+    """q/k heads repeated to the value heads (fla's kernels without grouped heads)."""
+    return [x.repeat_interleave(HV // H, 2) for x in xs]
+
+
+# ----------------------------------------------------------------------------- delta rule
 
 
 def _delta_rule(kind: str) -> RecurrenceCase:
-    def inputs(T: int, seed: int, dtype: torch.dtype = torch.float64) -> list[Tensor]:
+    def inputs(T: int, seed: int, dtype: torch.dtype = torch.float64, *, K: int = K,
+               V: int = V) -> list[Tensor]:  # fmt: skip
         rnd = _rnd(torch.Generator().manual_seed(seed))
         q, k = F.normalize(rnd(1, T, H, K), dim=-1), F.normalize(rnd(1, T, H, K), dim=-1)
         v = rnd(1, T, HV, V)
@@ -63,7 +80,42 @@ def _delta_rule(kind: str) -> RecurrenceCase:
     def oracle(*xs: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
         return delta_rule_reference(*xs, kind=kind, **kw)
 
-    return RecurrenceCase(kind, kind, inputs, oracle)
+    def fla_naive(q, k, v, g, beta, *, initial_state):
+        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+        from fla.ops.kda.naive import naive_recurrent_kda
+
+        if kind == "kda":
+            return naive_recurrent_kda(q, k, v, g, beta, initial_state=initial_state,
+                                       output_final_state=True)  # fmt: skip
+        # The naive GDN has no grouped heads.
+        return naive_recurrent_gated_delta_rule(*_rep(q, k), v, beta, g,
+                                                initial_state=initial_state,
+                                                output_final_state=True)  # fmt: skip
+
+    def torch_op(xs, h0, cu_cpu, scale) -> OpCall:
+        from torchtitan_cp.ops.delta_rule.custom_ops import delta_rule_torch_op
+
+        return delta_rule_torch_op, (*xs, h0, cu_cpu, kind, scale)
+
+    def fla_op(xs, h0, cu, cu_cpu, chunk_indices, chunk_offsets, scale) -> OpCall:
+        from torchtitan_cp.ops.delta_rule.custom_ops import delta_rule_fla_op
+
+        return delta_rule_fla_op, (*xs, h0, cu, cu_cpu, chunk_indices, kind, scale, True)
+
+    return RecurrenceCase(kind, kind, inputs, ("q", "k", "v", "g", "beta"), oracle, fla_naive,
+                          torch_op, fla_op)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- SSD
+
+
+def ssd_inputs(T: int, seed: int, dtype: torch.dtype = torch.float64, *, K: int = K,
+               V: int = V) -> list[Tensor]:  # fmt: skip
+    """``(q, k, v, g)`` for SSD: q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, g ``[1, T, HV]``."""
+    rnd = _rnd(torch.Generator().manual_seed(seed))
+    q, k, v = rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, HV, V)
+    g = -F.softplus(rnd(1, T, HV)) * 0.3
+    return [x.to(dtype) for x in (q, k, v, g)]
 
 
 def head_decay(heads: int, like: Tensor) -> Tensor:
@@ -71,8 +123,39 @@ def head_decay(heads: int, like: Tensor) -> Tensor:
     return -0.1 * torch.arange(1, heads + 1, device=like.device, dtype=like.dtype)
 
 
-def _fixed_decay_inputs(T: int, seed: int, dtype: torch.dtype = torch.float64) -> list[Tensor]:
-    return ssd_inputs(T, seed, dtype)[:3]  # (q, k, v): the gate is the fixed decay
+def _gated(xs: list[Tensor] | tuple[Tensor, ...]) -> list[Tensor]:
+    """SSD's ``(q, k, v, g)``: a fixed-decay case's ``(q, k, v)`` with its decay per token."""
+    if len(xs) == 4:
+        return list(xs)
+    q, k, v = xs
+    return [q, k, v, head_decay(v.shape[2], v).expand(1, v.shape[1], -1).contiguous()]
+
+
+def _ssd_fla_naive(*xs: Tensor, initial_state: Tensor) -> tuple[Tensor, Tensor]:
+    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+
+    q, k, v, g = _gated(xs)
+    return naive_recurrent_simple_gla(*_rep(q, k), v, g, initial_state=initial_state,
+                                      output_final_state=True)  # fmt: skip
+
+
+def _ssd_torch_op(xs, h0, cu_cpu, scale) -> OpCall:
+    from torchtitan_cp.ops.ssd.custom_ops import ssd_torch_op
+
+    return ssd_torch_op, (*_gated(xs), h0, cu_cpu, scale)
+
+
+def _ssd_fla_op(xs, h0, cu, cu_cpu, chunk_indices, chunk_offsets, scale) -> OpCall:
+    from torchtitan_cp.ops.ssd.custom_ops import ssd_fla_op
+
+    q, k, v, g = _gated(xs)
+    # As chunk_ssd calls it: q/k repeated to the value heads, both chunk tables.
+    return ssd_fla_op, (*_rep(q, k), v, g, h0, cu, cu_cpu, chunk_indices, chunk_offsets, scale,
+                        True)  # fmt: skip
+
+
+def _fixed_decay_inputs(T: int, seed: int, dtype: torch.dtype = torch.float64, **kw: int):
+    return ssd_inputs(T, seed, dtype, **kw)[:3]  # (q, k, v): the gate is the fixed decay
 
 
 def _fixed_decay_oracle(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
@@ -83,13 +166,26 @@ def _fixed_decay_oracle(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Ten
 CASES: list[RecurrenceCase] = [
     _delta_rule("kda"),
     _delta_rule("gdn"),
-    RecurrenceCase("ssd", "ssd", ssd_inputs, ssd_reference),
+    RecurrenceCase(
+        "ssd",
+        "ssd",
+        ssd_inputs,
+        ("q", "k", "v", "g"),
+        ssd_reference,
+        _ssd_fla_naive,
+        _ssd_torch_op,
+        _ssd_fla_op,
+    ),  # fmt: skip
     # SSD with a fixed decay per head instead of the gate input (what retention runs).
     RecurrenceCase(
         "ssd-fixed-decay",
         "ssd",
         _fixed_decay_inputs,
+        ("q", "k", "v"),
         _fixed_decay_oracle,
+        _ssd_fla_naive,
+        _ssd_torch_op,
+        _ssd_fla_op,
         {"fixed_decay": head_decay},
-    ),
+    ),  # fmt: skip
 ]

@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["conv_reference", "delta_rule_reference", "rel_err", "seq_bounds", "ssd_reference"]
+__all__ = [
+    "conv_reference",
+    "delta_rule_reference",
+    "rel_err",
+    "seq_bounds",
+    "ssd_reference",
+    "token_scan",
+]
 
 
 def rel_err(actual: Tensor, ref: Tensor) -> float:
@@ -67,7 +74,7 @@ def delta_rule_reference(
         pred = torch.einsum("hk,hkv->hv", kt, S)  # current read-out of key k_t
         return S + b64[t][:, None, None] * kt[..., None] * (vt - pred)[:, None, :]
 
-    return _scan(q, k, v, step, scale, initial_state, cu_seqlens)
+    return token_scan(q, k, v, step, scale, initial_state, cu_seqlens)
 
 
 def ssd_reference(
@@ -91,10 +98,10 @@ def ssd_reference(
     def step(S: Tensor, t: int, kt: Tensor, vt: Tensor) -> Tensor:
         return g64[t].exp()[:, None, None] * S + kt[..., None] * vt[:, None, :]
 
-    return _scan(q, k, v, step, scale, initial_state, cu_seqlens)
+    return token_scan(q, k, v, step, scale, initial_state, cu_seqlens)
 
 
-def _scan(
+def token_scan(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -103,10 +110,14 @@ def _scan(
     initial_state: Tensor | None,
     cu_seqlens: Tensor | Sequence[int] | None,
 ) -> tuple[Tensor, Tensor]:
-    """The token loop both state oracles share: per sequence, the state ``S [HV,K,V]`` starts at
-    ``initial_state[n]`` (zeros when None), becomes ``step(S, t, k_t, v_t)`` at every token and
-    is read out as ``o_t = S_tᵀ (scale q_t)``. q/k heads are repeated to the HV value heads
-    (q/k head ``h`` serves value heads ``h*G .. h*G+G-1``); everything is float64."""
+    """The token loop every state oracle shares (a new recurrence's oracle is its ``step``).
+
+    Per sequence, the state ``S [HV,K,V]`` starts at ``initial_state[n]`` (zeros when None),
+    becomes ``step(S, t, k_t, v_t)`` at every token (``k_t [HV,K]``, ``v_t [HV,V]``; ``t`` indexes
+    the caller's own per-token tensors) and is read out as ``o_t = S_tᵀ (scale q_t)``. q, k
+    ``[1,T,H,K]`` are repeated to the HV value heads of v ``[1,T,HV,V]`` (q/k head ``h`` serves
+    value heads ``h*G .. h*G+G-1``); everything is float64. Returns ``(o [1,T,HV,V],
+    final_states [N,HV,K,V])``, differentiable."""
     T, H, K = q.shape[1:]
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale

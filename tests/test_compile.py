@@ -1,8 +1,9 @@
 """torch.compile support: the kernels' custom ops, fixed routing shapes, the compile check.
 
-* The PyTorch kernels' custom ops (delta rule, conv, SSD) give the plain kernels' outputs and
-  gradients bit for bit and pass ``torch.library.opcheck`` (schema, fake impl, autograd
-  registration).
+* Every registered recurrence (every case of tests/recurrences.py): its torch custom op gives
+  the eager kernel's outputs and gradients bit for bit and passes ``torch.library.opcheck``
+  (schema, fake impl, autograd registration; no state, permuted inputs), and its local kernel
+  compiles fullgraph to eager's outputs and gradients. The conv op likewise.
 * fla-core's ops: fake impls give the shapes/dtypes fla returns (checked on CPU under
   FakeTensorMode); opcheck against the real Triton kernels runs on CUDA only.
 * The local kernels compile with ``fullgraph=True`` and do not recompile when the document
@@ -19,15 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist_utils import random_cu_seqlens, run_distributed
+from tests.recurrences import CASES, RecurrenceCase
 from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule
 from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
 from torchtitan_cp.ops.conv import custom_ops as conv_ops
 from torchtitan_cp.ops.conv.torch_kernel import causal_conv1d_torch
+from torchtitan_cp.ops.cp.recurrence import SequenceTables, recurrence, run_local
 from torchtitan_cp.ops.delta_rule import custom_ops as delta_ops
-from torchtitan_cp.ops.delta_rule.torch_kernel import chunk_delta_rule_torch
 from torchtitan_cp.ops.ssd import custom_ops as ssd_ops
 from torchtitan_cp.ops.ssd.local import chunk_ssd
-from torchtitan_cp.ops.ssd.torch_kernel import chunk_ssd_torch
 from torchtitan_cp.routing import RoutingPlan, host_layout
 from torchtitan_cp.trainer.compile import CAP_KEYS, check_compile, routing_caps
 from torchtitan_cp.trainer.config import ConfigError
@@ -55,55 +56,68 @@ def _delta_inputs(kind: str, n: int, dtype=torch.float64, seed: int = 0):
 CU = torch.tensor([0, 13, 13, T], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def _case_inputs(case: RecurrenceCase, dtype=torch.float64, seed: int = 0) -> list[torch.Tensor]:
+    """The case's inputs at T tokens and an initial state for CU's three sequences, as leaves."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    h0 = torch.randn(3, HV, K, V, generator=gen, dtype=torch.float64)
+    return [x.to(dtype).requires_grad_(True) for x in (*case.inputs(T, seed), h0)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("with_final", [True, False])
-def test_delta_rule_torch_op_matches_kernel_bitwise(kind, with_final):
-    ins = _delta_inputs(kind, 3)
-    o, fin = chunk_delta_rule_torch(
-        *ins[:5], kind=kind, scale=0.4, initial_state=ins[5], output_final_state=True,
-        cu_seqlens_cpu=CU,
-    )  # fmt: skip
+def test_torch_op_matches_kernel_bitwise(case, with_final):
+    # Every registered recurrence's eager torch kernel (through the registry) and the custom op
+    # torch.compile runs instead: outputs and every gradient, bit for bit.
+    ins = _case_inputs(case)
+    rec = recurrence(case.name, backend="torch", scale=0.4, **case.options)
+    o, fin = run_local(rec, tuple(ins[:-1]), SequenceTables(CU, CU, None, None), ins[-1], True)
     assert fin is not None
-    o2, fin2 = delta_ops.delta_rule_torch_op(*ins, CU, kind, 0.4)
+    op, args = case.torch_op(ins[:-1], ins[-1], CU, 0.4)
+    o2, fin2 = op(*args)
     assert torch.equal(o, o2) and torch.equal(fin, fin2)
     do, dfin = torch.randn_like(o), torch.randn_like(fin)
     cots = [do, dfin] if with_final else [do]
     ref = torch.autograd.grad([o, fin][: len(cots)], ins, cots)
     got = torch.autograd.grad([o2, fin2][: len(cots)], ins, cots)
-    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], ref, got):
+    for name, a, b in zip([*case.names, "h0"], ref, got, strict=True):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("kind", ["kda", "gdn"])
-def test_delta_rule_torch_op_opcheck(kind):
-    ins = _delta_inputs(kind, 3, torch.float32)
-    torch.library.opcheck(delta_ops.delta_rule_torch_op, (*ins, CU, kind, 0.4))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_torch_op_opcheck(case):
+    ins = _case_inputs(case, torch.float32)
+    torch.library.opcheck(*case.torch_op(ins[:-1], ins[-1], CU, 0.4))
     # No initial state, one sequence.
-    torch.library.opcheck(delta_ops.delta_rule_torch_op, (*ins[:5], None, None, kind, 0.4))
+    torch.library.opcheck(*case.torch_op(ins[:-1], None, None, 0.4))
     # Dense but permuted inputs (a head-major buffer seen token-major): the fakes promise
     # contiguous outputs and gradients, as the real ops return them (issue 25).
     permuted = [x.detach().movedim(1, -1).contiguous().movedim(-1, 1).requires_grad_(True)
-                for x in ins[:5]]  # fmt: skip
+                for x in ins[:-1]]  # fmt: skip
     assert not permuted[0].is_contiguous()
-    torch.library.opcheck(delta_ops.delta_rule_torch_op, (*permuted, ins[5], CU, kind, 0.4))
-    if kind == "gdn":  # a scalar gate per head: SSD's inputs
-        torch.library.opcheck(ssd_ops.ssd_torch_op, (*permuted[:4], ins[5], CU, 0.4))
+    torch.library.opcheck(*case.torch_op(permuted, ins[-1], CU, 0.4))
 
 
-def test_ssd_torch_op_matches_kernel_bitwise_and_opcheck():
-    q, k, v, g, _, h0 = _delta_inputs("gdn", 3)
-    ins = [q, k, v, g, h0]
-    o, fin = chunk_ssd_torch(q, k, v, g, scale=0.4, initial_state=h0, output_final_state=True,
-                             cu_seqlens_cpu=CU)  # fmt: skip
-    assert o is not None and fin is not None
-    o2, fin2 = ssd_ops.ssd_torch_op(*ins, CU, 0.4)
-    assert torch.equal(o, o2) and torch.equal(fin, fin2)
-    cots = [torch.randn_like(o), torch.randn_like(fin)]
-    for a, b in zip(torch.autograd.grad([o, fin], ins, cots), torch.autograd.grad([o2, fin2], ins, cots)):  # fmt: skip
-        assert torch.equal(a, b)
-    f32 = [x.detach().float().requires_grad_(True) for x in ins]
-    torch.library.opcheck(ssd_ops.ssd_torch_op, (*f32, CU, 0.4))
-    torch.library.opcheck(ssd_ops.ssd_torch_op, (*f32[:4], None, None, 0.4))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_local_kernel_compiles_like_eager(case):
+    # Every registered recurrence through the registry, fullgraph on aot_eager (its custom op)
+    # against eager: outputs, final states and every gradient, float32.
+    ins = _case_inputs(case, torch.float32, seed=2)
+    rec = recurrence(case.name, backend="torch", **case.options)
+    tables = SequenceTables(CU, CU, None, None)
+
+    def run(*xs):
+        return run_local(rec, xs[:-1], tables, xs[-1], True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
+    ref, got = run(*ins), compiled(*ins)
+    cots = [torch.randn_like(x) for x in ref]
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    ref_grads = torch.autograd.grad(ref, ins, cots)
+    got_grads = torch.autograd.grad(got, ins, cots)
+    for name, a, b in zip([*case.names, "h0"], ref_grads, got_grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=name)
 
 
 def test_conv_torch_op_matches_kernel_bitwise_and_opcheck():

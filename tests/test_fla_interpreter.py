@@ -2,8 +2,9 @@
 
 tests/conftest.py installs the interpreter (tests/fla_interpreter.py) before collection; where it
 cannot (no triton, another triton, CUDA present) every test here skips with that one line.
-Everything runs in float32 (the interpreter computes in numpy; bf16 is not supported there) at
-small shapes: T = 64 (dense) or 128 (packed, with empty and one-token sequences), K = V = 32,
+The recurrence checks run every case of tests/recurrences.py (every registered recurrence and
+its options) through the registry, so a new recurrence needs no edit here. Everything runs in
+float32 (the interpreter computes in numpy; bf16 is not supported there) at small shapes: T = 64 (dense) or 128 (packed, with empty and one-token sequences), K = V = 32,
 grouped value heads (HV = 2 H).
 
 Tolerances, as ``rel_err`` (max |a - b| / max(1, max |b|)):
@@ -26,8 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from tests import fla_interpreter
+from tests.recurrences import CASES, RecurrenceCase
 from tests.reference import rel_err
 from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule
+from torchtitan_cp.ops.cp.recurrence import SequenceTables, run_local
+from torchtitan_cp.ops.cp.recurrence import recurrence as registered
 from torchtitan_cp.ops.ssd.local import chunk_ssd
 from torchtitan_cp.routing import chunk_indices, chunk_offsets
 
@@ -51,22 +55,18 @@ def report(check: str, err: float, tol: float) -> None:
     assert err <= tol, f"{check}: {err:.3e} > {tol:.0e}"
 
 
-def _inputs(kind: str, layout: str) -> list[torch.Tensor]:
-    """Leaves (q, k, v, g, [beta,] h0) for kind = kda | gdn | ssd, float32."""
+CASE = {c.id: c for c in CASES}
+ids = pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+
+
+def _inputs(case: RecurrenceCase, layout: str) -> list[torch.Tensor]:
+    """Leaves: the case's inputs (float32, K = V = 32) and an initial state ``h0``."""
     cu = LAYOUTS[layout]
     T = T_DENSE if cu is None else cu[-1]
     N = 1 if cu is None else len(cu) - 1
-    gen = torch.Generator().manual_seed(sum(map(ord, kind + layout)))  # stable across runs
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    q, k = F.normalize(rnd(1, T, H, K), dim=-1), F.normalize(rnd(1, T, H, K), dim=-1)
-    v = rnd(1, T, HV, V)
-    g = -F.softplus(rnd(*((1, T, HV, K) if kind == "kda" else (1, T, HV)))) * 0.5
-    beta = torch.sigmoid(rnd(1, T, HV))
-    h0 = rnd(N, HV, K, V) * 0.1
-    return [q, k, v, g, h0] if kind == "ssd" else [q, k, v, g, beta, h0]
+    seed = sum(map(ord, case.id + layout))  # stable across runs
+    h0 = torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(seed)) * 0.1
+    return [*case.inputs(T, seed, torch.float32, K=K, V=V), h0]
 
 
 def _cotangents(o: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,71 +75,47 @@ def _cotangents(o: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 @functools.cache
-def recurrence(kind: str, layout: str, backend: str, tables: bool = False):
-    """(o, final, grads of every leaf) of one kernel call; cached: checks share the runs."""
+def recurrence(case_id: str, layout: str, backend: str, tables: bool = False):
+    """(o, final, grads of every leaf) of one local kernel call through the registry; cached:
+    checks share the runs."""
+    case = CASE[case_id]
     cu = LAYOUTS[layout]
-    leaves = [x.clone().requires_grad_(True) for x in _inputs(kind, layout)]
-    kw: dict = dict(initial_state=leaves[-1], output_final_state=True, backend=backend)
+    leaves = [x.clone().requires_grad_(True) for x in _inputs(case, layout)]
+    seq = SequenceTables(None, None, None, None)  # type: ignore[arg-type]  # one dense sequence
     if cu is not None:
         cu_t = torch.tensor(cu, dtype=torch.int32)
-        kw.update(cu_seqlens=cu_t, cu_seqlens_cpu=cu_t)
-        if tables:
-            kw.update(chunk_indices=chunk_indices(cu_t, 64), chunk_offsets=chunk_offsets(cu_t, 64))
-    if kind == "ssd":
-        o, final = chunk_ssd(*leaves[:-1], **kw)
-    else:
-        o, final = chunk_delta_rule(*leaves[:-1], kind=kind, **kw)
+        ci, co = (chunk_indices(cu_t, 64), chunk_offsets(cu_t, 64)) if tables else (None, None)
+        seq = SequenceTables(cu_t, cu_t, ci, co)
+    rec = registered(case.name, backend=backend, **case.options)
+    o, final = run_local(rec, tuple(leaves[:-1]), seq, leaves[-1], True)
     do, dfinal = _cotangents(o, final)
     grads = torch.autograd.grad((o * do).sum() + (final * dfinal).sum(), leaves)
     return o.detach(), final.detach(), grads
 
 
-def _names(kind: str) -> list[str]:
-    return ["q", "k", "v", "g", "h0"] if kind == "ssd" else ["q", "k", "v", "g", "beta", "h0"]
-
-
 @pytest.mark.parametrize("layout", ["dense", "varlen"])
-@pytest.mark.parametrize("kind", ["kda", "gdn", "ssd"])
-def test_fla_matches_torch_backend(kind, layout):
-    o, fin, grads = recurrence(kind, layout, "fla")
-    o_ref, fin_ref, grads_ref = recurrence(kind, layout, "torch")
-    report(f"{kind} {layout} o vs torch", rel_err(o, o_ref), TOL)
-    report(f"{kind} {layout} final vs torch", rel_err(fin, fin_ref), TOL)
-    for name, a, b in zip(_names(kind), grads, grads_ref):
-        report(f"{kind} {layout} d{name} vs torch", rel_err(a, b), TOL)
+@ids
+def test_fla_matches_torch_backend(case, layout):
+    o, fin, grads = recurrence(case.id, layout, "fla")
+    o_ref, fin_ref, grads_ref = recurrence(case.id, layout, "torch")
+    report(f"{case.id} {layout} o vs torch", rel_err(o, o_ref), TOL)
+    report(f"{case.id} {layout} final vs torch", rel_err(fin, fin_ref), TOL)
+    for name, a, b in zip([*case.names, "h0"], grads, grads_ref, strict=True):
+        report(f"{case.id} {layout} d{name} vs torch", rel_err(a, b), TOL)
 
 
-@pytest.mark.parametrize("kind", ["kda", "gdn", "ssd"])
-def test_fla_matches_its_naive_recurrence(kind):
+@ids
+def test_fla_matches_its_naive_recurrence(case):
     """Dense: fla's chunked kernels against fla's own token-by-token PyTorch references."""
-    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
-    from fla.ops.kda.naive import naive_recurrent_kda
-    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
-
-    o, fin, grads = recurrence(kind, "dense", "fla")
-    leaves = [x.clone().requires_grad_(True) for x in _inputs(kind, "dense")]
-    rep = HV // H
-    if kind == "kda":
-        q, k, v, g, beta, h0 = leaves
-        o_ref, fin_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0,
-                                             output_final_state=True)  # fmt: skip
-    elif kind == "gdn":  # the naive GDN has no grouped heads: repeat q / k per value head
-        q, k, v, g, beta, h0 = leaves
-        qr, kr = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
-        o_ref, fin_ref = naive_recurrent_gated_delta_rule(
-            qr, kr, v, beta, g, initial_state=h0, output_final_state=True
-        )
-    else:
-        q, k, v, g, h0 = leaves
-        qr, kr = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
-        o_ref, fin_ref = naive_recurrent_simple_gla(qr, kr, v, g, initial_state=h0,
-                                                    output_final_state=True)  # fmt: skip
+    o, fin, grads = recurrence(case.id, "dense", "fla")
+    leaves = [x.clone().requires_grad_(True) for x in _inputs(case, "dense")]
+    o_ref, fin_ref = case.fla_naive(*leaves[:-1], initial_state=leaves[-1])
     do, dfinal = _cotangents(o_ref, fin_ref)
     grads_ref = torch.autograd.grad((o_ref * do).sum() + (fin_ref * dfinal).sum(), leaves)
-    report(f"{kind} dense o vs naive", rel_err(o, o_ref.detach()), TOL)
-    report(f"{kind} dense final vs naive", rel_err(fin, fin_ref.detach()), TOL)
-    for name, a, b in zip(_names(kind), grads, grads_ref):
-        report(f"{kind} dense d{name} vs naive", rel_err(a, b), TOL)
+    report(f"{case.id} dense o vs naive", rel_err(o, o_ref.detach()), TOL)
+    report(f"{case.id} dense final vs naive", rel_err(fin, fin_ref.detach()), TOL)
+    for name, a, b in zip([*case.names, "h0"], grads, grads_ref, strict=True):
+        report(f"{case.id} dense d{name} vs naive", rel_err(a, b), TOL)
 
 
 def test_retention_on_fla_matches_torch_and_fla_chunk_retention():
@@ -150,12 +126,10 @@ def test_retention_on_fla_matches_torch_and_fla_chunk_retention():
     from fla.ops.retention import chunk_retention
 
     from torchtitan_cp.models.mixers.retention import retention_decay
-    from torchtitan_cp.ops.cp.recurrence import SequenceTables, run_local
-    from torchtitan_cp.ops.cp.recurrence import recurrence as registered
 
     cu_t = torch.tensor(CU, dtype=torch.int32)
     tables = SequenceTables(cu_t, cu_t, None, None)
-    q, k, v, _, h0 = _inputs("ssd", "varlen")
+    q, k, v, _, h0 = _inputs(CASE["ssd"], "varlen")
 
     def run(fn):
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v, h0)]
@@ -180,17 +154,17 @@ def test_retention_on_fla_matches_torch_and_fla_chunk_retention():
             report(f"retention varlen {name} vs {ref_name}", rel_err(a, b), TOL)
 
 
-@pytest.mark.parametrize("kind", ["kda", "gdn", "ssd"])
-def test_routing_tables_give_fla_results_bitwise(kind):
+@ids
+def test_routing_tables_give_fla_results_bitwise(case):
     """With the routing's host-built tables (KDA through ``fla_compat.chunk_kda_indexed``, GDN
     through fla's ``chunk_indices``, SSD through ``fla_compat.chunk_simple_gla_indexed``) the
     results are fla's own, bit for bit."""
-    o, fin, grads = recurrence(kind, "varlen", "fla", tables=True)
-    o_own, fin_own, grads_own = recurrence(kind, "varlen", "fla", tables=False)
+    o, fin, grads = recurrence(case.id, "varlen", "fla", tables=True)
+    o_own, fin_own, grads_own = recurrence(case.id, "varlen", "fla", tables=False)
     assert torch.equal(o, o_own) and torch.equal(fin, fin_own)
-    for name, a, b in zip(_names(kind), grads, grads_own):
+    for name, a, b in zip([*case.names, "h0"], grads, grads_own, strict=True):
         assert torch.equal(a, b), f"d{name}"
-    print(f"[fla_interpreter] {kind} varlen routing tables vs fla's own: bitwise")
+    print(f"[fla_interpreter] {case.id} varlen routing tables vs fla's own: bitwise")
 
 
 @functools.cache
@@ -234,35 +208,22 @@ def test_fla_conv_matches_torch_backend(layout):
 CU_OP = [0, 0, 20, 20, 64]  # two empty sequences
 
 
-def _op_args(kind: str) -> tuple:
+def _fla_op(case: RecurrenceCase):
+    """The case's fla custom op and its arguments (as its local kernel calls it under
+    torch.compile: the routing's chunk tables), float32 leaves."""
     gen = torch.Generator().manual_seed(11)
     T, N = CU_OP[-1], len(CU_OP) - 1
-    q, k = (F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1) for _ in range(2))
-    v = torch.randn(1, T, HV, V, generator=gen)
-    g = -F.softplus(torch.randn(*((1, T, HV, K) if kind == "kda" else (1, T, HV)), generator=gen))
-    beta = torch.sigmoid(torch.randn(1, T, HV, generator=gen))
-    h0 = torch.randn(N, HV, K, V, generator=gen) * 0.1
+    xs = [x.requires_grad_(True) for x in case.inputs(T, 11, torch.float32, K=K, V=V)]
+    h0 = (torch.randn(N, HV, K, V, generator=gen) * 0.1).requires_grad_(True)
     cu = torch.tensor(CU_OP, dtype=torch.int32)
-    leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta, h0)]
-    if kind == "ssd":  # ssd_fla's arguments: q/k repeated to the value heads, both tables
-        qr, kr = (x.detach().repeat_interleave(HV // H, 2).requires_grad_(True) for x in (q, k))
-        tables = (chunk_indices(cu, 64), chunk_offsets(cu, 64))
-        return (qr, kr, v, g, h0, cu, cu, *tables, K**-0.5, True)
-    return (*leaves, cu, cu, None, kind, K**-0.5, True)
+    return case.fla_op(xs, h0, cu, cu, chunk_indices(cu, 64), chunk_offsets(cu, 64), K**-0.5)
 
 
-def _fla_op(kind: str):
-    from torchtitan_cp.ops.delta_rule import custom_ops as delta_ops
-    from torchtitan_cp.ops.ssd import custom_ops as ssd_ops
-
-    return ssd_ops.ssd_fla_op if kind == "ssd" else delta_ops.delta_rule_fla_op
-
-
-@pytest.mark.parametrize("kind", ["kda", "gdn", "ssd"])
-def test_fla_op_writes_every_output_element(kind, monkeypatch):
+@ids
+def test_fla_op_writes_every_output_element(case, monkeypatch):
     """Every allocation fla makes is NaN-filled: finite outputs mean each element the op returns
     was written (an op returning uninitialised memory differs from run to run)."""
-    op = _fla_op(kind)
+    op, args = _fla_op(case)
     for name in ("empty", "empty_like"):
         real = getattr(torch, name)
 
@@ -271,15 +232,15 @@ def test_fla_op_writes_every_output_element(kind, monkeypatch):
             return t.fill_(float("nan")) if t.is_floating_point() else t
 
         monkeypatch.setattr(torch, name, poisoned)
-    args = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in _op_args(kind))
+    args = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args)
     outs = op(*args)
     for name, out in zip(("o", "final", "g_cumsum", "A1", "A2"), outs):
-        assert torch.isfinite(out).all(), f"{kind} {name}: {int(out.isnan().sum())} unwritten"
+        assert torch.isfinite(out).all(), f"{case.id} {name}: {int(out.isnan().sum())} unwritten"
 
 
-@pytest.mark.parametrize("kind", ["kda", "gdn", "ssd"])
-def test_fla_op_opcheck(kind):
-    torch.library.opcheck(_fla_op(kind), _op_args(kind))
+@ids
+def test_fla_op_opcheck(case):
+    torch.library.opcheck(*_fla_op(case))
 
 
 def test_fla_conv_op_opcheck():
@@ -379,8 +340,10 @@ CP_ROWS, CP_ROW_LEN = 2, 48  # PTRR: 8-token blocks x 2 or 3 ranks divide 48
 
 
 def _cp_layouts(world: int) -> list[tuple[str, str, list[int], list]]:
-    """(kind, layout name, cu, table): GDN over the balancers' layouts, KDA (2 ranks) and SSD
-    (3 ranks) over a random table (KDA's kernels cost the most under the interpreter)."""
+    """(case id, layout name, cu, table): the balancers' layouts (contiguous, head-tail, PTRR)
+    and a random table, 4 per world; every case gets one at each world, rotating so that the
+    cases of tests/recurrences.py share the layouts and the work stays 8 runs per spawn while
+    there are at most 4 cases (KDA's kernels cost the most under the interpreter)."""
     from tests.dist_utils import random_cu_seqlens, random_layout
     from torchtitan_cp.routing import contiguous_fragments, headtail_fragments, host_layout
 
@@ -389,46 +352,42 @@ def _cp_layouts(world: int) -> list[tuple[str, str, list[int], list]]:
     positions = torch.cat([torch.arange(b - a) for a, b in zip(cus[2][:-1], cus[2][1:])])
     ptrr = host_layout(positions.view(CP_ROWS, CP_ROW_LEN), load_balancer="ptrr",
                        world_size=world, device="cpu", block_size=8)  # fmt: skip
-    return [
-        ("gdn", "contiguous", cus[0], contiguous_fragments(CP_ROW_LEN, CP_ROWS, world)),
-        ("gdn", "head-tail", cus[1], headtail_fragments(CP_ROW_LEN, CP_ROWS, world)),
-        ("gdn", "ptrr", cus[2], ptrr.fragments),
-        ("kda" if world == 2 else "ssd", "random", cus[3],
-         random_layout(gen, CP_ROWS * CP_ROW_LEN, world)),
-    ]  # fmt: skip
+    layouts = [
+        ("contiguous", cus[0], contiguous_fragments(CP_ROW_LEN, CP_ROWS, world)),
+        ("head-tail", cus[1], headtail_fragments(CP_ROW_LEN, CP_ROWS, world)),
+        ("ptrr", cus[2], ptrr.fragments),
+        ("random", cus[3], random_layout(gen, CP_ROWS * CP_ROW_LEN, world)),
+    ]
+    shift = world - 2
+    return [(c.id, *layouts[(i + shift) % len(layouts)]) for i, c in enumerate(CASES)]
 
 
-def _cp_case(rank, group, kind, cu, table) -> dict[str, float]:
+def _cp_case(rank, group, case_id, cu, table) -> dict[str, float]:
     from tests.dist_utils import device_routing, local_subsequences, span_index
-    from torchtitan_cp.ops import context_parallel_delta_rule
-    from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
+    from torchtitan_cp.ops.cp.driver import context_parallel_recurrence
 
+    case = CASE[case_id]
     total, n_docs = cu[-1], len(cu) - 1
     gen = torch.Generator().manual_seed(total + n_docs)
-    q, k = (F.normalize(torch.randn(1, total, H, K, generator=gen), dim=-1) for _ in range(2))
-    v = torch.randn(1, total, HV, V, generator=gen)
-    g = -F.softplus(torch.randn(*((1, total, HV, K) if kind == "kda" else (1, total, HV)),
-                                generator=gen)) * 0.5  # fmt: skip
-    beta = torch.sigmoid(torch.randn(1, total, HV, generator=gen))
-    full = [q, k, v, g] if kind == "ssd" else [q, k, v, g, beta]
+    full = case.inputs(total, total + n_docs, torch.float32, K=K, V=V)
     d_o = torch.randn(1, total, HV, V, generator=gen)
     d_f = torch.randn(n_docs, HV, K, V, generator=gen)
 
-    def run(inputs, **kw):
-        if kind == "ssd":
-            return context_parallel_ssd(*inputs, output_final_state=True, **kw)
-        return context_parallel_delta_rule(*inputs, kind=kind, output_final_state=True, **kw)
+    def run(inputs, backend, **kw):
+        rec = registered(case.name, backend=backend, **case.options)
+        return context_parallel_recurrence(rec, tuple(inputs), output_final_state=True, **kw)
 
     # Unsharded: world 1, one fragment, float64 PyTorch kernel.
     ref = [x.double().requires_grad_(True) for x in full]
-    o_ref, f_ref = run(ref, routing=device_routing(cu, [[(0, total)]], 0), group=None,
-                       backend="torch")  # fmt: skip
+    o_ref, f_ref = run(ref, "torch", routing=device_routing(cu, [[(0, total)]], 0), group=None)
+    assert f_ref is not None
     ((o_ref * d_o).sum() + (f_ref * d_f).sum()).backward()
     # This rank's span on the fla backend.
     routing = device_routing(cu, table, rank)
     span = torch.tensor(span_index(table[rank]), dtype=torch.int64)
     loc = [x.index_select(1, span).requires_grad_(True) for x in full]
-    o, fin = run(loc, routing=routing, group=group, backend="fla")
+    o, fin = run(loc, "fla", routing=routing, group=group)
+    assert fin is not None
     subs = local_subsequences(cu, table[rank])
     term = routing.terminal.tolist()
     docs = torch.tensor([subs[j][2] if j >= 0 else 0 for j in term], dtype=torch.int64)
@@ -440,7 +399,8 @@ def _cp_case(rank, group, kind, cu, table) -> dict[str, float]:
 
     errs = {"o": err(o, o_ref.detach().index_select(1, span)),
             "final": err(fin * live, f_ref.detach()[docs] * live)}  # fmt: skip
-    for name, x, r in zip(_names(kind), loc, ref):
+    for name, x, r in zip(case.names, loc, ref, strict=True):
+        assert x.grad is not None and r.grad is not None
         errs["d" + name] = err(x.grad, r.grad.index_select(1, span))
     return errs
 
@@ -455,9 +415,9 @@ def _cp_worker(rank: int, world: int) -> dict[str, float]:
     for w in (2, 3):
         if rank >= w:
             continue
-        for kind, name, cu, table in _cp_layouts(w):
-            for key, err in _cp_case(rank, groups[w], kind, cu, table).items():
-                label = f"W{w} {kind} {name} {key}"
+        for case_id, name, cu, table in _cp_layouts(w):
+            for key, err in _cp_case(rank, groups[w], case_id, cu, table).items():
+                label = f"W{w} {case_id} {name} {key}"
                 worst[label] = max(worst.get(label, 0.0), err)
     return worst
 

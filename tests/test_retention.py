@@ -1,7 +1,7 @@
 """The retention layer (``R``, models/mixers/retention.py) against a float64 token-by-token
 implementation of RetNet's multi-scale retention over packed documents (the Mamba2 layer's
 harness, tests/test_layers.py). Its CP tests are its entry in tests/test_layer_kinds_cp.py; its
-recurrence is SSD with a fixed decay (tests/recurrences.py, tests/test_cp_ssd.py)."""
+recurrence is SSD with a fixed decay (tests/recurrences.py, tests/test_cp_recurrences.py)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ synchronise.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -21,9 +21,12 @@ BACKENDS = ("auto", "torch", "fla")
 __all__ = [
     "BACKENDS",
     "Backend",
+    "LocalCall",
+    "TokenInput",
     "check_cu_seqlens",
     "check_heads",
     "check_initial_state",
+    "check_local",
     "host_offsets",
     "resolve_backend",
     "shape",
@@ -124,3 +127,49 @@ def check_initial_state(initial_state: Tensor | None, n: int | None, *state: int
     ):
         want = [n if n is not None else "N", *state]
         raise ValueError(f"initial_state must be {want}, got shape {shape(initial_state)}")
+
+
+class TokenInput(NamedTuple):
+    """A per-token input of a recurrence besides q, k, v: the tensor, its trailing dims by name
+    (``"H"``, ``"K"``, ``"HV"``, ``"V"``; it must be ``[1, T, *dims]``) and what its error
+    message adds after the expected shape."""
+
+    tensor: Tensor
+    dims: tuple[str, ...]
+    note: str = ""
+
+
+class LocalCall(NamedTuple):
+    """What ``check_local`` found: the sizes, the number of sequences N and the backend."""
+
+    T: int
+    H: int
+    K: int
+    HV: int
+    V: int
+    N: int | None
+    backend: str
+
+
+def check_local(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    inputs: dict[str, TokenInput],
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    backend: str,
+) -> LocalCall:
+    """The checks every local recurrence kernel makes (``check_heads``, each of ``inputs``
+    against its shape, ``check_cu_seqlens``, ``check_initial_state``) and its backend
+    (``resolve_backend``); a ValueError names the first bad argument."""
+    T, H, K, HV, V = check_heads(q, k, v)
+    sizes = {"H": H, "K": K, "HV": HV, "V": V}
+    for name, (x, dims, note) in inputs.items():
+        want = [1, T, *(sizes[d] for d in dims)]
+        if list(x.shape) != want:
+            raise ValueError(f"{name} must be {want}{note}, got shape {shape(x)}")
+    N = check_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
+    check_initial_state(initial_state, N, HV, K, V)
+    return LocalCall(T, H, K, HV, V, N, resolve_backend(backend, q))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,14 +35,17 @@ from .dtypes import compute_dtype
 from .fla import device_cu_seqlens
 
 __all__ = [
+    "OpArgs",
     "NS",
     "autograd_inside_op",
     "input_grads",
     "num_seqs",
+    "op_args",
     "op_offsets",
     "op_outputs",
     "recompute_grads",
     "recompute_grads_fake",
+    "register_recompute_autograd",
     "state_like",
 ]
 
@@ -64,6 +68,34 @@ def op_offsets(
     if backend != "fla":
         return None, cu_cpu
     return device_cu_seqlens(cu_seqlens, cu_cpu, device)
+
+
+class OpArgs(NamedTuple):
+    """The arguments every family's custom ops share (``op_args``)."""
+
+    scale: float
+    cu_seqlens: Tensor | None
+    cu_seqlens_cpu: Tensor | None
+    initial_state: Tensor | None
+
+
+def op_args(
+    backend: str,
+    K: int,
+    scale: float | None,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    initial_state: Tensor | None,
+    device: torch.device,
+) -> OpArgs:
+    """What a local kernel passes its custom op while dynamo traces: the scale (default
+    ``K ** -0.5``, a float in the schema), ``op_offsets`` and the initial state (float32 for the
+    fla ops, whose kernels keep states in float32)."""
+    scale = K**-0.5 if scale is None else float(scale)
+    cu_dev, cu_cpu = op_offsets(backend, cu_seqlens, cu_seqlens_cpu, device)
+    if backend == "fla" and initial_state is not None:
+        initial_state = initial_state.float()
+    return OpArgs(scale, cu_dev, cu_cpu, initial_state)
 
 
 @contextlib.contextmanager
@@ -155,3 +187,24 @@ def recompute_grads_fake(
     else:
         dh0 = initial_state.new_empty(initial_state.shape)
     return tuple(x.new_empty(x.shape) for x in inputs) + (dh0,)
+
+
+def register_recompute_autograd(op: Any, backward_op: Any, num_options: int) -> None:
+    """Register ``op``'s autograd as a call of ``backward_op``, the pattern of every torch-kernel
+    op pair: ``op(*inputs, initial_state, cu_seqlens_cpu, *options)`` saves its tensors (None
+    allowed) and keeps its ``num_options`` trailing non-tensor arguments;
+    ``backward_op(*tensors, do, dfinal, *options)`` returns ``(d inputs..., dh0)``, and dh0 is
+    dropped when the op had no initial state (offsets and options have no gradient)."""
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        cut = len(inputs) - num_options
+        ctx.save_for_backward(*inputs[:cut])
+        ctx.options = inputs[cut:]
+
+    def backward(ctx: Any, do: Tensor, dfinal: Tensor) -> tuple[Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        *grads, dh0 = backward_op(*saved, do, dfinal, *ctx.options)
+        h0 = saved[-2]  # (..., initial_state, cu_seqlens_cpu)
+        return (*grads, dh0 if h0 is not None else None, None, *(None,) * num_options)
+
+    op.register_autograd(backward, setup_context=setup_context)

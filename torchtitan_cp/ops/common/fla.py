@@ -10,6 +10,7 @@ functions, so this module loads no Triton kernel.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -18,10 +19,12 @@ from torchtitan_cp.routing import chunk_bound
 
 __all__ = [
     "FLA_CHUNK_SIZE",
+    "FlaOffsets",
     "chunk_table",
     "contiguous",
     "device_cu_seqlens",
     "fla_chunk_indices",
+    "fla_offsets",
     "triton_interpreter_on",
 ]
 
@@ -118,3 +121,32 @@ def fla_chunk_indices(
     from fla.ops.utils.index import prepare_chunk_indices
 
     return prepare_chunk_indices(cu_seqlens, FLA_CHUNK_SIZE, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+class FlaOffsets(NamedTuple):
+    """What an eager fla adapter passes fla (``fla_offsets``)."""
+
+    cu_seqlens: Tensor | None
+    cu_seqlens_cpu: Tensor | None
+    chunk_indices: Tensor | None
+    initial_state: Tensor | None
+
+
+def fla_offsets(
+    x: Tensor,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None,
+    chunk_offsets: Tensor | None,
+    initial_state: Tensor | None,
+) -> FlaOffsets:
+    """The offset handling every eager fla adapter shares: the offsets on ``x``'s device and
+    the host (``device_cu_seqlens``), the routing's chunk table cut to its real rows
+    (``chunk_table``; tables without offsets are an error) and the initial state in float32
+    (fla keeps states in float32). ``x [1, T, ...]`` is a token-major input."""
+    cu_dev, cu_cpu = device_cu_seqlens(cu_seqlens, cu_seqlens_cpu, x.device)
+    if cu_dev is None and (chunk_indices is not None or chunk_offsets is not None):
+        raise ValueError("chunk_indices / chunk_offsets need cu_seqlens")
+    table = chunk_table(cu_cpu, x.shape[1], chunk_indices, chunk_offsets)
+    h0 = initial_state.float() if initial_state is not None else None
+    return FlaOffsets(cu_dev, cu_cpu, table, h0)

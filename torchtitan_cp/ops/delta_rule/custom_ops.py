@@ -93,23 +93,8 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens_cpu, do, dfinal, kind, scale):
     return shared.recompute_grads_fake((q, k, v, g, beta), initial_state, cu_seqlens_cpu)
 
 
-def _setup_delta_rule_torch(ctx, inputs, output) -> None:
-    q, k, v, g, beta, h0, cu_cpu, kind, scale = inputs
-    ctx.save_for_backward(q, k, v, g, beta, h0, cu_cpu)
-    ctx.kind, ctx.scale = kind, scale
-
-
-def _backward_delta_rule_torch(ctx, do, dfinal):
-    q, k, v, g, beta, h0, cu_cpu = ctx.saved_tensors
-    dq, dk, dv, dg, db, dh0 = delta_rule_torch_bwd_op(
-        q, k, v, g, beta, h0, cu_cpu, do, dfinal, ctx.kind, ctx.scale
-    )
-    return dq, dk, dv, dg, db, (dh0 if h0 is not None else None), None, None, None
-
-
-delta_rule_torch_op.register_autograd(
-    _backward_delta_rule_torch, setup_context=_setup_delta_rule_torch
-)
+# kind, scale
+shared.register_recompute_autograd(delta_rule_torch_op, delta_rule_torch_bwd_op, num_options=2)
 
 
 # ----------------------------------------------------------------------------- delta rule, fla

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..common.fla import chunk_table, device_cu_seqlens
+from ..common.fla import fla_offsets
 
 __all__ = ["chunk_delta_rule_fla"]
 
@@ -40,12 +40,9 @@ def chunk_delta_rule_fla(
     ``fla_compat.chunk_kda_indexed``, which accepts both; GDN's public function takes
     ``chunk_indices`` and derives its chunk offsets on the device, which needs no host read).
     """
-    cu_seqlens, cu_seqlens_cpu = device_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q.device)
-    if cu_seqlens is None and (chunk_indices is not None or chunk_offsets is not None):
-        raise ValueError("chunk_indices / chunk_offsets need cu_seqlens")
-    chunk_indices = chunk_table(cu_seqlens_cpu, q.shape[1], chunk_indices, chunk_offsets)
-    if initial_state is not None:
-        initial_state = initial_state.float()
+    cu_seqlens, cu_seqlens_cpu, chunk_indices, initial_state = fla_offsets(
+        q, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets, initial_state
+    )
     if kind == "kda" and chunk_indices is not None:
         from ..fla_compat import chunk_kda_indexed
 

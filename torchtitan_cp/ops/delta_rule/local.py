@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from ..common import checks
-from ..common.checks import Backend
-from ..common.custom_ops import op_offsets
+from ..common.checks import Backend, TokenInput
+from ..common.custom_ops import op_args
 from . import custom_ops
 from .torch_kernel import chunk_delta_rule_torch
 
@@ -67,29 +67,25 @@ def chunk_delta_rule(
     """
     if kind not in ("kda", "gdn"):
         raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
-    T, H, K, HV, V = checks.check_heads(q, k, v)
-    g_shape = [1, T, HV, K] if kind == "kda" else [1, T, HV]
-    if list(g.shape) != g_shape:
-        raise ValueError(f"g must be {g_shape} for kind={kind!r}, got shape {checks.shape(g)}")
-    if list(beta.shape) != [1, T, HV]:
-        raise ValueError(f"beta must be {[1, T, HV]}, got shape {checks.shape(beta)}")
-    N = checks.check_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
-    checks.check_initial_state(initial_state, N, HV, K, V)
-    resolved = checks.resolve_backend(backend, q)
+    gate = TokenInput(g, ("HV", "K") if kind == "kda" else ("HV",), f" for kind={kind!r}")
+    call = checks.check_local(
+        q, k, v, {"g": gate, "beta": TokenInput(beta, ("HV",))}, initial_state, cu_seqlens,
+        cu_seqlens_cpu, backend,
+    )  # fmt: skip
     if torch.compiler.is_compiling():
         # While dynamo traces, the kernel runs as the custom ops of ``delta_rule.custom_ops``
         # (opaque to the compiler, no graph break); eager calls keep their plain autograd.
-        scale = K**-0.5 if scale is None else float(scale)
-        cu_dev, cu_cpu = op_offsets(resolved, cu_seqlens, cu_seqlens_cpu, q.device)
-        if resolved == "fla":
-            h0 = initial_state.float() if initial_state is not None else None
+        a = op_args(
+            call.backend, call.K, scale, cu_seqlens, cu_seqlens_cpu, initial_state, q.device
+        )
+        if call.backend == "fla":
             o, final, *_ = custom_ops.delta_rule_fla_op(
-                q, k, v, g, beta, h0, cu_dev, cu_cpu, chunk_indices, kind, scale,
-                output_final_state,
+                q, k, v, g, beta, a.initial_state, a.cu_seqlens, a.cu_seqlens_cpu, chunk_indices,
+                kind, a.scale, output_final_state,
             )  # fmt: skip
         else:
             o, final = custom_ops.delta_rule_torch_op(
-                q, k, v, g, beta, initial_state, cu_cpu, kind, scale
+                q, k, v, g, beta, a.initial_state, a.cu_seqlens_cpu, kind, a.scale
             )
         return o, (final if output_final_state else None)
     common = dict(
@@ -97,7 +93,7 @@ def chunk_delta_rule(
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
     )  # fmt: skip
-    if resolved == "fla":
+    if call.backend == "fla":
         from .fla_kernel import chunk_delta_rule_fla
 
         return chunk_delta_rule_fla(

@@ -27,7 +27,6 @@ Algorithm (per value head; see docs/kernels.md for the derivation):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -35,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..common.dtypes import compute_dtype
-from ..common.scores import causal_mask, gdn_scores
+from ..common.scores import decay_scores
 from ..common.varlen import ChunkLayout, chunk_layout, host_cu_seqlens
 
 __all__ = [
@@ -45,49 +44,6 @@ __all__ = [
     "local_delta_rule_torch",
     "prepare_delta_rule_torch",
 ]
-
-
-def _kda_scores(a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
-    """``[x, ..., t, s] = sum_c a[x]_t[c] b_s[c] exp(G_t[c] - G_s[c])`` for s <= t, else 0.
-
-    a ``[X, ..., C, K]`` (a stack of X operands sharing the decays, e.g. q and k), b and G
-    ``[..., C, K]`` (G cumulative log gate per channel); ``sub`` divides C.
-
-    A pairwise ``[C, C, K]`` decay tensor would be exact but large, and the factorisation
-    ``exp(G_t) * exp(-G_s)`` overflows for strong gates. So the chunk is split into sub-blocks of
-    ``sub`` tokens: for t in block i and s in an earlier block, ``exp(G_t - G_s)`` factors through
-    the log gate R_i just before block i as ``exp(G_t - R_i) * exp(R_i - G_s)``, both factors
-    ≤ 1 (a matmul); only the ``sub × sub`` diagonal blocks use the pairwise tensor.
-    """
-    C, K = b.shape[-2:]
-    n = C // sub
-    lead = a.shape[:-2]
-    dev = a.device
-    Gb = G.unflatten(-2, (n, sub))  # [..., n, sub, K]
-    # R_i: cumulative log gate just before block i (0 before the chunk).
-    ref = torch.cat([torch.zeros_like(Gb[..., :1, -1, :]), Gb[..., :-1, -1, :]], -2)
-
-    # Off-diagonal blocks. Row factor exp(G_t - R_i) <= 1 for t in block i; one per token, so
-    # the stacked operands a need no per-block copies.
-    left = a.unflatten(-2, (n, sub)) * torch.exp(Gb - ref.unsqueeze(-2))  # [X, ..., n, sub, K]
-    # Column factor exp(R_i - G_s) only for s in a block before i; -inf elsewhere so exp gives 0
-    # (and a zero gradient) instead of a possibly huge number.
-    earlier = torch.arange(C, device=dev)[None, :] // sub < torch.arange(n, device=dev)[:, None]
-    right_exp = (ref.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~earlier[:, :, None], -math.inf)
-    right = b.unsqueeze(-3) * torch.exp(right_exp)  # [..., n(i), C(s), K]
-    off = (left @ right.transpose(-1, -2)).reshape(*lead, C, C)  # row index i*sub + t
-
-    # Diagonal blocks: pairwise decay within a block, masked before exp.
-    keep = causal_mask(sub, False, dev)
-    diff = Gb.unsqueeze(-2) - Gb.unsqueeze(-3)  # [..., n, sub(t), sub(s), K]
-    decay = torch.exp(diff.masked_fill(~keep[..., None], -math.inf))
-    bd = b.unflatten(-2, (n, sub)).unsqueeze(-3) * decay  # b_s exp(G_t - G_s), [..., n, t, s, K]
-    # One [X, K] x [K, sub] product per row t (einsum avoids expanding bd over X).
-    diag = torch.einsum("x...tk,...tsk->x...ts", a.unflatten(-2, (n, sub)), bd)
-    # Scatter the n diagonal blocks into [C, C]: diag_embed puts block j at (j, j).
-    blocks = torch.diag_embed(diag.movedim(-3, -1))  # [X, ..., sub(t), sub(s), n, n]
-    blocks = blocks.permute(*range(len(lead)), -2, -4, -1, -3).reshape(*lead, C, C)
-    return off + blocks
 
 
 class DeltaRuleChunks(NamedTuple):
@@ -161,7 +117,7 @@ def prepare_delta_rule_torch(
     G = lay.pack(g, cd).cumsum(2)  # cumulative log gate inside the chunk, <= 0
     # Key-key scores only: the query scores are not needed before the entry states are, so the
     # local kernel computes them while the CP all-gather is in flight.
-    A = _scores(kind, kc, kc, G, sub)
+    A = _scores(kc, kc, G, sub)
     if kind == "kda":
         Gl = G[:, :, -1, :]  # [NC, HV, K] log gate over the whole chunk
         decay_end = torch.exp(Gl.unsqueeze(-2) - G)  # exp(G_C - G_t) <= 1
@@ -187,12 +143,10 @@ def prepare_delta_rule_torch(
     return DeltaRuleChunks(lay, cu, (HV, K, V), v.dtype, kind, sub, qc, kc, G, U, W, M, E, {})
 
 
-def _scores(kind: str, a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
-    """Causal decay scores ``[NC, HV, C, C]`` of ``a`` against ``b`` (``_kda_scores`` /
-    ``gdn_scores`` for one operand)."""
-    if kind == "kda":
-        return _kda_scores(a.unsqueeze(0), b, G, sub=sub)[0]
-    return gdn_scores(a.unsqueeze(0), b, G)[0]
+def _scores(a: Tensor, b: Tensor, G: Tensor, sub: int) -> Tensor:
+    """Causal decay scores ``[NC, HV, C, C]`` of ``a`` against ``b`` (``common.scores``'s
+    ``decay_scores`` for one operand; KDA's gate per key, GDN's per head)."""
+    return decay_scores(a.unsqueeze(0), b, G, sub)[0]
 
 
 def _exp_gate(kind: str, G: Tensor) -> Tensor:
@@ -216,7 +170,7 @@ def local_delta_rule_torch(
     HV, K, V = chunks.state_shape
     cd, dev = chunks.M.dtype, chunks.M.device
     # State-independent: the query side of the state term and the intra-chunk outputs.
-    Aqk = _scores(chunks.kind, chunks.q, chunks.k, chunks.G, chunks.sub_chunk_size)
+    Aqk = _scores(chunks.q, chunks.k, chunks.G, chunks.sub_chunk_size)
     qw = chunks.q * _exp_gate(chunks.kind, chunks.G) - Aqk @ chunks.W  # [NC, HV, C, K]
     oi = Aqk @ chunks.U  # [NC, HV, C, V]
     h0 = initial_state() if callable(initial_state) else initial_state

@@ -87,19 +87,7 @@ def _(q, k, v, g, initial_state, cu_seqlens_cpu, do, dfinal, scale):
     return shared.recompute_grads_fake((q, k, v, g), initial_state, cu_seqlens_cpu)
 
 
-def _setup_ssd_torch(ctx, inputs, output) -> None:
-    q, k, v, g, h0, cu_cpu, scale = inputs
-    ctx.save_for_backward(q, k, v, g, h0, cu_cpu)
-    ctx.scale = scale
-
-
-def _backward_ssd_torch(ctx, do, dfinal):
-    q, k, v, g, h0, cu_cpu = ctx.saved_tensors
-    dq, dk, dv, dg, dh0 = ssd_torch_bwd_op(q, k, v, g, h0, cu_cpu, do, dfinal, ctx.scale)
-    return dq, dk, dv, dg, (dh0 if h0 is not None else None), None, None
-
-
-ssd_torch_op.register_autograd(_backward_ssd_torch, setup_context=_setup_ssd_torch)
+shared.register_recompute_autograd(ssd_torch_op, ssd_torch_bwd_op, num_options=1)  # scale
 
 
 # ----------------------------------------------------------------------------- SSD, fla

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..common.fla import chunk_table, device_cu_seqlens
+from ..common.fla import fla_offsets
 
 __all__ = ["chunk_ssd_fla"]
 
@@ -35,13 +35,11 @@ def chunk_ssd_fla(
     (simple GLA has one q/k head per value head). ``chunk_indices [NT, 2]`` int32 (or padded,
     see ``common.fla.chunk_table``) and ``chunk_offsets [N + 1]`` int64 on q's device: the chunk
     tables of ``cu_seqlens`` with ``FLA_CHUNK_SIZE``. States are float32 ``[N, HV, K, V]``."""
-    cu_dev, cu_cpu = device_cu_seqlens(cu_seqlens, cu_cpu, q.device)
-    if cu_dev is None and (chunk_indices is not None or chunk_offsets is not None):
-        raise ValueError("chunk_indices / chunk_offsets need cu_seqlens")
-    chunk_indices = chunk_table(cu_cpu, q.shape[1], chunk_indices, chunk_offsets)
+    cu_dev, cu_cpu, chunk_indices, h0 = fla_offsets(
+        q, cu_seqlens, cu_cpu, chunk_indices, chunk_offsets, initial_state
+    )
     rep = v.shape[2] // q.shape[2]
     q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    h0 = initial_state.float() if initial_state is not None else None
     if chunk_indices is not None:
         from ..fla_compat import chunk_simple_gla_indexed
 

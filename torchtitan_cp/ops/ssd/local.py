@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from ..common import checks
-from ..common.checks import Backend
-from ..common.custom_ops import op_offsets
+from ..common.checks import Backend, TokenInput
+from ..common.custom_ops import op_args
 from . import custom_ops
 from .fla_kernel import chunk_ssd_fla
 from .torch_kernel import chunk_ssd_torch
@@ -49,29 +49,28 @@ def chunk_ssd(
     Returns:
         ``(o [1, T, HV, V], final_state [N, HV, K, V] float32/float64 or None)``.
     """
-    T, H, K, HV, V = checks.check_heads(q, k, v)
-    if list(g.shape) != [1, T, HV]:
-        raise ValueError(f"g must be {[1, T, HV]}, got shape {checks.shape(g)}")
-    N = checks.check_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
-    checks.check_initial_state(initial_state, N, HV, K, V)
-    resolved = checks.resolve_backend(backend, q)
+    call = checks.check_local(
+        q, k, v, {"g": TokenInput(g, ("HV",))}, initial_state, cu_seqlens, cu_seqlens_cpu, backend
+    )
     if torch.compiler.is_compiling():
         # While dynamo traces, the kernel runs as the custom ops of ``ssd.custom_ops`` (opaque
         # to the compiler, no graph break); eager calls keep their plain autograd.
-        scale = K**-0.5 if scale is None else float(scale)
-        cu_dev, cu_cpu = op_offsets(resolved, cu_seqlens, cu_seqlens_cpu, q.device)
-        if resolved == "fla":
-            rep = HV // H  # as chunk_ssd_fla: one q/k head per value head
+        a = op_args(
+            call.backend, call.K, scale, cu_seqlens, cu_seqlens_cpu, initial_state, q.device
+        )
+        if call.backend == "fla":
+            rep = call.HV // call.H  # as chunk_ssd_fla: one q/k head per value head
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-            h0 = initial_state.float() if initial_state is not None else None
             o, final, _ = custom_ops.ssd_fla_op(
-                q, k, v, g.float(), h0, cu_dev, cu_cpu, chunk_indices, chunk_offsets, scale,
-                output_final_state,
+                q, k, v, g.float(), a.initial_state, a.cu_seqlens, a.cu_seqlens_cpu,
+                chunk_indices, chunk_offsets, a.scale, output_final_state,
             )  # fmt: skip
         else:
-            o, final = custom_ops.ssd_torch_op(q, k, v, g, initial_state, cu_cpu, scale)
+            o, final = custom_ops.ssd_torch_op(
+                q, k, v, g, a.initial_state, a.cu_seqlens_cpu, a.scale
+            )
         return o, (final if output_final_state else None)
-    if resolved == "fla":
+    if call.backend == "fla":
         return chunk_ssd_fla(
             q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
             chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,

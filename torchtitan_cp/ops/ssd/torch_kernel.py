@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..common.dtypes import compute_dtype
-from ..common.scores import gdn_scores
+from ..common.scores import head_decay_scores
 from ..common.varlen import chunk_layout, entry_states
 
 __all__ = ["chunk_ssd_torch"]
@@ -73,6 +73,6 @@ def chunk_ssd_torch(
         return None, final
     assert S0 is not None
     qc = lay.pack(q, cd).repeat_interleave(rep, dim=1) * scale
-    scores = gdn_scores(qc.unsqueeze(0), kc, G)[0]  # [NC, HV, C, C]
+    scores = head_decay_scores(qc.unsqueeze(0), kc, G)[0]  # [NC, HV, C, C]
     oc = (qc * torch.exp(G).unsqueeze(-1)) @ S0 + scores @ vc  # [NC, HV, C, V]
     return lay.unpack(oc).to(v.dtype), (final if want_final else None)
