@@ -136,3 +136,79 @@ def test_logits_equal_transformers(hf_folder, lengths):
     err = (got - want).abs().max().item()
     print(f"max |logits diff| {err:.3g} (|logits| max {want.abs().max().item():.3g})")
     assert err < LOGITS_ATOL
+
+
+def _load_through_torchtitan(model: KimiLinearModel, path: Path, prefix: str) -> None:
+    """torchtitan's CheckpointManager.dcp_load(from_hf=True) on a manager holding ``model``:
+    the path ``--checkpoint.initial_load_in_hf`` takes (the adapter's to_hf names must be the
+    folder's own, or DCP finds nothing to read)."""
+    import types
+
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    wrapper = ModelWrapper(model)
+    adapter = hf.KimiLinearStateDictAdapter(model.config, str(path), dense_prefix=prefix)
+    manager = types.SimpleNamespace(sd_adapter=adapter, states={"model": wrapper})
+    CheckpointManager.dcp_load(  # pyrefly: ignore[bad-argument-type]
+        manager, wrapper.state_dict(), checkpoint_id=str(path), from_hf=True, from_quantized=False
+    )
+
+
+def test_hf_folder_loads_through_torchtitan(hf_folder):
+    """A save_pretrained folder read by torchtitan's HF checkpoint load gives the same logits
+    as transformers' model."""
+    cfg = kimi_linear_config("debug")
+    prefix = hf.check_hf_folder(hf_folder, cfg)
+    torch.manual_seed(5)
+    model = cfg.build()
+    model.init_states()
+    tokens = torch.randint(0, DEBUG["vocab_size"], (1, 64))
+    with torch.no_grad():
+        before = model(tokens)
+    _load_through_torchtitan(model, hf_folder, prefix)
+    model.eval()
+    with torch.no_grad():
+        got = model(tokens)
+    want = _hf_logits(_hf_model(), tokens)
+    assert (before - want).abs().max() > 1e-3  # the load changed the model
+    assert (got - want).abs().max() < LOGITS_ATOL
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"hidden_size": 32}, "config.json: hidden_size is 32 but the model flavor has 64"),
+        ({"layer_types": ["linear_attention"] * 4}, "layer_types is ['linear_attention', "),
+        ({"num_experts": 16}, "num_experts is 16 but the model flavor has 8"),
+        ({"model_type": "qwen3_5"}, "model_type is 'qwen3_5' but the model flavor is Kimi"),
+    ],
+)
+def test_config_mismatch_names_the_first_field(hf_folder, tmp_path, edit, message):
+    """A folder whose config.json builds another model: one line naming the key and both
+    values (transformers' on-disk alias, e.g. num_experts for num_local_experts)."""
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    data = json.loads((folder / "config.json").read_text())
+    data.update(edit)
+    (folder / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError) as e:
+        hf.check_hf_folder(folder, kimi_linear_config("debug"))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_or_truncated_safetensors_are_named(hf_folder, tmp_path):
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        hf.check_hf_folder(folder, kimi_linear_config("debug"))
+    weights.unlink()
+    with pytest.raises(ValueError, match=r"no \*\.safetensors weights"):
+        hf.check_hf_folder(folder, kimi_linear_config("debug"))
