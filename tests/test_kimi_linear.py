@@ -71,8 +71,8 @@ def test_bad_kimi_linear_recipes_are_one_line_errors(recipe, message):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--parallelism.context_parallel_degree", "2"],
-         "parallelism.context_parallel_degree = 2 is not supported for model.name = "
+        (["--parallelism.tensor_parallel_degree", "2"],
+         "parallelism.tensor_parallel_degree = 2 is not supported for model.name = "
          "'kimi_linear' yet"),
         (["--parallelism.expert_parallel_degree", "2"],
          "parallelism.expert_parallel_degree = 2 is not supported"),
@@ -86,3 +86,5 @@ def test_what_is_not_built_is_refused_in_one_line(argv, message):
         load_config(["--config_file", CONFIG, *argv])
     assert message in str(e.value) and "\n" not in str(e.value)
     assert load_config(["--config_file", CONFIG]).model.name == "kimi_linear"
+    cp = load_config(["--config_file", CONFIG, "--parallelism.context_parallel_degree", "2"])
+    assert cp.parallelism.context_parallel_degree == 2  # CP runs (tests/test_kimi_linear_cp.py)

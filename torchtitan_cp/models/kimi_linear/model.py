@@ -421,10 +421,10 @@ def layer_types(cfg: KimiLinearModel.Config) -> list[str]:
 
 def check_kimi_linear_parallelism(cfg: Any, parallelism: Any) -> None:
     """A ValueError naming the key where Kimi Linear cannot run with ``parallelism`` in this
-    recipe yet."""
+    recipe yet. Context parallelism runs: KDA layers through the CP driver and conv halo, MLA
+    layers through the recipe's attention CP (all-gather of their expanded K/V, or pass-KV with
+    ``model.attention_cp``; the compressed latent's all-gather is not built)."""
     for key, why in (
-        ("context_parallel_degree", "its MLA layers' context parallelism (the compressed "
-         "latent's all-gather) is not built yet"),
         ("tensor_parallel_degree", "tensor parallelism of KDA + MLA + MoE is not built"),
         ("pipeline_parallel_degree", "pipeline parallelism is not supported by this recipe"),
         ("expert_parallel_degree", "expert parallelism for it is not wired yet"),
