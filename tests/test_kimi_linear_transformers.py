@@ -212,3 +212,26 @@ def test_missing_or_truncated_safetensors_are_named(hf_folder, tmp_path):
     weights.unlink()
     with pytest.raises(ValueError, match=r"no \*\.safetensors weights"):
         hf.check_hf_folder(folder, kimi_linear_config("debug"))
+
+
+def test_export_loads_in_transformers_with_equal_logits(tmp_path):
+    """The recipe's HF export (``hf.write_hf_folder``, what ``scripts/export_hf.py`` writes):
+    transformers' ``from_pretrained`` reads it with no missing or unexpected weights and its
+    logits equal the recipe's; the recipe's folder check accepts it (dense layer under mlp.)."""
+    cfg = kimi_linear_config("debug")
+    torch.manual_seed(3)
+    model = cfg.build()
+    model.init_states()
+    with torch.no_grad():  # a nonzero expert bias, as after training
+        for m in model.modules():
+            if getattr(m, "expert_bias_E", None) is not None:
+                m.expert_bias_E.uniform_(-0.05, 0.05)
+    model.eval()
+    folder = hf.write_hf_folder(model, cfg, tmp_path / "hf", tokenizer_dir=None)
+    assert hf.check_hf_folder(folder, cfg) == "mlp"
+    ref, info = KimiLinearForCausalLM.from_pretrained(str(folder), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    tokens = torch.randint(0, DEBUG["vocab_size"], (1, 80))
+    with torch.no_grad():
+        got = model(tokens)
+    assert (got - _hf_logits(ref.eval(), tokens)).abs().max() < LOGITS_ATOL

@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["json_kind", "read_index", "read_json_object", "same_value", "tensor_names"]
+__all__ = [
+    "json_kind",
+    "read_index",
+    "read_json_object",
+    "same_value",
+    "tensor_names",
+    "write_hf_files",
+]
 
 
 def json_kind(value: Any) -> str:
@@ -77,3 +86,32 @@ def tensor_names(file: Path) -> list[str]:
             return list(f.keys())
     except Exception:  # a damaged file: the checkpoint loader names it
         return []
+
+
+def write_hf_files(
+    model: Any,
+    adapter: Any,
+    config: dict[str, Any],
+    path: str | Path,
+    *,
+    tokenizer_dir: str | Path | None,
+) -> Path:
+    """Write ``model``'s weights in HF names (``adapter.to_hf``) as ``model.safetensors``,
+    ``config`` as ``config.json`` and the tokenizer files of ``tokenizer_dir`` into ``path``."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    hf = {k: v.contiguous() for k, v in adapter.to_hf(sd).items()}
+    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors creates its file 0600; give it the mode of the files written beside it
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "vocab")):
+                shutil.copy2(f, out / f.name)
+    return out

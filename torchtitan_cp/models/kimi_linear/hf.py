@@ -25,7 +25,13 @@ from typing import Any, Literal
 import torch
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from torchtitan_cp.models.hf_folder import read_index, read_json_object, same_value, tensor_names
+from torchtitan_cp.models.hf_folder import (
+    read_index,
+    read_json_object,
+    same_value,
+    tensor_names,
+    write_hf_files,
+)
 
 __all__ = [
     "KimiLinearStateDictAdapter",
@@ -34,6 +40,7 @@ __all__ = [
     "folder_dense_prefix",
     "hf_config",
     "read_config",
+    "write_hf_folder",
 ]
 
 DensePrefix = Literal["mlp", "block_sparse_moe"]
@@ -366,3 +373,13 @@ def check_hf_folder(path: str | Path, cfg: Any) -> DensePrefix:
         if problem:
             raise ValueError(problem)
     return folder_dense_prefix(root)
+
+
+def write_hf_folder(
+    model: torch.nn.Module, cfg: Any, path: str | Path, *, tokenizer_dir: str | Path | None
+) -> Path:
+    """Write ``model`` as a Kimi Linear HF folder in the published layout (dense feed-forward
+    under ``mlp.``): ``model.safetensors``, ``config.json`` (``hf_config``) and the tokenizer
+    files of ``tokenizer_dir``; transformers' ``from_pretrained`` reads it."""
+    adapter = KimiLinearStateDictAdapter(cfg, None, dense_prefix="mlp")
+    return write_hf_files(model, adapter, hf_config(cfg), path, tokenizer_dir=tokenizer_dir)

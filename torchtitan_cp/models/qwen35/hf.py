@@ -17,9 +17,6 @@ inside the legacy ``rope_scaling`` (which then wins, as in transformers), or as 
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,7 @@ from torchtitan_cp.models.hf_folder import (
 )
 from torchtitan_cp.models.hf_folder import (
     read_index,
+    write_hf_files,
 )
 from torchtitan_cp.models.hf_folder import (
     read_json_object as _read_json_object,
@@ -316,25 +314,11 @@ def write_hf_folder(
 ) -> Path:
     """Write ``model``'s weights (HF names via ``Qwen35StateDictAdapter.to_hf``) as
     ``model.safetensors``, ``config.json`` and the tokenizer files of ``tokenizer_dir``."""
-    from safetensors.torch import save_file
     from torchtitan.models.qwen3_5 import Qwen35StateDictAdapter
 
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    adapter = Qwen35StateDictAdapter(cfg, None)
-    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    hf = {k: v.contiguous() for k, v in adapter.to_hf(sd).items()}
-    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
-    # safetensors creates its file 0600; give it the mode of the files written beside it
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(out / "model.safetensors", 0o666 & ~umask)
-    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
-    if tokenizer_dir is not None:
-        for f in Path(tokenizer_dir).iterdir():
-            if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "vocab")):
-                shutil.copy2(f, out / f.name)
-    return out
+    return write_hf_files(
+        model, Qwen35StateDictAdapter(cfg, None), hf_config(cfg), path, tokenizer_dir=tokenizer_dir
+    )
 
 
 def check_hf_folder(path: str | Path, cfg: Any) -> None:
