@@ -568,8 +568,9 @@ def check_model(config: Any) -> tuple[Any, bool]:
             check_kimi_linear_parallelism(spec.model, config.parallelism)
             if config.compile.enable and "model" in config.compile.components:
                 raise ValueError(
-                    "compile.enable is not supported for model.name = 'kimi_linear' yet (its "
-                    "MLA and MoE layers have not been checked under torch.compile); set it false"
+                    "compile.enable is not supported for model.name = 'kimi_linear' yet (torch's "
+                    "grouped matmul of its float32 experts has no float32 fake kernel, so the MoE "
+                    "blocks do not trace; bfloat16 is not checked); set it false"
                 )
             ckpt = config.checkpoint
             if ckpt.enable and ckpt.initial_load_in_hf:

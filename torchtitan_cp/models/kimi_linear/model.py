@@ -154,7 +154,8 @@ class ActivationDtypeGroupedExperts(GroupedExperts):
 
     ``x_RD [R, D]`` tokens grouped by expert, ``num_tokens_per_expert_E [E]`` -> ``[R, D]``.
     torch's grouped matmul needs rows of 16-byte multiples (dim and hidden_dim multiples of 4
-    in float32)."""
+    in float32), and its fake kernel takes bfloat16/float16 only: float32 experts run eager but
+    do not trace under torch.compile (the config check refuses compile.enable for now)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
