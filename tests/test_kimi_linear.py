@@ -88,3 +88,24 @@ def test_what_is_not_built_is_refused_in_one_line(argv, message):
     assert load_config(["--config_file", CONFIG]).model.name == "kimi_linear"
     cp = load_config(["--config_file", CONFIG, "--parallelism.context_parallel_degree", "2"])
     assert cp.parallelism.context_parallel_degree == 2  # CP runs (tests/test_kimi_linear_cp.py)
+
+
+def test_hf_folder_of_another_size_is_one_line_before_launch(tmp_path):
+    """``--checkpoint.initial_load_in_hf`` from a Kimi Linear folder of another vocabulary: the
+    config check names the field and both values (the CLI exits 2 with it)."""
+    from torchtitan_cp.models.kimi_linear import hf
+    from torchtitan_cp.train import load_config
+
+    cfg = kimi_linear_config("debug")  # vocabulary 1024; the config file's is 4096
+    model = cfg.build()
+    model.init_states()
+    folder = hf.write_hf_folder(model, cfg, tmp_path / "hf", tokenizer_dir=None)
+    argv = ["--config_file", CONFIG, "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+            "--checkpoint.initial_load_path", str(folder)]  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    msg = str(e.value)
+    assert "config.json: vocab_size is 1024 but the model flavor has 4096" in msg
+    assert "\n" not in msg
+    spec = recipe_model_spec(ModelRecipe(name="kimi_linear", flavor="debug"))
+    assert hf.check_hf_folder(folder, spec.model) == "mlp"  # the export's published layout
