@@ -3,7 +3,9 @@
 Every rank builds the same float32 model and batch. CP=2 (loss summed over ranks, gradients
 all-reduced) must equal CP=1 on the same ranks for the head-tail and contiguous layouts: the
 KDA layers run the recipe's CP driver and conv halo (host routing, 0 readbacks), the MLA layers
-the recipe's attention CP path (sdpa over all-gathered K/V with global document ids).
+the recipe's attention CP path: on sdpa's all-gather path each token's compressed latent
+travels (``LatentGatherMLA``: 40 numbers per token at the debug sizes, where K/V would be 160),
+with pass-KV the expanded K/V.
 """
 
 from __future__ import annotations
@@ -70,7 +72,17 @@ def _cp_vs_unsharded(
         model, SequencePreprocessor(cp_group=None, **common), tokens, positions, labels
     )
     cp_seq = SequencePreprocessor(cp_group=dist.group.WORLD, **common)
-    loss, grads = _loss_and_grads(model, cp_seq, tokens, positions, labels)
+    import torchtitan_cp.ops.attention.sdpa as sdpa
+
+    gathered = []  # numbers per token of every differentiable all-gather of the sdpa path
+    plain = sdpa.all_gather_autograd
+    sdpa.all_gather_autograd = lambda x, g: gathered.append(x[0].numel()) or plain(x, g)
+    try:
+        loss, grads = _loss_and_grads(model, cp_seq, tokens, positions, labels)
+    finally:
+        sdpa.all_gather_autograd = plain
+    if attention_cp == "all_gather":  # MLA's latent (32) + rope key (8), not 4 x (24 + 16) K/V
+        assert gathered == [999], gathered
     assert cp_seq.stats.readbacks == 0
     dist.all_reduce(loss)
     err_grad = 0.0

@@ -51,12 +51,14 @@ from torchtitan_cp.models.blocks.routed_attention import (
 from torchtitan_cp.models.blocks.tensor_parallel import local
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
 from torchtitan_cp.models.mixers.delta_net import KDAMixer
+from torchtitan_cp.ops import context_parallel_attention
 
 __all__ = [
     "KIMI_LINEAR_FLAVORS",
     "KimiLinearBlock",
     "KimiLinearModel",
     "KimiLinearSizes",
+    "LatentGatherMLA",
     "NoPE",
     "check_kimi_linear_parallelism",
     "kimi_linear_config",
@@ -170,6 +172,63 @@ class ActivationDtypeGroupedExperts(GroupedExperts):
         return self._grouped_mm(A=F.silu(gate) * up, B_t=w2.transpose(-2, -1), offs=offs)
 
 
+class LatentGatherMLA(Attention):
+    """DeepSeek-V3's MLA (torchtitan's ``Attention``) that, under context parallelism on the
+    sdpa all-gather path, gathers each token's compressed latent instead of its keys and
+    values: ``kv_norm(latent)`` and the shared rope key, ``kv_lora_rank + qk_rope_head_dim``
+    numbers per token, where expanded K/V would be ``n_heads x (qk_nope + qk_rope + v)``.
+    Every rank expands the gathered latents with ``wkv_b`` (``ops.context_parallel_attention``
+    with ``expand``); the latents' gradients reduce-scatter back to their owners. Elsewhere
+    (no CP, flex, pass-KV) it is upstream's forward. In/out ``[B, L_local, D]``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Attention.Config):
+        pass
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_masks: Any,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        inner = self.inner_attention
+        ctx = getattr(attention_masks, "seq_ctx", None)
+        if not (
+            ctx is not None
+            and ctx.cp_enabled
+            and isinstance(inner, RoutedInnerAttention)
+            and inner.cp_mode == "all_gather"
+            and resolve_attention_backend(inner.backend, x.device) == "sdpa"
+        ):
+            return super().forward(x, attention_masks, positions)
+        bsz, seqlen, _ = x.shape
+        c, r = self.kv_lora_rank, self.qk_rope_head_dim
+        nope, dv = self.qk_nope_head_dim, self.v_head_dim
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q_nope, q_pe = q.view(bsz, seqlen, -1, self.qk_head_dim).split([nope, r], dim=-1)
+        latent, k_pe = self.wkv_a(x).split([c, r], dim=-1)
+        q_pe, k_pe = self.rope(q_pe, k_pe.unsqueeze(2), positions)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        heads = q.shape[2]
+        rows = torch.cat([self.kv_norm(latent).unsqueeze(2), k_pe], dim=-1)  # [B, L, 1, c + r]
+
+        def expand(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # gathered rows [1, Tk, 1, c + r] -> keys [1, Tk, H, nope + r], values [1, Tk, H, v]
+            kv = self.wkv_b(g[:, :, 0, :c]).unflatten(-1, (heads, nope + dv))
+            k_nope, v = kv.split([nope, dv], dim=-1)
+            k = torch.cat([k_nope, g[:, :, :, c:].expand(-1, -1, heads, -1)], dim=-1)
+            return k, v
+
+        o = context_parallel_attention(
+            q.reshape(1, bsz * seqlen, heads, self.qk_head_dim),
+            rows.reshape(1, bsz * seqlen, 1, c + r),
+            None,
+            token_ids=ctx.token_ids, doc_ids=ctx.doc_ids, group=ctx.group,
+            scale=self.softmax_scale, max_tokens=ctx.routing.num_tokens, expand=expand,
+        )  # fmt: skip
+        return self.wo(o.reshape(bsz, seqlen, heads * dv))
+
+
 class KimiLinearBlock(TransformerBlock):
     """One Kimi Linear layer: ``x + mixer(norm(x))``, then ``x + ffn(norm(x))``, where the
     mixer is MLA (``attention``) or KDA (``kda``) and the feed-forward dense
@@ -177,7 +236,7 @@ class KimiLinearBlock(TransformerBlock):
 
     @dataclass(kw_only=True, slots=True)
     class Config(TransformerBlock.Config):
-        attention: Attention.Config | None = None  # pyrefly: ignore[bad-override]
+        attention: LatentGatherMLA.Config | None = None  # pyrefly: ignore[bad-override]
         kda: KDAMixer.Config | None = None
 
     def __init__(self, config: Config):
@@ -362,12 +421,13 @@ def kimi_linear_config(
     for i, b in enumerate(blocks):
         attention = kda = None
         if i in s.mla_layers:
-            attention = dataclasses.replace(
-                b.attention,
+            mla = {f.name: getattr(b.attention, f.name) for f in dataclasses.fields(b.attention)}
+            mla.update(
                 inner_attention=inner,
                 kv_norm=dataclasses.replace(b.attention.kv_norm, eps=LATENT_NORM_EPS),
                 q_norm=dataclasses.replace(b.attention.q_norm, eps=LATENT_NORM_EPS),
             )
+            attention = LatentGatherMLA.Config(**mla)
         else:
             kda = _kda_config(s, i, linear_attention_backend)
         moe = b.moe
