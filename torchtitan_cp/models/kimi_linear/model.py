@@ -112,9 +112,10 @@ KIMI_LINEAR_FLAVORS: dict[str, KimiLinearSizes] = {
         max_seq_len=1 << 20,
     ),
     # moonshotai/Kimi-Linear-48B-A3B: transformers 5.23's KimiLinearConfig defaults (its
-    # docstring names that checkpoint); MLA at the published checkpoint's full_attn_layers
-    # 4, 8, ..., 24, 27 (1-indexed; transformers' default layer_types differ, so a folder's
-    # config.json is what the HF folder check compares).
+    # docstring names that checkpoint). MLA at 4, 8, ..., 24, 27 (1-indexed), the published
+    # checkpoint's linear_attn_config.full_attn_layers as recalled, not verified against the
+    # file here (transformers' default layer_types differ); the HF folder check compares a
+    # folder's config.json and names layer_types when they differ.
     "48B-A3B": KimiLinearSizes(
         dim=2304, n_layers=27, vocab_size=163840, n_heads=32, q_lora_rank=0, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
