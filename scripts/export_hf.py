@@ -1,4 +1,4 @@
-"""Export a Qwen3.5 checkpoint of this recipe to a Hugging Face folder.
+"""Export a Qwen3.5 or Kimi Linear checkpoint of this recipe to a Hugging Face folder.
 
     python scripts/export_hf.py --config_file configs/qwen35_debug_cpu.toml \
         --checkpoint outputs/qwen35_debug_cpu/checkpoint/step-30 --out hf_out [--overwrite] \
@@ -7,7 +7,8 @@
 Checks the step against its manifest first (the same check, and the same message, as a resume:
 ``python -m torchtitan_cp.checkpoint verify``), reads the model weights of the torchtitan DCP
 checkpoint (any sharding; optimizer state is left behind), converts them with torchtitan's
-``Qwen35StateDictAdapter`` and writes ``config.json``, ``model.safetensors`` and the tokenizer
+``Qwen35StateDictAdapter`` (Kimi Linear: the recipe's ``KimiLinearStateDictAdapter``, published
+layout) and writes ``config.json``, ``model.safetensors`` and the tokenizer
 files of ``hf_assets_path`` into a temporary folder beside ``--out``, checks it, then renames it
 into place. A non-empty ``--out`` is refused unless ``--overwrite``, which replaces the whole
 folder (older shards and their index included) and only ever a folder that holds nothing but a
@@ -175,7 +176,6 @@ def export(argv: list[str] | None) -> str:
     import torch.distributed.checkpoint as dcp
 
     from torchtitan_cp.models import recipe_model_spec
-    from torchtitan_cp.models.qwen35.hf import check_hf_folder, write_hf_folder
     from torchtitan_cp.run.checkpoint import fit_problem
     from torchtitan_cp.train import load_config
     from torchtitan_cp.trainer.config import ConfigError
@@ -184,8 +184,14 @@ def export(argv: list[str] | None) -> str:
         config = load_config(rest)
     except (ConfigError, ValueError) as e:
         raise ExportError(str(e)) from None
-    if config.model.name != "qwen3_5":
-        raise ExportError("export_hf.py exports model.name = 'qwen3_5' checkpoints only")
+    if config.model.name == "qwen3_5":
+        from torchtitan_cp.models.qwen35.hf import check_hf_folder, write_hf_folder
+    elif config.model.name == "kimi_linear":
+        from torchtitan_cp.models.kimi_linear.hf import check_hf_folder, write_hf_folder
+    else:
+        raise ExportError(
+            "export_hf.py exports model.name = 'qwen3_5' or 'kimi_linear' checkpoints only"
+        )
     tmp = _staging_folder(out)
     try:
         spec = recipe_model_spec(config.model)

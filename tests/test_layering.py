@@ -57,7 +57,8 @@ def ops_layers(ops_dir: Path = PACKAGE / "ops") -> dict[str, int]:
 LAYERS: dict[str, dict[str, int]] = {
     "ops": ops_layers(),
     "models": {
-        "context": 0, "blocks": 1, "mixers": 2, "hybrid": 3, "qwen35": 3, "recipe": 4,
+        "context": 0, "hf_folder": 0, "blocks": 1, "mixers": 2, "hybrid": 3, "qwen35": 3, "kimi_linear": 3,
+        "recipe": 4,
         "__init__": 5,
     },
 }  # fmt: skip

@@ -99,14 +99,15 @@ def test_qwen35_cp_equals_unsharded(world, balancer, bsz, seqlen):
     print(f"world {world} {balancer}: worst (loss, grad) per dtype {results}")
 
 
-def _adamw_steps(rank: int, world: int, source: str, balancer: str):
-    """3 AdamW steps at CP=world; returns every parameter's bytes after each step and the
+def _adamw_steps(rank: int, world: int, source: str, balancer: str, model_fn=None):
+    """3 AdamW steps at CP=world of ``model_fn()`` (default: Qwen3.5's debug layers, float32;
+    a model of vocabulary ``VOCAB``); returns every parameter's bytes after each step and the
     routing readbacks."""
     _setup()
     from torchtitan_cp.data.host_metadata import HostMetadata
     from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
-    model = _model(torch.float32)
+    model = model_fn() if model_fn is not None else _model(torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     seq = SequencePreprocessor(
         device=torch.device("cpu"), cp_group=dist.group.WORLD, load_balancer=balancer,

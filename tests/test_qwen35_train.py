@@ -28,15 +28,21 @@ def test_qwen35_debug_trains_on_two_cpu_ranks(tmp_path, cp):
     assert all(r["routing/source"] == "host" and r["routing/readbacks"] == 0 for r in rows)
 
 
-def _seeded_runs(tmp_path, extra: list[str], runs: dict[str, tuple[int, list[str]]]) -> dict:
-    """3 AdamW steps from one seed checkpoint for each ``name: (nproc, args)``; every run also
-    gets ``extra``. Returns each run's metrics rows."""
+def _seeded_runs(
+    tmp_path,
+    extra: list[str],
+    runs: dict[str, tuple[int, list[str]]],
+    config: list[str] = CONFIG,
+    steps: int = 3,
+) -> dict:
+    """``steps`` AdamW steps from one seed checkpoint for each ``name: (nproc, args)`` of
+    ``config``; every run also gets ``extra``. Returns each run's metrics rows."""
     from tests.launch import python_train
 
     seed_dir = tmp_path / "seed"
-    python_train([*CONFIG, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+    python_train([*config, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
                   "--metrics.no-enable-wandb"], dump_folder=seed_dir)  # fmt: skip
-    common = [*CONFIG, "--training.steps", "3", "--validator.no-enable",
+    common = [*config, "--training.steps", str(steps), "--validator.no-enable",
               "--metrics.no-enable-wandb", "--debug.deterministic", "--checkpoint.enable",
               "--checkpoint.initial_load_path", str(seed_dir / "checkpoint" / "step-0"), *extra]  # fmt: skip
     rows = {}

@@ -47,10 +47,11 @@ def _with_decoder_fields(cls: type) -> type:
 @dataclass(kw_only=True, slots=True)
 @_with_decoder_fields
 class ModelRecipe:
-    """``[model]``: which model to build (name, flavor; n_layers and vision for qwen3_5 only)
+    """``[model]``: which model to build (name, flavor; n_layers for qwen3_5 and kimi_linear,
+    vision for qwen3_5 only)
     and any ``HybridDecoder.Config`` field (unset: the flavor's value)."""
 
-    name: Literal["hybrid", "qwen3_5"] = "hybrid"
+    name: Literal["hybrid", "qwen3_5", "kimi_linear"] = "hybrid"
     flavor: str = "debug"
     n_layers: int | None = None
     vision: bool = False
@@ -71,13 +72,15 @@ class ModelRecipe:
 
 
 def recipe_model_spec(recipe: Any) -> ModelSpec:
-    """The ``ModelSpec`` that ``[model]`` names: the hybrid decoder or torchtitan's Qwen3.5.
+    """The ``ModelSpec`` that ``[model]`` names: the hybrid decoder, torchtitan's Qwen3.5 or
+    Kimi Linear.
     A key that does not apply to the chosen model is a ValueError naming it."""
     overrides = recipe.overrides()
     if recipe.name == "hybrid":
         if recipe.n_layers is not None or recipe.vision:
             key = "n_layers" if recipe.n_layers is not None else "vision"
-            raise ValueError(f"model.{key} applies to model.name = 'qwen3_5' only")
+            where = "'qwen3_5' or 'kimi_linear'" if key == "n_layers" else "'qwen3_5'"
+            raise ValueError(f"model.{key} applies to model.name = {where} only")
         return model_spec(recipe.flavor, **overrides)
     if recipe.name == "qwen3_5":
         from torchtitan_cp.models.qwen35.spec import qwen35_model_spec
@@ -92,4 +95,18 @@ def recipe_model_spec(recipe: Any) -> ModelSpec:
         return qwen35_model_spec(
             recipe.flavor, n_layers=recipe.n_layers, vision=recipe.vision, **overrides
         )
-    raise ValueError(f"unknown model.name {recipe.name!r}; choose 'hybrid' or 'qwen3_5'")
+    if recipe.name == "kimi_linear":
+        from torchtitan_cp.models.kimi_linear.spec import kimi_linear_model_spec
+
+        allowed = ("vocab_size", "attention_backend", "attention_cp")
+        bad = sorted(set(overrides) - set(allowed))
+        if recipe.vision or bad:
+            key = "vision" if recipe.vision else bad[0]
+            raise ValueError(
+                f"model.{key} does not apply to kimi_linear (its flavor fixes the architecture; "
+                f"settable: n_layers, {', '.join(allowed)})"
+            )
+        return kimi_linear_model_spec(recipe.flavor, n_layers=recipe.n_layers, **overrides)
+    raise ValueError(
+        f"unknown model.name {recipe.name!r}; choose 'hybrid', 'qwen3_5' or 'kimi_linear'"
+    )

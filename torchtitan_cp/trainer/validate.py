@@ -85,7 +85,7 @@ def _dp_degree(config: Any, world_size: int) -> int:
         f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}: this recipe has "
         "no pipeline parallelism (torchtitan bans packed documents with PP); set it to 1",
     )
-    if p.expert_parallel_degree > 1 and config.model.name != "qwen3_5":
+    if p.expert_parallel_degree > 1 and config.model.name == "hybrid":
         raise ConfigError(
             f"parallelism.expert_parallel_degree = {p.expert_parallel_degree}: the hybrid "
             "decoder has no experts; set it to 1"
@@ -559,6 +559,32 @@ def check_model(config: Any) -> tuple[Any, bool]:
                 from torchtitan_cp.models.qwen35.hf import check_hf_folder
 
                 check_hf_folder(ckpt.initial_load_path or config.hf_assets_path, spec.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if config.model.name == "kimi_linear":
+        from torchtitan_cp.models.kimi_linear.model import check_kimi_linear_parallelism
+
+        try:
+            check_kimi_linear_parallelism(spec.model, config.parallelism)
+            if config.compile.enable and "model" in config.compile.components:
+                raise ValueError(
+                    "compile.enable is not supported for model.name = 'kimi_linear' yet (torch's "
+                    "grouped matmul of its float32 experts has no float32 fake kernel, so the MoE "
+                    "blocks do not trace; bfloat16 is not checked); set it false"
+                )
+            ckpt = config.checkpoint
+            if ckpt.enable and ckpt.initial_load_in_hf:
+                import dataclasses
+                import functools
+
+                from torchtitan_cp.models.kimi_linear.hf import check_hf_folder
+
+                prefix = check_hf_folder(
+                    ckpt.initial_load_path or config.hf_assets_path, spec.model
+                )
+                # the adapter writes the names this folder uses for its dense feed-forward
+                adapter = functools.partial(spec.state_dict_adapter, dense_prefix=prefix)
+                spec = dataclasses.replace(spec, state_dict_adapter=adapter)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return spec, check_attention_backend(config, spec.model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torchtitan.protocols.module import Module
 
@@ -36,6 +36,11 @@ class HeadsMixer(Module):
             """Value channels per head."""
             return self.value_head_dim or self.head_dim
 
+    # Config fields that choose a published variant (set by the model that builds the mixer,
+    # e.g. Kimi Linear's); the hybrid decoder leaves them at their defaults, so ``from_model``
+    # does not look for decoder fields of these names.
+    variant_fields: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, config: Config):
         super().__init__()
         self.n_heads, self.head_dim = config.n_heads, config.head_dim
@@ -46,7 +51,7 @@ class HeadsMixer(Module):
     def from_model(cls, cfg: Any, layer_id: int, backend: Backend) -> HeadsMixer.Config:
         """The mixer of layer ``layer_id`` of a ``HybridDecoder.Config`` ``cfg``, on the
         registry's ``backend``."""
-        own = {f.name for f in dataclasses.fields(HeadsMixer.Config)}
+        own = {f.name for f in dataclasses.fields(HeadsMixer.Config)} | set(cls.variant_fields)
         added = [f.name for f in dataclasses.fields(cls.Config) if f.name not in own]
         return cls.Config(
             dim=cfg.dim, n_heads=cfg.n_heads, head_dim=cfg.head_dim,

@@ -13,7 +13,9 @@ from torchtitan.protocols.module import Module
 from torchtitan_cp.models.blocks.tensor_parallel import local
 from torchtitan_cp.ops.common.dtypes import compute_dtype
 
-__all__ = ["GatedGroupRMSNorm", "GatedRMSNorm"]
+__all__ = ["L2NORM_EPS", "GatedGroupRMSNorm", "GatedRMSNorm", "fla_l2norm"]
+
+L2NORM_EPS = 1e-6  # fla-core's l2norm_fwd default, used by use_qk_l2norm_in_kernel
 
 
 class GatedRMSNorm(Module):
@@ -67,3 +69,11 @@ class GatedGroupRMSNorm(Module):
         u = (y.to(acc) * F.silu(z.to(acc))).unflatten(-1, (-1, self.group_size))
         u = (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
         return (u * local(self.weight).to(acc)).to(y.dtype)
+
+
+def fla_l2norm(x: torch.Tensor) -> torch.Tensor:
+    """fla-core's ``l2norm_fwd`` in PyTorch: ``x * rsqrt(sum(x^2) + 1e-6)`` over the last dim,
+    accumulated in float32 (float64 for float64 input), returned in x's dtype."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)

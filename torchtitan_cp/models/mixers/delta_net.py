@@ -26,7 +26,7 @@ from torchtitan.distributed.tensor_parallel import NoParallel
 from torchtitan_cp.models.blocks.conv import ShortConvolution
 from torchtitan_cp.models.blocks.heads import HeadsMixer
 from torchtitan_cp.models.blocks.init import init_decay, linear
-from torchtitan_cp.models.blocks.norm import GatedRMSNorm
+from torchtitan_cp.models.blocks.norm import GatedRMSNorm, fla_l2norm
 from torchtitan_cp.models.blocks.tensor_parallel import distribute_parameter, local, tp_heads
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.ops import Kind
@@ -48,9 +48,15 @@ class DeltaNetMixer(HeadsMixer):
     shared_projections: ClassVar[tuple[str, ...]] = ()
     dt_bias: nn.Parameter  # created by _init_gates: [H*K] (KDA) or [H] (GDN)
 
+    variant_fields = ("qk_norm",)
+
     @dataclass(kw_only=True, slots=True)
     class Config(HeadsMixer.Config):
         conv_width: int = 4
+        # The L2 norm of q and k: "normalize" is ``F.normalize`` (``x / max(|x|, 1e-12)``);
+        # "fla" is fla-core's in-kernel norm ``x * rsqrt(|x|^2 + 1e-6)``, which Kimi Linear's
+        # published layer (and transformers' port of it) runs.
+        qk_norm: Literal["normalize", "fla"] = "normalize"
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -65,6 +71,7 @@ class DeltaNetMixer(HeadsMixer):
         self.qkv_conv = ShortConvolution.Config(
             channels=2 * h * k + h * v, width=config.conv_width
         ).build()
+        self.qk_norm = config.qk_norm
         self.b_proj = linear(d, h)
         self._init_gates(d, h, k, v)
         self.A_log = nn.Parameter(torch.empty(h))
@@ -126,8 +133,11 @@ class DeltaNetMixer(HeadsMixer):
         h = qkv.shape[-1] // (2 * k + v)  # this rank's heads (all of them without TP)
         q, kk, vv = self.qkv_conv(qkv, ctx, self.backend).split([h * k, h * k, h * v], dim=-1)
         q, kk, vv = q.unflatten(-1, (h, k)), kk.unflatten(-1, (h, k)), vv.unflatten(-1, (h, v))
-        q = F.normalize(q, p=2, dim=-1)
-        kk = F.normalize(kk, p=2, dim=-1)
+        if self.qk_norm == "fla":
+            q, kk = fla_l2norm(q), fla_l2norm(kk)
+        else:
+            q = F.normalize(q, p=2, dim=-1)
+            kk = F.normalize(kk, p=2, dim=-1)
         beta = torch.sigmoid(self.b_proj(xs).to(compute_dtype(xs.dtype))).to(xs.dtype)
         o = ctx.run_recurrence(self.recurrence, (q, kk, vv, self._gate(xs), beta))
         gate = self._output_gate(xs)
@@ -144,15 +154,23 @@ class KDAMixer(DeltaNetMixer):
     head_projections = ("f_b_proj", "g_b_proj")
     shared_projections = ("f_a_proj", "g_a_proj")
 
+    variant_fields = ("qk_norm", "output_gate_bias")
+
     @dataclass(kw_only=True, slots=True)
     class Config(DeltaNetMixer.Config):
-        pass
+        # The output gate's up-projection bias: the recipe's KDA has one; Kimi Linear's
+        # published layer (``g_b_proj``) has none.
+        output_gate_bias: bool = True
+
+    def __init__(self, config: Config):
+        self.output_gate_bias = config.output_gate_bias  # read by _init_gates
+        super().__init__(config)
 
     def _init_gates(self, d: int, h: int, k: int, v: int) -> None:
         self.f_a_proj = linear(d, k)
         self.f_b_proj = linear(k, h * k)
         self.g_a_proj = linear(d, v)
-        self.g_b_proj = linear(v, h * v, bias=True)
+        self.g_b_proj = linear(v, h * v, bias=self.output_gate_bias)
         self.dt_bias = nn.Parameter(torch.empty(h * k))
 
     def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,15 +17,28 @@ inside the legacy ``rope_scaling`` (which then wins, as in transformers), or as 
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from torchtitan_cp.models.hf_folder import (
+    json_kind as _kind,
+)
+from torchtitan_cp.models.hf_folder import (
+    read_index,
+    write_hf_files,
+)
+from torchtitan_cp.models.hf_folder import (
+    read_json_object as _read_json_object,
+)
+from torchtitan_cp.models.hf_folder import (
+    same_value as _same,
+)
+from torchtitan_cp.models.hf_folder import (
+    tensor_names as _tensor_names,
+)
 
 INDEX = "model.safetensors.index.json"
 LANGUAGE_MODEL = "model.language_model."  # the weights' prefix in the published layout
@@ -178,15 +191,6 @@ def _multimodal(hf: dict[str, Any]) -> bool:
         "qwen3_5", "qwen3_5_moe")  # fmt: skip
 
 
-def _kind(value: Any) -> str:
-    """A JSON value's type, as a reader of the file would name it, with the value."""
-    names = {str: "a string", list: "a list", bool: "a boolean", int: "a number",
-             float: "a number", dict: "an object", type(None): "null"}  # fmt: skip
-    shown = repr(value)
-    shown = shown if len(shown) <= 40 else shown[:37] + "..."
-    return f"{names.get(type(value), type(value).__name__)} ({shown})"
-
-
 def shape_problem(hf: dict[str, Any]) -> str | None:
     """A field of ``config.json`` whose JSON type no reader can use (``text_config`` or the
     RoPE settings not an object), named with its key path; None when the shapes are right."""
@@ -208,43 +212,6 @@ def shape_problem(hf: dict[str, Any]) -> str | None:
                 f"{pre}{name}.full_attention is {_kind(per_type)}, not an object of RoPE settings"
             )
     return None
-
-
-def _read_json_object(path: Path, holding: str) -> dict[str, Any]:
-    """``path`` parsed as a JSON object; a one-line ValueError naming the file otherwise
-    (``holding``: what the object should hold, for the message)."""
-    try:
-        data = json.loads(path.read_text())
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e}; a file cut short?)") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: {_kind(data)}, not a JSON object {holding}")
-    return data
-
-
-def read_index(index: Path) -> dict[str, str]:
-    """The ``weight_map`` (tensor name -> shard file) of ``model.safetensors.index.json``; a
-    one-line ValueError naming the file and the field for any defect."""
-    data = _read_json_object(index, "with a weight_map")
-    weight_map = data.get("weight_map")
-    if weight_map is None:
-        raise ValueError(f'{index}: no "weight_map" (tensor name -> safetensors file)')
-    if not isinstance(weight_map, dict):
-        raise ValueError(
-            f"{index}: weight_map is {_kind(weight_map)}, not an object of tensor name -> "
-            "safetensors file"
-        )
-    if not weight_map:
-        raise ValueError(f"{index}: weight_map is empty: it lists no tensors")
-    for name, shard in weight_map.items():
-        if not isinstance(shard, str) or not shard or "/" in shard or shard.startswith("."):
-            raise ValueError(
-                f"{index}: weight_map[{name!r}] is {_kind(shard)}, not the name of a "
-                "safetensors file in the folder"
-            )
-    return weight_map
 
 
 def _field(d: dict[str, Any], key: str, prefix: str, default: Any) -> HFValue:
@@ -297,16 +264,6 @@ def read_text_config(hf: dict[str, Any]) -> dict[str, HFValue]:
     return out
 
 
-def _same(have: Any, want: Any) -> bool:
-    if isinstance(want, bool) or isinstance(have, bool):
-        return have is want
-    if isinstance(want, float):
-        return isinstance(have, int | float) and math.isclose(have, want, rel_tol=1e-9)
-    if isinstance(want, list):
-        return isinstance(have, list | tuple) and list(have) == want
-    return have == want
-
-
 def _mismatch(got: HFValue, want: Any, hint: str = "") -> str:
     if got.where.endswith(" (absent)"):
         return (
@@ -357,25 +314,11 @@ def write_hf_folder(
 ) -> Path:
     """Write ``model``'s weights (HF names via ``Qwen35StateDictAdapter.to_hf``) as
     ``model.safetensors``, ``config.json`` and the tokenizer files of ``tokenizer_dir``."""
-    from safetensors.torch import save_file
     from torchtitan.models.qwen3_5 import Qwen35StateDictAdapter
 
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    adapter = Qwen35StateDictAdapter(cfg, None)
-    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    hf = {k: v.contiguous() for k, v in adapter.to_hf(sd).items()}
-    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
-    # safetensors creates its file 0600; give it the mode of the files written beside it
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(out / "model.safetensors", 0o666 & ~umask)
-    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
-    if tokenizer_dir is not None:
-        for f in Path(tokenizer_dir).iterdir():
-            if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "vocab")):
-                shutil.copy2(f, out / f.name)
-    return out
+    return write_hf_files(
+        model, Qwen35StateDictAdapter(cfg, None), hf_config(cfg), path, tokenizer_dir=tokenizer_dir
+    )
 
 
 def check_hf_folder(path: str | Path, cfg: Any) -> None:
@@ -424,14 +367,3 @@ def check_hf_folder(path: str | Path, cfg: Any) -> None:
             f"the recipe loads the published Qwen3_5ForConditionalGeneration layout "
             f"{LANGUAGE_MODEL}* (torchtitan's Qwen35StateDictAdapter)"
         )
-
-
-def _tensor_names(file: Path) -> list[str]:
-    """The tensor names in a safetensors file's header (no tensor data read)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(file), "pt") as f:
-            return list(f.keys())
-    except Exception:  # a damaged file: the checkpoint loader names it
-        return []

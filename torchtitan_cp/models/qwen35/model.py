@@ -45,19 +45,25 @@ from torchtitan_cp.models.blocks.attention_cp import (
     DEFAULT_ATTENTION_CP,
     AttentionCP,
     check_attention_cp,
-    routed_pass_kv,
 )
-from torchtitan_cp.models.blocks.flex import (
-    AttentionBackend,
-    DocumentFlexAttention,
-    resolve_attention_backend,
+from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
+
+# Shared with models.kimi_linear, so they live in blocks/ (re-exported for existing callers).
+from torchtitan_cp.models.blocks.norm import L2NORM_EPS as L2NORM_EPS
+from torchtitan_cp.models.blocks.norm import fla_l2norm
+from torchtitan_cp.models.blocks.routed_attention import (
+    RoutedInnerAttention,
+    routed_varlen_metadata,
+    seq_ctx_of,
+)
+from torchtitan_cp.models.blocks.routed_attention import (
+    RoutedVarlenMetadata as RoutedVarlenMetadata,
 )
 from torchtitan_cp.models.blocks.tensor_parallel import local
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
 from torchtitan_cp.ops import (
     causal_conv1d,
     chunk_delta_rule,
-    context_parallel_attention,
     context_parallel_conv_history,
     context_parallel_delta_rule,
 )
@@ -66,46 +72,6 @@ QWEN35_FLAVORS: tuple[str, ...] = tuple(qwen3_5_configs)
 """torchtitan 0.3.0's Qwen3.5 flavors (``debugmodel``, ``0.8B``, ``2B``, ...)."""
 
 _TEXT_ONLY_TOKENS = {"image_id": -1, "video_id": -1}
-L2NORM_EPS = 1e-6  # fla-core's l2norm_fwd default, used by use_qk_l2norm_in_kernel
-
-
-@dataclass(frozen=True, eq=False)
-class RoutedVarlenMetadata:
-    """What every layer receives where upstream passes its ``VarlenMetadata``: the microbatch's
-    ``SequenceContext``, whose routing holds this rank's document offsets (device and host).
-
-    Upstream's own ``GatedDeltaNet`` code reads none of it (its kernel and conv, which would
-    take the offsets, are swapped for ones that read the routing), so no per-layout host value
-    enters a compiled block. A plain dataclass rather than a ``VarlenMetadata`` subclass: pytree
-    maps over a block's inputs (FSDP's input cast, activation checkpointing) rebuild NamedTuples
-    from their fields and would drop ``seq_ctx``; a dataclass is a leaf and passes through
-    whole."""
-
-    seq_ctx: SequenceContext
-
-
-def routed_varlen_metadata(ctx: SequenceContext) -> RoutedVarlenMetadata:
-    """The per-layer metadata of this microbatch (no device read: the routing is built on the
-    host)."""
-    return RoutedVarlenMetadata(ctx)
-
-
-def _seq_ctx(masks: Any, where: str) -> SequenceContext:
-    ctx = getattr(masks, "seq_ctx", None)
-    if ctx is None:
-        raise ValueError(
-            f"{where} under torchtitan_cp needs the microbatch's SequenceContext: call "
-            "Qwen35TextModel.forward(tokens, positions, seq_ctx) (SequencePreprocessor builds it)"
-        )
-    return ctx
-
-
-def fla_l2norm(x: torch.Tensor) -> torch.Tensor:
-    """fla-core's ``l2norm_fwd`` in PyTorch: ``x * rsqrt(sum(x^2) + 1e-6)`` over the last dim,
-    accumulated in float32 (float64 for float64 input), returned in x's dtype."""
-    acc = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(acc)
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
 
 
 class RoutedGatedDeltaKernel(Module):
@@ -189,81 +155,13 @@ def _routed_delta_net_forward(
     conv and kernel for the duration of the call (activation-checkpoint recompute calls this
     again with the same masks, so it sees the same context)."""
     kernel = cast(RoutedGatedDeltaKernel, self.kernel)
-    kernel.seq_ctx = _seq_ctx(attention_masks, "Qwen3.5 GatedDeltaNet")
+    kernel.seq_ctx = seq_ctx_of(attention_masks, "Qwen3.5 GatedDeltaNet")
     try:
         # No metadata for upstream's own code: it would only turn the offsets into the
         # cu_seqlens arguments of the kernel and conv, which read the routing instead.
         return GatedDeltaNet.forward(self, x_BLD, None)
     finally:
         kernel.seq_ctx = None
-
-
-class RoutedInnerAttention(Module):
-    """``Qwen35Attention.inner_attention`` over the packed documents of the microbatch.
-
-    In/out ``[B, L_local, H, D]``. flex: torchtitan's ``FlexAttention`` (``self.flex``) with the
-    context's document ``BlockMask`` (under CP wrapped by ``apply_cp_to_forward``); sdpa:
-    ``ops.context_parallel_attention`` over the flattened span with global token/document ids;
-    under CP with ``cp_mode = "pass_kv"``: ``ops.pass_kv_attention`` (either backend).
-    """
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
-        backend: AttentionBackend = "auto"
-        cp_mode: AttentionCP = DEFAULT_ATTENTION_CP
-
-    def __init__(self, config: Config):
-        super().__init__()
-        resolve_attention_backend(config.backend, "cpu")  # reject a bad name at build time
-        check_attention_cp(config.cp_mode)
-        self.backend = config.backend
-        self.cp_mode = config.cp_mode
-        self.flex = DocumentFlexAttention(DocumentFlexAttention.Config())
-        self.flex_cp = False  # set once torchtitan's CP wrapper gathers K/V for self.flex
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        attention_masks: Any = None,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> torch.Tensor:
-        ctx = _seq_ctx(attention_masks, "Qwen3.5 attention")
-        bsz, seqlen, n_heads, head_dim = q.shape
-        backend = resolve_attention_backend(self.backend, q.device)
-        if ctx.cp_enabled and self.cp_mode == "pass_kv":
-            o = routed_pass_kv(
-                q.reshape(1, bsz * seqlen, n_heads, head_dim),
-                k.reshape(1, bsz * seqlen, k.shape[2], k.shape[3]),
-                v.reshape(1, bsz * seqlen, v.shape[2], v.shape[3]),
-                ctx, backend, scale,
-            )  # fmt: skip
-            return o.reshape(bsz, seqlen, n_heads, v.shape[3])
-        if backend == "flex":
-            if ctx.block_mask is None:
-                raise ValueError(
-                    "attention_backend 'flex' needs a SequenceContext with a document "
-                    "block_mask (SequencePreprocessor(flex_attention=True) builds one)"
-                )
-            if ctx.cp_enabled and not self.flex_cp:
-                raise RuntimeError(
-                    "flex attention under context parallelism needs its K/V all-gather: "
-                    "parallelize_qwen35 applies it"
-                )
-            if scale is not None and scale != head_dim**-0.5:
-                raise ValueError(f"flex path supports the default scale only, got {scale}")
-            return self.flex(q, k, v, attention_masks=ctx.block_mask, enable_gqa=enable_gqa)
-        o = context_parallel_attention(
-            q.reshape(1, bsz * seqlen, n_heads, head_dim),
-            k.reshape(1, bsz * seqlen, k.shape[2], k.shape[3]),
-            v.reshape(1, bsz * seqlen, v.shape[2], v.shape[3]),
-            token_ids=ctx.token_ids, doc_ids=ctx.doc_ids, group=ctx.group, scale=scale,
-            max_tokens=ctx.routing.num_tokens,
-        )  # fmt: skip
-        return o.reshape(bsz, seqlen, n_heads, v.shape[3])
 
 
 def route_delta_nets(model: nn.Module, backend: Literal["auto", "torch", "fla"]) -> int:

@@ -10,6 +10,8 @@ contexts; a long-context GPU path would use ring / flex attention instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -45,13 +47,14 @@ _MASK_ELEMENTS = 1 << 24
 def context_parallel_attention(
     q: Tensor,
     k: Tensor,
-    v: Tensor,
+    v: Tensor | None,
     *,
     token_ids: Tensor,
     doc_ids: Tensor,
     group: dist.ProcessGroup | None,
     scale: float | None = None,
     max_tokens: int | None = None,
+    expand: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None,
 ) -> Tensor:
     """Softmax attention of this rank's queries over the whole (all-gathered) stream.
 
@@ -66,6 +69,11 @@ def context_parallel_attention(
         scale: softmax scale, default ``D ** -0.5``.
         max_tokens: the largest ``T_local`` over the group, if known; otherwise it is
             found with a one-int all-reduce (a device->host sync on CUDA).
+        expand: gather rows, not K/V (multi-head latent attention): ``k`` is then each
+            token's row ``[B, T_local, 1, C]`` (e.g. MLA's compressed latent and shared rope
+            key), ``v`` is None, and every rank turns the gathered rows ``[B, Tk, 1, C]`` into
+            keys ``[B, Tk, Hkv, Dk]`` and values ``[B, Tk, Hkv, Dv]`` with ``expand``: C
+            numbers travel per token instead of ``Hkv * (Dk + Dv)``. Padding rows are zeros.
 
     Returns:
         ``[B, T_local, Hq, Dv]`` in q's dtype. Differentiable in q, k, v; the gradients of
@@ -73,6 +81,8 @@ def context_parallel_attention(
     """
     B, T, Hq, _ = q.shape
     Dk = k.shape[-1]
+    if (expand is None) == (v is None):
+        raise ValueError("pass v (K/V attention) or expand (gathered rows), not both or neither")
     if token_ids.shape != doc_ids.shape or token_ids.shape not in ((T,), (B, T)):
         raise ValueError(
             f"token_ids {list(token_ids.shape)} and doc_ids {list(doc_ids.shape)} must both be "
@@ -80,8 +90,9 @@ def context_parallel_attention(
         )
     world = group_size(group)
     ids = torch.stack([token_ids, doc_ids], dim=-1)  # [T, 2] or [B, T, 2]
+    rows = k if v is None else torch.cat([k, v], dim=-1)
     if world == 1:
-        kv, k_ids = torch.cat([k, v], dim=-1), ids
+        kv, k_ids = rows, ids
     else:
         if max_tokens is None:
             n = torch.tensor([T], dtype=torch.int64, device=q.device)
@@ -89,12 +100,13 @@ def context_parallel_attention(
             max_tokens = int(n.item())
         # One collective for K and V (also keeps a single, identically ordered backward
         # collective per layer on every rank). Token dim first: the gather concatenates dim 0.
-        kv = torch.cat([k, v], dim=-1).transpose(0, 1)  # [T, B, Hkv, Dk+Dv]
+        kv = rows.transpose(0, 1)  # [T, B, Hkv, Dk+Dv] (or [T, B, 1, C] rows to expand)
         kv = all_gather_autograd(_pad_rows(kv, max_tokens), group).transpose(0, 1)
         ids_t = ids.transpose(0, 1) if ids.dim() == 3 else ids  # token dim first
         k_ids = all_gather_plain(_pad_rows(ids_t, max_tokens, -1), group)
         k_ids = k_ids.transpose(0, 1) if ids.dim() == 3 else k_ids
-    keys, values = kv[..., :Dk].transpose(1, 2), kv[..., Dk:].transpose(1, 2)
+    keys, values = (kv[..., :Dk], kv[..., Dk:]) if expand is None else expand(kv)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     # Queries in blocks so the mask (and, on the math path, the scores) stay bounded:
     # block x Tk elements instead of T_local x Tk.
     tk = k_ids.shape[-2]
@@ -112,7 +124,7 @@ def context_parallel_attention(
                 values,
                 attn_mask=mask,
                 scale=scale,
-                enable_gqa=Hq != k.shape[2],
+                enable_gqa=Hq != keys.shape[1],
             )
         )
     o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
