@@ -583,7 +583,10 @@ def check_model(config: Any) -> tuple[Any, bool]:
                     ckpt.initial_load_path or config.hf_assets_path, spec.model
                 )
                 # the adapter writes the names this folder uses for its dense feed-forward
+                assert spec.state_dict_adapter is not None
+                # pyrefly: ignore[unexpected-keyword]  (Kimi's adapter takes it; typed as the base)
                 adapter = functools.partial(spec.state_dict_adapter, dense_prefix=prefix)
+                # pyrefly: ignore[bad-argument-type]  (a partial of the adapter class builds it)
                 spec = dataclasses.replace(spec, state_dict_adapter=adapter)
         except ValueError as e:
             raise ConfigError(str(e)) from None

@@ -148,7 +148,10 @@ class KimiLinearStateDictAdapter(StateDictAdapter):
         experts: dict[str, dict[str, dict[int, Any]]] = {}
         top = {v: k for k, v in _TOP.items()}
         kda_layers = {
-            str(i) for i, lay in enumerate(self.model_config.layers) if lay.kda is not None
+            # pyrefly: ignore[missing-attribute]  (the Kimi decoder's config, typed as its base)
+            str(i)
+            for i, lay in enumerate(self.model_config.layers)
+            if lay.kda is not None
         }
         for key, value in hf_state_dict.items():
             if key in top:

@@ -312,6 +312,7 @@ class KimiLinearModel(Decoder):
             scores (12 x heads x (qk + v head dims) / 2 x seq_len per layer) and KDA's
             recurrence (``recurrence_flops``) per layer."""
             nparams = sum(p.numel() for p in model.parameters())
+            # pyrefly: ignore[missing-attribute]  (an nn.Embedding, typed through Module.__getattr__)
             embed = sum(p.numel() for p in model.tok_embeddings.parameters())
             inactive = 0
             for m in model.modules():
@@ -425,7 +426,9 @@ def kimi_linear_config(
             mla = {f.name: getattr(b.attention, f.name) for f in dataclasses.fields(b.attention)}
             mla.update(
                 inner_attention=inner,
+                # pyrefly: ignore[missing-attribute]  (MLA's config, typed as its base)
                 kv_norm=dataclasses.replace(b.attention.kv_norm, eps=LATENT_NORM_EPS),
+                # pyrefly: ignore[missing-attribute]
                 q_norm=dataclasses.replace(b.attention.q_norm, eps=LATENT_NORM_EPS),
             )
             attention = LatentGatherMLA.Config(**mla)
