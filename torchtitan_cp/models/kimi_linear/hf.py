@@ -148,8 +148,8 @@ class KimiLinearStateDictAdapter(StateDictAdapter):
         experts: dict[str, dict[str, dict[int, Any]]] = {}
         top = {v: k for k, v in _TOP.items()}
         kda_layers = {
-            # pyrefly: ignore[missing-attribute]  (the Kimi decoder's config, typed as its base)
             str(i)
+            # pyrefly: ignore[missing-attribute]  (the Kimi decoder's config, typed as its base)
             for i, lay in enumerate(self.model_config.layers)
             if lay.kda is not None
         }
