@@ -8,9 +8,11 @@ from one seed checkpoint, float32 on gloo. Hybrid: tp2, cp2 and cp2 x tp2 give d
 grad norm within 1e-5 relative over 10 AdamW steps, host and device-readback routing train bit
 for bit the same under cp2 x tp2 (one routing per CP rank, shared by its TP ranks), and a DCP
 checkpoint of one layout resumes under the other. Qwen3.5 dense: tp2 and cp2 x tp2 against dp1,
-routing bitwise. Qwen3.5 MoE: cp2 x ep2 against dp1, ep2 against fsdp2. Cost on the 2-core
-machine: about 9 minutes of CPU time in all (hybrid 4.7, Qwen3.5 dense 3.5, MoE under 1).
-"""
+routing bitwise, and the HF export of a cp2 x tp2 checkpoint bitwise equal to the unsharded
+export of the same weights. Qwen3.5 MoE: cp2 x ep2 against dp1, ep2 against fsdp2, the HF
+export of an ep2 checkpoint bitwise equal to the unsharded one. Cost on the 2-core machine:
+process starts dominate (about 10 s of CPU each; a hybrid step on 4 ranks about 1.4 s); the
+totals are in docs/parallelism.md."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.launch import python_train, read_metrics, torchrun_train
+from tests.test_export_hf import export_gap, export_tensors
 from tests.test_train import DEFAULT, seed_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -32,6 +35,8 @@ QWEN35 = ["--config_file", "configs/qwen35_debug_cpu.toml"]
 QWEN35_MOE = [*QWEN35, "--model.flavor", "debugmodel_moe"]
 STEPS = 10
 REL = 1e-5
+# One full training step at learning rate 0: the sharded run saves the seed's weights again
+FROZEN = ["--optimizer.param-groups.0.optimizer-kwargs.lr", "0"]
 
 
 def _tp_model(rank: int, world: int, pattern: str, cp: int) -> dict[str, float]:
@@ -112,6 +117,13 @@ def _resume(tmp_path, source: str, name: str, nproc: int, *extra: str) -> list[d
     return [r for r in rows if r["step"] > STEPS // 2]
 
 
+def _export(tmp_path, name: str, step: int, model: list[str]) -> dict[str, torch.Tensor]:
+    """Run ``name``'s step-``step`` DCP checkpoint (whatever its sharding) exported with
+    scripts/export_hf.py: its HF tensors."""
+    checkpoint = tmp_path / name / "checkpoint" / f"step-{step}"
+    return export_tensors(checkpoint, tmp_path / f"{name}-hf", *model)
+
+
 def test_tensor_parallel_parity_table(tmp_path):
     """The parity table of the hybrid model (dp1, tp2, cp2, cp2 x tp2), routing host against
     readback under cp2 x tp2, and DCP checkpoints across layouts: cp2 x tp2's step 5 resumed
@@ -150,7 +162,8 @@ def _seed(tmp_path, model: list[str]) -> str:
 def test_qwen35_tensor_parallel_parity(tmp_path):
     """Qwen3.5's dense debug model (GatedDeltaNet and gated attention layers): tp2 and
     cp2 x tp2 give dp1's loss and grad norm within 1e-5 relative over 10 steps; host and
-    readback routing train bit for bit the same under cp2 x tp2."""
+    readback routing train bit for bit the same under cp2 x tp2; a cp2 x tp2 checkpoint's HF
+    export (scripts/export_hf.py) is bit for bit the unsharded export of the same weights."""
     seed = _seed(tmp_path, QWEN35)
     common = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed]
     tp = ["--parallelism.tensor_parallel_degree", "2"]
@@ -167,12 +180,20 @@ def test_qwen35_tensor_parallel_parity(tmp_path):
     assert all(err <= REL for err in worst.values()), worst
     host = [(r["loss"], r["grad_norm"]) for r in runs["cp2xtp2"]]
     assert host == [(r["loss"], r["grad_norm"]) for r in readback]
+    # HF export: a cp2 x tp2 step (FSDP x TP 2-D parameters, one full step run at learning
+    # rate 0) exports bit for bit as the unsharded seed it holds. Trained runs are no bitwise
+    # reference: Adam turns last-bit gradient differences into up to a step's size on
+    # parameters with tiny gradients (after 10 steps: 7e-4 of A_log, docs/parallelism.md)
+    _run(tmp_path, "cp2xtp2-lr0", 4, *common, *cp, *tp, *FROZEN, model=QWEN35, steps=1)
+    seed_hf = export_tensors(seed, tmp_path / "seed-hf", *QWEN35)
+    assert export_gap(seed_hf, _export(tmp_path, "cp2xtp2-lr0", 1, QWEN35)) == (0.0, "")
 
 
 def test_qwen35_moe_expert_parallel_parity(tmp_path):
     """Qwen3.5's debugmodel_moe through torchtitan's MoE modules and all-to-all dispatcher:
     cp2 x ep2 (EP borrowed from CP) gives dp1's loss and grad norm, ep2 (borrowed from FSDP)
-    fsdp2's (same data: two data-parallel ranks), within 1e-5 relative.
+    fsdp2's (same data: two data-parallel ranks), within 1e-5 relative; an ep2 checkpoint's
+    HF export is bit for bit the unsharded export of the same weights.
 
     Two steps, not ten: the MoE model's curves part under any change of sharding, CP alone
     included (cp2 against dp1, no EP: 2e-9, 6e-8, 2e-6 at steps 1-3, ~1e-3 by step 10), as
@@ -191,3 +212,8 @@ def test_qwen35_moe_expert_parallel_parity(tmp_path):
     }
     print("qwen3_5 MoE: worst relative error:", worst)
     assert all(err <= REL for err in worst.values()), worst
+    # HF export: an ep2 step (experts sharded over EP, one full step run at learning rate 0)
+    # exports bit for bit as the unsharded seed it holds
+    _run(tmp_path, "ep2-lr0", 2, *common, *ep, *FROZEN, model=QWEN35_MOE, steps=1)
+    seed_hf = export_tensors(seed, tmp_path / "seed-hf", *QWEN35_MOE)
+    assert export_gap(seed_hf, _export(tmp_path, "ep2-lr0", 1, QWEN35_MOE)) == (0.0, "")
