@@ -261,3 +261,55 @@ def test_another_model_names_the_export_fix(capsys, tmp_path, step):
     one_line(code, err, f"--checkpoint {step[0]} does not fit this model: ",
              "pass the --config_file and --model.* options of the run that saved it")  # fmt: skip
     assert "--dump_folder" not in err and not (tmp_path / "hf").exists()
+
+
+def export_tensors(checkpoint: Path, out: Path, *model: str) -> dict[str, torch.Tensor]:
+    """``scripts/export_hf.py --checkpoint CHECKPOINT --out OUT MODEL`` in this process (MODEL:
+    the run's ``--config_file`` and ``--model.*`` options): the exported HF tensors by name."""
+    from safetensors.torch import load_file
+
+    code = export_main([*model, "--checkpoint", str(checkpoint), "--out", str(out)])
+    assert code == 0, f"export of {checkpoint} failed (exit {code})"
+    return load_file(str(out / "model.safetensors"))
+
+
+def export_gap(ref: dict[str, torch.Tensor], run: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest absolute difference between two HF exports, tensor by tensor, and the tensor
+    where it lies (``(0.0, "")``: bitwise equal); the same names, shapes and dtypes are required
+    (a shard exported alone has another shape)."""
+    assert sorted(ref) == sorted(run), sorted(set(ref) ^ set(run))
+    worst = (0.0, "")  # (0.0, "") only when every tensor is bit for bit the same
+    for name, a in ref.items():
+        b = run[name]
+        assert (a.shape, a.dtype) == (b.shape, b.dtype), (name, a.shape, b.shape, a.dtype)
+        if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+            worst = max(worst, (float((a.double() - b.double()).abs().max()), name))
+    return worst
+
+
+def test_a_misgathered_shard_is_caught(capsys, tmp_path, step):
+    """What the TP/EP export checks (tests/test_tensor_parallel.py) would see if a sharded
+    parameter were saved wrong: a DTensor saved as one rank's local shard does not fit the
+    model (the export refuses it), and shards gathered in the wrong rank order change the
+    export by the size of the weights where those checks require bitwise equality."""
+    import torch.distributed.checkpoint as dcp
+
+    d, state = step
+    ref = export_tensors(d, tmp_path / "ref", *CONFIG)
+    assert export_gap(ref, export_tensors(d, tmp_path / "same", *CONFIG)) == (0.0, "")
+
+    def saved(name: str, weights: dict[str, torch.Tensor]) -> Path:
+        bad = tmp_path / name / "step-10"
+        dcp.save(weights, checkpoint_id=str(bad))
+        write_manifest(str(bad), step=10, run_id="r")
+        return bad
+
+    column = "layers.0.attn.in_proj_q.weight"  # column-wise under TP: rank r holds rows r/2
+    swapped = torch.cat(state[column].chunk(2)[::-1])
+    gap, where = export_gap(ref, export_tensors(saved("swapped", {**state, column: swapped}),
+                                                tmp_path / "swapped-hf", *CONFIG))  # fmt: skip
+    assert gap > 1e-2 and where.endswith("layers.0.linear_attn.in_proj_qkv.weight"), (gap, where)
+    row = "layers.0.attn.out_proj.weight"  # row-wise under TP: rank 0 holds the first columns
+    local = saved("local", {**state, row: state[row].chunk(2, dim=1)[0].clone()})
+    code, err = export(capsys, "--checkpoint", str(local), "--out", str(tmp_path / "local-hf"))
+    one_line(code, err, f"parameter {row} is [256, 128] in the checkpoint but [256, 256]")

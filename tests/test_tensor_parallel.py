@@ -8,9 +8,11 @@ from one seed checkpoint, float32 on gloo. Hybrid: tp2, cp2 and cp2 x tp2 give d
 grad norm within 1e-5 relative over 10 AdamW steps, host and device-readback routing train bit
 for bit the same under cp2 x tp2 (one routing per CP rank, shared by its TP ranks), and a DCP
 checkpoint of one layout resumes under the other. Qwen3.5 dense: tp2 and cp2 x tp2 against dp1,
-routing bitwise. Qwen3.5 MoE: cp2 x ep2 against dp1, ep2 against fsdp2. Cost on the 2-core
-machine: about 9 minutes of CPU time in all (hybrid 4.7, Qwen3.5 dense 3.5, MoE under 1).
-"""
+routing bitwise, and the HF export of a cp2 x tp2 checkpoint bitwise equal to the unsharded
+export of the same weights. Qwen3.5 MoE: cp2 x ep2 against dp1, ep2 against fsdp2, the HF
+export of an ep2 checkpoint bitwise equal to the unsharded one. Cost on the 2-core machine:
+process starts dominate (about 10 s of CPU each; a hybrid step on 4 ranks about 1.4 s); the
+totals are in docs/parallelism.md."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.launch import python_train, read_metrics, torchrun_train
+from tests.test_export_hf import export_gap, export_tensors
 from tests.test_train import DEFAULT, seed_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -32,11 +35,15 @@ QWEN35 = ["--config_file", "configs/qwen35_debug_cpu.toml"]
 QWEN35_MOE = [*QWEN35, "--model.flavor", "debugmodel_moe"]
 STEPS = 10
 REL = 1e-5
+# One full training step at learning rate 0: the sharded run saves the seed's weights again
+FROZEN = ["--optimizer.param-groups.0.optimizer-kwargs.lr", "0"]
 
 
-def _tp_model(rank: int, world: int, pattern: str, cp: int) -> dict[str, float]:
-    """The float64 debug model, unsharded on every rank, against its copy under TP (world / cp
-    ranks) x CP (cp ranks): loss and every gradient (TP shards gathered, CP parts summed)."""
+def _tp_model(rank: int, world: int, pattern: str) -> dict[str, dict[str, float]]:
+    """The float64 debug model, unsharded on every rank, against its copies under tp2 (each
+    CP row of the 2 x 2 mesh alone, CP off) and cp2 x tp2: loss and every gradient (TP shards
+    gathered, CP parts summed). One world of 4 for both layouts: a spawn costs more CPU than
+    the model."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -48,7 +55,7 @@ def _tp_model(rank: int, world: int, pattern: str, cp: int) -> dict[str, float]:
     from torchtitan_cp.models.hybrid.parallelize import apply_tensor_parallel
     from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
-    mesh = init_device_mesh("cpu", (cp, world // cp), mesh_dim_names=("cp", "tp"))
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("cp", "tp"))
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = model_config("debug", layer_pattern=pattern, vocab_size=97).build()
@@ -58,29 +65,31 @@ def _tp_model(rank: int, world: int, pattern: str, cp: int) -> dict[str, float]:
     common = dict(device=torch.device("cpu"), load_balancer="headtail", ptrr_block_size=16)
     ref = SequencePreprocessor(cp_group=None, **common)
     ref_loss, ref_grads = loss_and_grads(model, ref, tokens, positions, labels, True)
-    tp_model = copy.deepcopy(model)
-    apply_tensor_parallel(tp_model, mesh["tp"])
-    cp_group = mesh["cp"].get_group() if cp > 1 else None
-    seq = SequencePreprocessor(cp_group=cp_group, **common)
-    loss, grads = loss_and_grads(tp_model, seq, tokens, positions, labels, True)
-    if cp_group is not None:
-        dist.all_reduce(loss, group=cp_group)
-    worst = {"loss": float((loss - ref_loss).abs())}
-    for name, g in grads.items():
-        g = g.full_tensor() if isinstance(g, DTensor) else g
+    out = {}
+    for name, cp_group in (("tp2", None), ("cp2xtp2", mesh["cp"].get_group())):
+        tp_model = copy.deepcopy(model)
+        apply_tensor_parallel(tp_model, mesh["tp"])
+        seq = SequencePreprocessor(cp_group=cp_group, **common)
+        loss, grads = loss_and_grads(tp_model, seq, tokens, positions, labels, True)
         if cp_group is not None:
-            dist.all_reduce(g, group=cp_group)
-        worst[name] = float((g - ref_grads[name]).abs().max())
-    return worst
+            dist.all_reduce(loss, group=cp_group)
+        worst = {"loss": float((loss - ref_loss).abs())}
+        for key, g in grads.items():
+            g = g.full_tensor() if isinstance(g, DTensor) else g
+            if cp_group is not None:
+                dist.all_reduce(g, group=cp_group)
+            worst[key] = float((g - ref_grads[key]).abs().max())
+        out[name] = worst
+    return out
 
 
-@pytest.mark.parametrize("world, cp", [(2, 1), (4, 2)])
-def test_model_tp_equals_unsharded(world, cp):
+def test_model_tp_equals_unsharded():
     """Every kind that shards (K, G, R, A) in one model, float64: loss and gradients under tp2
     and cp2 x tp2 equal the unsharded model's to 1e-10."""
-    for worst in run_distributed(_tp_model, world, PATTERN, cp):
-        bad = {k: v for k, v in worst.items() if v > 1e-10}
-        assert not bad, bad
+    for per_layout in run_distributed(_tp_model, 4, PATTERN):
+        for layout, worst in per_layout.items():
+            bad = {k: v for k, v in worst.items() if v > 1e-10}
+            assert not bad, (layout, bad)
 
 
 def _run(tmp_path, name: str, nproc: int, *extra: str, model=HYBRID, steps=STEPS) -> list[dict]:
@@ -110,6 +119,13 @@ def _resume(tmp_path, source: str, name: str, nproc: int, *extra: str) -> list[d
     shutil.rmtree(tmp_path / name / "checkpoint" / f"step-{STEPS}")
     rows = _run(tmp_path, name, nproc, *extra)
     return [r for r in rows if r["step"] > STEPS // 2]
+
+
+def _export(tmp_path, name: str, step: int, model: list[str]) -> dict[str, torch.Tensor]:
+    """Run ``name``'s step-``step`` DCP checkpoint (whatever its sharding) exported with
+    scripts/export_hf.py: its HF tensors."""
+    checkpoint = tmp_path / name / "checkpoint" / f"step-{step}"
+    return export_tensors(checkpoint, tmp_path / f"{name}-hf", *model)
 
 
 def test_tensor_parallel_parity_table(tmp_path):
@@ -150,7 +166,8 @@ def _seed(tmp_path, model: list[str]) -> str:
 def test_qwen35_tensor_parallel_parity(tmp_path):
     """Qwen3.5's dense debug model (GatedDeltaNet and gated attention layers): tp2 and
     cp2 x tp2 give dp1's loss and grad norm within 1e-5 relative over 10 steps; host and
-    readback routing train bit for bit the same under cp2 x tp2."""
+    readback routing train bit for bit the same under cp2 x tp2; a cp2 x tp2 checkpoint's HF
+    export (scripts/export_hf.py) is bit for bit the unsharded export of the same weights."""
     seed = _seed(tmp_path, QWEN35)
     common = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed]
     tp = ["--parallelism.tensor_parallel_degree", "2"]
@@ -167,12 +184,20 @@ def test_qwen35_tensor_parallel_parity(tmp_path):
     assert all(err <= REL for err in worst.values()), worst
     host = [(r["loss"], r["grad_norm"]) for r in runs["cp2xtp2"]]
     assert host == [(r["loss"], r["grad_norm"]) for r in readback]
+    # HF export: a cp2 x tp2 step (FSDP x TP 2-D parameters, one full step run at learning
+    # rate 0) exports bit for bit as the unsharded seed it holds. Trained runs are no bitwise
+    # reference: Adam turns last-bit gradient differences into up to a step's size on
+    # parameters with tiny gradients (after 10 steps: 7e-4 of A_log, docs/parallelism.md)
+    _run(tmp_path, "cp2xtp2-lr0", 4, *common, *cp, *tp, *FROZEN, model=QWEN35, steps=1)
+    seed_hf = export_tensors(seed, tmp_path / "seed-hf", *QWEN35)
+    assert export_gap(seed_hf, _export(tmp_path, "cp2xtp2-lr0", 1, QWEN35)) == (0.0, "")
 
 
 def test_qwen35_moe_expert_parallel_parity(tmp_path):
     """Qwen3.5's debugmodel_moe through torchtitan's MoE modules and all-to-all dispatcher:
     cp2 x ep2 (EP borrowed from CP) gives dp1's loss and grad norm, ep2 (borrowed from FSDP)
-    fsdp2's (same data: two data-parallel ranks), within 1e-5 relative.
+    fsdp2's (same data: two data-parallel ranks), within 1e-5 relative; an ep2 checkpoint's
+    HF export is bit for bit the unsharded export of the same weights.
 
     Two steps, not ten: the MoE model's curves part under any change of sharding, CP alone
     included (cp2 against dp1, no EP: 2e-9, 6e-8, 2e-6 at steps 1-3, ~1e-3 by step 10), as
@@ -191,3 +216,8 @@ def test_qwen35_moe_expert_parallel_parity(tmp_path):
     }
     print("qwen3_5 MoE: worst relative error:", worst)
     assert all(err <= REL for err in worst.values()), worst
+    # HF export: an ep2 step (experts sharded over EP, one full step run at learning rate 0)
+    # exports bit for bit as the unsharded seed it holds
+    _run(tmp_path, "ep2-lr0", 2, *common, *ep, *FROZEN, model=QWEN35_MOE, steps=1)
+    seed_hf = export_tensors(seed, tmp_path / "seed-hf", *QWEN35_MOE)
+    assert export_gap(seed_hf, _export(tmp_path, "ep2-lr0", 1, QWEN35_MOE)) == (0.0, "")
