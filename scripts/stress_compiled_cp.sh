@@ -7,6 +7,8 @@
 # rank's stdout/stderr is kept (torchrun --log-dir/--redirects 3), and a failing run's whole
 # dump folder is kept under OUT_DIR/fail-N; passing runs keep their logs only. The end prints
 # passes, failures and the largest loss difference against eager; exit 1 if any run failed.
+# COLD=1 gives every compiled run its own empty inductor cache (TORCHINDUCTOR_CACHE_DIR under
+# its folder, kept with a failing run), so each run compiles everything, as a first CI run does.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
@@ -43,6 +45,10 @@ trap 'for p in "${LOAD_PIDS[@]}"; do kill "$p" 2>/dev/null || true; done' EXIT
 
 passes=0 fails=0 worst=0
 for i in $(seq 1 "$RUNS"); do
+  if [[ "${COLD:-0}" == 1 ]]; then
+    export TORCHINDUCTOR_CACHE_DIR="$OUT/run-$i.inductor"
+    rm -rf "$TORCHINDUCTOR_CACHE_DIR"
+  fi
   if run "run-$i" --compile.enable; then
     diff="$(python - "$OUT/eager/dump" "$OUT/run-$i/dump" <<'PY'
 import sys
@@ -54,12 +60,13 @@ PY
 )"
     passes=$((passes + 1))
     worst="$(python -c "print(max($worst, $diff))")"
-    rm -rf "$OUT/run-$i/dump"
+    rm -rf "$OUT/run-$i/dump" "$OUT/run-$i.inductor"
     echo "stress_compiled_cp: run $i passed (loss difference $diff)"
   else
     code=$?
     fails=$((fails + 1))
     mv "$OUT/run-$i" "$OUT/fail-$i"
+    [[ -d "$OUT/run-$i.inductor" ]] && mv "$OUT/run-$i.inductor" "$OUT/fail-$i/inductor"
     echo "stress_compiled_cp: run $i FAILED (exit $code); ranks' logs in $OUT/fail-$i/logs"
   fi
 done
