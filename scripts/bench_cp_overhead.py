@@ -5,6 +5,7 @@
         [--json out.json] [--label after]
     .venv/bin/python scripts/bench_cp_overhead.py --compare before.json after.json
     .venv/bin/python scripts/bench_cp_overhead.py --delay 200 --kinds kda --dims 128 --worlds 2
+    .venv/bin/python scripts/bench_cp_overhead.py --fla-count [--kinds kda gdn] [--tokens 256]
 
 For every (kind, K = V, W, layout) W gloo ranks each run the CP op (``context_parallel_delta_rule``
 / ``context_parallel_ssd``) forward + backward on their span and, on the same tokens, the local
@@ -32,6 +33,17 @@ back by MS milliseconds (a thread sleeps, then runs it, as a slow network would)
 the CP forward's wall time with and without the delay; an op that overlaps the collective with
 state-independent work grows by less than the delay (wall time, medians of ``--repeats``: it
 needs an otherwise idle machine to mean much).
+
+``--fla-count`` counts the fla (CUDA) path's work without a GPU: one process runs fla's Triton
+kernels under Triton's interpreter (tests/fla_interpreter.py, the ``fla_interpreter`` test tier)
+and counts every ``tl.dot`` as ``2 m n k`` of its tile shapes (the kernels' matmul work, masked
+tails included; element-wise work is not counted, as with FlopCounterMode), every launch and its
+programs (grid size). For KDA and GDN at each K = V it counts, forward + backward on ``--tokens``
+tokens of one sequence: the local kernel (fla, with an entry state), and the summary of the
+whole span as a middle rank publishes it, before (fla's full ``chunk_kda`` /
+``chunk_gated_delta_rule`` at value width V + K from ``[0 | I]``, outputs discarded) and now
+(``fla_kernel.summaries_fla``: fla's WY preparation and state kernel only), each backward with
+the cotangent the CP driver sends, ``D [I | hᵀ]``.
 """
 
 from __future__ import annotations
@@ -49,6 +61,12 @@ from pathlib import Path
 
 if os.environ.get("BENCH_SOURCE"):
     sys.path.insert(0, os.environ["BENCH_SOURCE"])
+# Triton's interpreter must be on before anything imports triton.language (FlopCounterMode does).
+if "--fla-count" in sys.argv:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests import fla_interpreter
+
+    fla_interpreter.install()
 
 import torch
 import torch.distributed as dist
@@ -342,6 +360,109 @@ def markdown(rows: list[dict], before: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+class _DotCounter:
+    """Counts, under Triton's interpreter, every launch (kernel, programs) and ``tl.dot`` FLOPs."""
+
+    def __init__(self) -> None:
+        from triton.runtime import interpreter
+
+        self.flops = 0
+        self.launches: list[tuple[str, int]] = []
+        builder, grid_exec = interpreter.InterpreterBuilder, interpreter.GridExecutor
+        dot, call, set_grid = builder.create_dot, grid_exec.__call__, builder.set_grid_dim
+        counter = self
+
+        def create_dot(b, a, bb, d, *rest):
+            m, k = a.data.shape[-2:]
+            batch = 1
+            for n_ in a.data.shape[:-2]:
+                batch *= n_
+            counter.flops += 2 * batch * m * k * bb.data.shape[-1]
+            return dot(b, a, bb, d, *rest)
+
+        def grid_call(ge, *args, **kwargs):
+            counter.launches.append((getattr(ge.fn, "__name__", "?"), 0))
+            return call(ge, *args, **kwargs)
+
+        def set_grid_dim(b, x, y, z):
+            name, _ = counter.launches[-1]
+            counter.launches[-1] = (name, x * y * z)
+            return set_grid(b, x, y, z)
+
+        builder.create_dot, grid_exec.__call__ = create_dot, grid_call
+        builder.set_grid_dim = set_grid_dim
+
+    def take(self) -> tuple[int, int, int]:
+        """(FLOPs, launches, programs) since the last take."""
+        out = (self.flops, len(self.launches), sum(p for _, p in self.launches))
+        self.flops, self.launches = 0, []
+        return out
+
+
+def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
+    """The fla path's local kernel and summary pass, counted under Triton's interpreter."""
+    from tests import fla_interpreter
+
+    if fla_interpreter.reason() is not None:
+        raise SystemExit(f"--fla-count needs Triton's interpreter: {fla_interpreter.reason()}")
+    from torchtitan_cp.ops import chunk_delta_rule
+    from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
+    from torchtitan_cp.ops.cp.recurrence import SequenceTables, SummaryRows
+    from torchtitan_cp.ops.delta_rule.fla_kernel import FlaPrepared, summaries_fla
+    from torchtitan_cp.routing import chunk_indices, chunk_offsets
+
+    counter = _DotCounter()
+    cu = torch.tensor([0, tokens], dtype=torch.int32)
+    ci, co = chunk_indices(cu, FLA_CHUNK_SIZE), chunk_offsets(cu, FLA_CHUNK_SIZE)
+    tables = SequenceTables(cu, cu, ci, co)
+    rows = []
+    for kind in kinds:
+        for D in dims:
+            xs = _inputs(kind, tokens, D, seed=D)
+            gen = torch.Generator().manual_seed(1)
+            h = torch.randn(1, H, D, D, generator=gen) * 0.1  # the entry state
+            dS = torch.randn(1, H, D, D, generator=gen)  # D: the final state's cotangent
+            cot = torch.cat([dS, dS @ h.transpose(-1, -2)], -1)  # what the driver sends
+            row = dict(kind=kind, dim=D, tokens=tokens)
+            # Local kernel, fwd + bwd, with an entry state.
+            counter.take()
+            o, fin = chunk_delta_rule(*xs, kind=kind, initial_state=h, output_final_state=True,
+                                      cu_seqlens=cu, cu_seqlens_cpu=cu, backend="fla")  # fmt: skip
+            fwd = counter.take()
+            assert fin is not None
+            (o.sum() + (fin * dS).sum()).backward()
+            bwd = counter.take()
+            row["local"] = [a + b for a, b in zip(fwd, bwd, strict=True)]
+            # Before: fla's full forward and backward at value width V + K, outputs discarded.
+            q, k, v, g, beta = xs
+            vs = torch.cat([v, v.new_zeros(*v.shape[:3], D)], -1)
+            h0 = torch.cat([torch.zeros(1, H, D, D), torch.eye(D).expand(1, H, D, D)], -1)
+            counter.take()
+            o, fin = chunk_delta_rule(q, k, vs, g, beta, kind=kind, initial_state=h0,
+                                      output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu,
+                                      backend="fla")  # fmt: skip
+            assert fin is not None
+            (fin * cot).sum().backward()
+            row["summary_before"] = list(counter.take())
+            # Now: the states-only pass the recurrence runs (its backward from the entry h).
+            prepared = FlaPrepared(tuple(xs), tables, {"entry": h})
+            one = torch.zeros(1, dtype=torch.int32)
+            s = summaries_fla(prepared, SummaryRows(one, one, torch.arange(tokens), tables),
+                              kind=kind, scale=None)  # fmt: skip
+            (s * cot).sum().backward()
+            row["summary_now"] = list(counter.take())
+            rows.append(row)
+            loc = row["local"][0]
+            print(
+                f"{kind} K=V={D} T={tokens}: local {loc / 1e9:.3f} GFLOP "
+                f"({row['local'][1]} launches); summary before "
+                f"{row['summary_before'][0] / 1e9:.3f} ({row['summary_before'][0] / loc:.2f}x), "
+                f"now {row['summary_now'][0] / 1e9:.3f} ({row['summary_now'][0] / loc:.2f}x)",
+                flush=True,
+            )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--kinds", nargs="+", default=["kda", "gdn", "ssd"])
@@ -353,7 +474,14 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=0.0, help="ms added to every all-gather")
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    ap.add_argument("--fla-count", action="store_true", help="count the fla path (interpreter)")
     args = ap.parse_args()
+    if args.fla_count:
+        kinds = [k for k in args.kinds if k != "ssd"]
+        rows = fla_count(kinds, args.dims, args.tokens)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return
     if args.compare:
         before = {_key(r): r for r in json.loads(args.compare[0].read_text())}
         print(markdown(json.loads(args.compare[1].read_text()), before))

@@ -332,6 +332,36 @@ def test_compiled_block_matches_eager(compiler):
     report(f"compiled ({compiler}) vs eager, worst", max(errs.values()), COMPILE_TOL)
 
 
+# ----------------------------------------------------------------------------- summaries
+# World 1 with fragments out of token order: the span publishes summaries and folds them. The
+# fragment (20, 21) continues document [1, 40) and is continued, so its summary is applied to a
+# nonzero entry state, the one its backward runs from on fla (fla_compat's states-only pass).
+SPAN_CU = [0, 1, 40, 110, 150]
+SPAN_TABLE = [[(90, 150), (0, 20), (20, 21), (21, 90)]]
+
+
+@ids
+def test_out_of_order_span_on_fla_matches_torch(case):
+    from tests.dist_utils import device_routing, span_index
+    from torchtitan_cp.ops.cp.driver import context_parallel_recurrence
+
+    routing = device_routing(SPAN_CU, SPAN_TABLE, 0)
+    span = torch.tensor(span_index(SPAN_TABLE[0]), dtype=torch.int64)
+    full = case.inputs(SPAN_CU[-1], 11, torch.float32, K=K, V=V)
+    d_o = torch.randn(1, span.numel(), HV, V, generator=torch.Generator().manual_seed(5))
+    runs = {}
+    for backend, dtype in (("fla", torch.float32), ("torch", torch.float64)):
+        loc = [x.to(dtype).index_select(1, span).requires_grad_(True) for x in full]
+        rec = registered(case.name, backend=backend, **case.options)
+        o, fin = context_parallel_recurrence(rec, tuple(loc), routing=routing, group=None,
+                                             output_final_state=True)  # fmt: skip
+        assert fin is not None
+        grads = torch.autograd.grad((o * d_o.to(dtype)).sum() + fin.sum(), loc)
+        runs[backend] = [o.detach(), fin.detach(), *grads]
+    for name, a, b in zip(["o", "final", *("d" + n for n in case.names)], *runs.values()):
+        report(f"{case.id} out-of-order span {name} vs torch", rel_err(a, b), TOL)
+
+
 # ----------------------------------------------------------------------------- CP driver
 # The recurrence driver with fla as its local kernel, 2 and 3 gloo ranks (one spawn of 3, a
 # group of 2 inside), against the unsharded float64 PyTorch kernel on the same float32 inputs.

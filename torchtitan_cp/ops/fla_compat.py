@@ -10,6 +10,16 @@ of one public fla function for our call's options, with the chunk tables supplie
   blocking pageable host-to-device copy (a host sync per call). It is fla's own
   ``chunk_kda_fwd`` / ``chunk_kda_bwd`` with every option chunk_kda would pass for our call (no
   in-kernel l2norm, gate or beta sigmoid; no CP context; no graph mode).
+* :func:`delta_rule_summaries_indexed` (the CP summaries of the delta rule). Reason: fla-core
+  0.6.0 has no differentiable states-only entry point, so the summaries ran the whole
+  ``chunk_kda`` / ``chunk_gated_delta_rule`` (outputs included, then discarded) with value width
+  ``V + K``. The shim runs fla's own pieces for the states alone: the gate cumsum, the WY
+  preparation (``chunk_kda_fwd_intra`` / ``chunk_gated_delta_rule_fwd_intra``) and the state
+  kernel ``chunk_gated_delta_rule_fwd_h`` from ``[0 | I]`` with values ``[u | 0]``; no output
+  kernel. Its backward is fla's state backward at value width ``V`` with the entry state the
+  summary is applied to (``Recurrence.apply``): ``fwd_h``, ``bwd_dhu`` with a zero output
+  cotangent, and the WY backward (``chunk_kda_bwd_wy_dqkg_fused`` + ``chunk_kda_bwd_intra`` /
+  ``chunk_bwd_dqkwg`` + ``prepare_wy_repr_bwd``); no ``dAv`` / ``dv_local``.
 * :func:`chunk_simple_gla_indexed` (with :func:`simple_gla_fwd_indexed` /
   :func:`simple_gla_bwd_indexed`, which the SSD custom ops call). Reason:
   ``fla.ops.simple_gla.chunk_simple_gla`` 0.6.0 has no ``chunk_indices`` parameter either (the
@@ -32,9 +42,16 @@ from typing import Any
 import torch
 import triton
 from fla.ops.common import chunk_h
+from fla.ops.common.chunk_delta_h import (
+    chunk_gated_delta_rule_bwd_dhu,
+    chunk_gated_delta_rule_fwd_h,
+)
 from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv, chunk_fwd_o
-from fla.ops.kda.chunk_bwd import chunk_kda_bwd
+from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
+from fla.ops.kda.chunk_bwd import chunk_kda_bwd, chunk_kda_bwd_wy_dqkg_fused
 from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra, chunk_kda_fwd_intra
 from fla.ops.utils.constant import RCP_LN2
 from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_offsets
@@ -45,6 +62,7 @@ from .common.fla import FLA_CHUNK_SIZE, contiguous
 
 __all__ = [
     "chunk_kda_indexed",
+    "delta_rule_summaries_indexed",
     "chunk_simple_gla_indexed",
     "simple_gla_bwd_indexed",
     "simple_gla_fwd_indexed",
@@ -158,6 +176,141 @@ def chunk_kda_indexed(
         chunk_indices,
         chunk_offsets,
     )
+
+
+# ----------------------------------------------------------------------------- delta-rule summaries
+_fwd_h: Any = chunk_gated_delta_rule_fwd_h
+_bwd_dhu: Any = chunk_gated_delta_rule_bwd_dhu
+
+
+class _DeltaRuleSummaries(torch.autograd.Function):
+    """``[E | M]`` of every packed sequence from fla's state pieces (``delta_rule_summaries_indexed``).
+
+    Forward: gate cumsum, WY preparation, then the state kernel from ``[0 | I]`` with values
+    ``[u | 0]`` (``u``, ``w`` the WY factors: the first V columns follow E, the last K follow M).
+    Backward: the summary is only ever applied to the entry state ``h`` its publisher's local
+    kernel used (``Recurrence.apply``), so its cotangent is ``D [I | hᵀ]`` with ``D`` its first V
+    columns, which is the cotangent of the final state of the same tokens run from ``h``: fla's
+    state backward from ``h`` with ``dht = D`` and no output cotangent (value width V, not V + K).
+    """
+
+    @staticmethod
+    @input_guard  # pyrefly: ignore[bad-argument-type]
+    @autocast_custom_fwd
+    def forward(ctx, q, k, v, g, beta, kind, scale, entry, cu_seqlens, chunk_indices,
+                chunk_offsets):  # fmt: skip
+        B, T, _, K = k.shape
+        HV, V = v.shape[2:]
+        C = FLA_CHUNK_SIZE
+        idx = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        g_cs = _chunk_local_cumsum(g, chunk_size=C, scale=RCP_LN2, **idx)
+        if kind == "kda":
+            w, u, _, kh, _, Akk = chunk_kda_fwd_intra(
+                q=q, k=k, v=v, gk=g_cs, beta=beta, scale=scale, chunk_size=C, **idx
+            )
+            gate = dict(gk=g_cs)
+        else:
+            w, u, Akk = chunk_gated_delta_rule_fwd_intra(
+                k=k, v=v, g=g_cs, beta=beta, chunk_size=C, **idx
+            )
+            kh, gate = k, dict(g=g_cs)
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        h0 = torch.zeros(N, HV, K, V + K, dtype=torch.float32, device=k.device)
+        h0[..., V:] = torch.eye(K, dtype=torch.float32, device=k.device)
+        _, _, final = _fwd_h(
+            k=kh, w=w, u=torch.cat([u, u.new_zeros(*u.shape[:3], K)], -1), **gate,
+            initial_state=h0, output_final_state=True, save_new_value=False, chunk_size=C,
+            chunk_offsets=chunk_offsets, **idx,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, g_cs, beta, w, u, kh, Akk, cu_seqlens, chunk_indices,
+                              chunk_offsets)  # fmt: skip
+        ctx.kind, ctx.scale, ctx.entry, ctx.g_dtype = kind, scale, entry, g.dtype
+        return final
+
+    @staticmethod
+    @input_guard  # pyrefly: ignore[bad-argument-type]
+    @autocast_custom_bwd
+    def backward(ctx, dS):  # pyrefly: ignore[bad-override]
+        q, k, v, g_cs, beta, w, u, kh, Akk, cu, ci, co = ctx.saved_tensors
+        H, V = k.shape[2], v.shape[-1]
+        C, scale = FLA_CHUNK_SIZE, ctx.scale
+        idx = dict(cu_seqlens=cu, chunk_indices=ci)
+        gate = dict(gk=g_cs) if ctx.kind == "kda" else dict(g=g_cs)
+        h_in = ctx.entry().float().contiguous()  # [N, HV, K, V], held fixed
+        dht = dS[..., :V].float().contiguous()  # D
+        h, v_new, _ = _fwd_h(
+            k=kh, w=w, u=u, **gate, initial_state=h_in, output_final_state=False, chunk_size=C,
+            chunk_offsets=co, **idx,
+        )  # fmt: skip
+        do = torch.zeros_like(v)  # no output
+        dh, _, dv = _bwd_dhu(
+            q=kh, k=kh, w=w, do=do, dv=torch.zeros_like(u), **gate, h0=h_in, dht=dht,
+            scale=scale, chunk_size=C, chunk_offsets=co, **idx,
+        )  # fmt: skip
+        if ctx.kind == "kda":
+            _, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
+                q=q, k=k, v=v, v_new=v_new, g=g_cs, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
+                scale=scale, chunk_size=C, chunk_offsets=co, **idx,
+            )  # fmt: skip
+            dq0 = torch.zeros_like(dk)
+            dAqk = torch.zeros_like(Akk, dtype=torch.float)
+            _, dk, db, dg = chunk_kda_bwd_intra(
+                q=q, k=k, g=g_cs, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq0, dk=dk, db=db, dg=dg,
+                chunk_size=C, **idx,
+            )  # fmt: skip
+            HV = v.shape[2]
+            if HV > H:  # grouped value heads: dk back to the key heads
+                dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(dim=3)
+        else:
+            _, dk, dw, dg = chunk_bwd_dqkwg(
+                q=q, k=k, v=v_new, w=w, g=g_cs, h=h, dv=dv, do=do, dh=dh, scale=scale,
+                chunk_size=C, **idx,
+            )  # fmt: skip
+            dk2, dv, db, dg2 = prepare_wy_repr_bwd(
+                k=k, v=v, beta=beta, g=g_cs, A=Akk, dw=dw, du=dv, **idx
+            )
+            dk.add_(dk2)
+            dg.add_(dg2)
+        dg = _chunk_local_cumsum(dg, chunk_size=C, reverse=True, **idx)
+        grads = (None, dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta))
+        return grads + (None,) * 6
+
+
+# Opaque to dynamo like the public fla functions it replaces.
+@torch.compiler.disable
+def delta_rule_summaries_indexed(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    kind: str,
+    scale: float | None,
+    entry: Any,
+    cu_seqlens: Tensor,
+    chunk_indices: Tensor,
+    chunk_offsets: Tensor | None = None,
+) -> Tensor:
+    """The delta rule's summaries ``[N, HV, K, V + K] = [E | M]`` (float32) of the packed
+    sequences ``cu_seqlens``, from fla's WY preparation and state kernel: no output kernel,
+    nothing discarded.
+
+    Inputs as ``chunk_kda_indexed`` (g ``[1,T,HV]`` for kind="gdn"); chunk tables exact
+    (``common.fla.chunk_table``). ``entry``: a callable returning the ``[N, HV, K, V]`` state
+    each summary will be applied to (its publisher's entry state), called in the backward only,
+    which is exact for the driver's use (``Recurrence.apply``) and for no other cotangent.
+    """
+    if kind not in ("kda", "gdn"):
+        raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
+    K = q.shape[-1]
+    if K > 256:
+        raise ValueError(f"fla's delta-rule kernels support head dim K <= 256, got K={K}")
+    q, k, v, g, beta = contiguous(q, k, v, g, beta)
+    return _DeltaRuleSummaries.apply(
+        q, k, v, g, beta, kind, K**-0.5 if scale is None else scale, entry, cu_seqlens,
+        chunk_indices, chunk_offsets,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- simple GLA (SSD)

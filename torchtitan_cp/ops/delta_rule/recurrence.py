@@ -6,6 +6,8 @@ torch kernels (eager) the summary composes the chunk maps ``prepare`` already ma
 local kernel (``torch_kernel.compose_chunk_maps``). Elsewhere it comes from one final-state pass
 over the published tokens: values ``[v | 0]`` from the entry state ``[0 | I]``, since the first V
 columns follow E and the last K columns follow M (the same recurrence applied to the identity).
+On fla (eager) that pass is states-only (``fla_kernel.summaries_fla``: fla's WY preparation and
+state kernel, no output kernel); under ``torch.compile`` it is the local kernel's custom op.
 The driver (``ops.cp.driver``) does the rest.
 """
 
@@ -22,6 +24,7 @@ from ..common import checks
 from ..common.dtypes import compute_dtype
 from ..cp.driver import context_parallel_recurrence
 from ..cp.recurrence import InitialState, SequenceTables, SummaryRows, TokenPrepared, resolve_state
+from .fla_kernel import FlaPrepared, summaries_fla
 from .local import chunk_delta_rule
 from .torch_kernel import (
     DeltaRuleChunks,
@@ -53,26 +56,33 @@ class DeltaRule:
 
     def prepare(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Any:
         # The torch kernel splits into a state-independent step and the state scan in eager
-        # mode; fla's kernels and the compiled custom op run whole (their summaries pick tokens).
-        if self._split(inputs[0]):
-            q, k, v, g, beta = inputs
-            return prepare_delta_rule_torch(
-                q, k, v, g, beta, kind=self.kind, scale=self.scale,
-                cu_seqlens=tables.cu_seqlens, cu_seqlens_cpu=tables.cu_seqlens_cpu,
-            )  # fmt: skip
-        return TokenPrepared(inputs, tables)
+        # mode; fla's kernels and the compiled custom op run whole (their summaries pick tokens;
+        # on fla eagerly with a states-only pass that needs the local kernel's entry states).
+        backend = checks.resolve_backend(self.backend, inputs[0])
+        if torch.compiler.is_compiling():
+            return TokenPrepared(inputs, tables)
+        if backend == "fla":
+            return FlaPrepared(inputs, tables, {})
+        q, k, v, g, beta = inputs
+        return prepare_delta_rule_torch(
+            q, k, v, g, beta, kind=self.kind, scale=self.scale,
+            cu_seqlens=tables.cu_seqlens, cu_seqlens_cpu=tables.cu_seqlens_cpu,
+        )  # fmt: skip
 
     def local(
         self, prepared: Any, initial_state: InitialState, output_final_state: bool
     ) -> tuple[Tensor, Tensor | None]:
         if isinstance(prepared, DeltaRuleChunks):
             return local_delta_rule_torch(prepared, initial_state, output_final_state)
-        inputs, tables = prepared
+        inputs, tables = prepared[:2]
+        h0 = resolve_state(initial_state)
+        if isinstance(prepared, FlaPrepared):  # what the summaries' backward is applied to
+            prepared.saved["entry"] = None if h0 is None else h0.detach().float()
         return chunk_delta_rule(
             *inputs,
             kind=self.kind,
             scale=self.scale,
-            initial_state=resolve_state(initial_state),
+            initial_state=h0,
             output_final_state=output_final_state,
             cu_seqlens=tables.cu_seqlens,
             cu_seqlens_cpu=tables.cu_seqlens_cpu,
@@ -91,6 +101,8 @@ class DeltaRule:
         if isinstance(prepared, DeltaRuleChunks):
             # The chunk maps the local kernel uses, composed: no second recurrence.
             return compose_chunk_maps(prepared, rows.subsequence_cpu.tolist())
+        if isinstance(prepared, FlaPrepared):
+            return summaries_fla(prepared, rows, kind=self.kind, scale=self.scale)
         inputs, _ = prepared
         q, k, v, g, beta = (x.index_select(1, rows.token_index) for x in inputs)
         tables = rows.tables
@@ -99,9 +111,8 @@ class DeltaRule:
         dt = compute_dtype(v.dtype)
         vs = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)  # [v | 0]
         h0 = self.identity((HV, K, V), dt, v.device).expand(n, -1, -1, -1).contiguous()
-        # fla-core 0.6.0 has no differentiable state-only entry point (its chunk_*_fwd_h are
-        # forward-only pieces of the autograd Function), and under torch.compile the local
-        # kernel runs as an opaque custom op: both compute, and discard, the [.., V+K] output.
+        # Under torch.compile the local kernel runs as an opaque custom op: the summary goes
+        # through it too and computes, and discards, the [.., V+K] output.
         _, fin = chunk_delta_rule(
             q, k, vs, g, beta, kind=self.kind, scale=self.scale, initial_state=h0,
             output_final_state=True, cu_seqlens=tables.cu_seqlens,
@@ -110,11 +121,6 @@ class DeltaRule:
         )  # fmt: skip
         assert fin is not None  # output_final_state=True
         return fin
-
-    def _split(self, q: Tensor) -> bool:
-        return checks.resolve_backend(self.backend, q) == "torch" and not (
-            torch.compiler.is_compiling()
-        )
 
     def apply(self, summary: Tensor, state: Tensor) -> Tensor:
         V = state.shape[-1]
