@@ -74,8 +74,8 @@ def test_bad_kimi_linear_recipes_are_one_line_errors(recipe, message):
         (["--parallelism.tensor_parallel_degree", "2"],
          "parallelism.tensor_parallel_degree = 2 is not supported for model.name = "
          "'kimi_linear' yet"),
-        (["--parallelism.expert_parallel_degree", "2"],
-         "parallelism.expert_parallel_degree = 2 is not supported"),
+        (["--parallelism.expert_parallel_degree", "3"],
+         "parallelism.expert_parallel_degree = 3 does not divide the 8 experts of kimi_linear"),
         (["--compile.enable"], "compile.enable is not supported for model.name = 'kimi_linear'"),
     ],
 )  # fmt: skip
@@ -88,6 +88,9 @@ def test_what_is_not_built_is_refused_in_one_line(argv, message):
     assert load_config(["--config_file", CONFIG]).model.name == "kimi_linear"
     cp = load_config(["--config_file", CONFIG, "--parallelism.context_parallel_degree", "2"])
     assert cp.parallelism.context_parallel_degree == 2  # CP runs (tests/test_kimi_linear_cp.py)
+    ep = load_config(["--config_file", CONFIG, "--parallelism.context_parallel_degree", "2",
+                      "--parallelism.expert_parallel_degree", "2"])  # fmt: skip
+    assert ep.parallelism.expert_parallel_degree == 2  # EP runs (tests/test_kimi_linear_train.py)
 
 
 def test_hf_folder_of_another_size_is_one_line_before_launch(tmp_path):

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtitan.models.common import Embedding, Linear, RMSNorm
 from torchtitan.models.common.decoder import Decoder, TransformerBlock
 from torchtitan.models.common.moe import GroupedExperts
@@ -40,6 +41,7 @@ from torchtitan_cp.models.blocks.attention_cp import (
     AttentionCP,
     check_attention_cp,
 )
+from torchtitan_cp.models.blocks.experts import check_expert_parallel, shard_experts_over_ep
 from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
 from torchtitan_cp.models.blocks.heads import recurrence_flops
 from torchtitan_cp.models.blocks.init import BASE_STD
@@ -48,7 +50,6 @@ from torchtitan_cp.models.blocks.routed_attention import (
     RoutedVarlenMetadata,
     routed_varlen_metadata,
 )
-from torchtitan_cp.models.blocks.tensor_parallel import local
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
 from torchtitan_cp.models.mixers.delta_net import KDAMixer
 from torchtitan_cp.ops import context_parallel_attention
@@ -166,7 +167,12 @@ class ActivationDtypeGroupedExperts(GroupedExperts):
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         dt = x_RD.dtype
-        w1, w2, w3 = (local(w).to(dt) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        # under EP the weights are DTensors sharded on the expert dimension (FSDP gathers
+        # efsdp): this rank's experts, as upstream's forward takes them
+        w1, w2, w3 = (
+            (w.to_local() if isinstance(w, DTensor) else w).to(dt)
+            for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        )
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         gate = self._grouped_mm(A=x_RD, B_t=w1.transpose(-2, -1), offs=offs)
         up = self._grouped_mm(A=x_RD, B_t=w3.transpose(-2, -1), offs=offs)
@@ -299,6 +305,8 @@ class KimiLinearModel(Decoder):
 
         def update_from_config(self, *, config, **kwargs) -> None:
             Decoder.Config.update_from_config(self, config=config, **kwargs)
+            if config.parallelism.expert_parallel_degree > 1:
+                shard_experts_over_ep(self.layers)  # torchtitan's own expert sharding
             la = getattr(config, "linear_attention", None)
             if la is not None:
                 self.linear_attention_backend = la.backend
@@ -486,13 +494,14 @@ def layer_types(cfg: KimiLinearModel.Config) -> list[str]:
 
 def check_kimi_linear_parallelism(cfg: Any, parallelism: Any) -> None:
     """A ValueError naming the key where Kimi Linear cannot run with ``parallelism`` in this
-    recipe yet. Context parallelism runs: KDA layers through the CP driver and conv halo, MLA
-    layers through the recipe's attention CP (all-gather of their expanded K/V, or pass-KV with
-    ``model.attention_cp``; the compressed latent's all-gather is not built)."""
+    recipe. Context parallelism runs (KDA layers through the CP driver and conv halo, MLA
+    layers through the recipe's attention CP: the compressed latent's all-gather on sdpa,
+    torchtitan's expanded K/V all-gather on flex, pass-KV with ``model.attention_cp``), and
+    expert parallelism (torchtitan's MoE sharding and all-to-all dispatcher, composed with CP
+    and FSDP) when its degree divides the experts. Tensor parallelism is refused."""
     for key, why in (
         ("tensor_parallel_degree", "tensor parallelism of KDA + MLA + MoE is not built"),
         ("pipeline_parallel_degree", "pipeline parallelism is not supported by this recipe"),
-        ("expert_parallel_degree", "expert parallelism for it is not wired yet"),
     ):  # fmt: skip
         degree = getattr(parallelism, key, 1)
         if degree > 1:
@@ -500,3 +509,6 @@ def check_kimi_linear_parallelism(cfg: Any, parallelism: Any) -> None:
                 f"parallelism.{key} = {degree} is not supported for model.name = "
                 f"'kimi_linear' yet: {why}; set it to 1"
             )
+    ep = getattr(parallelism, "expert_parallel_degree", 1)
+    if ep > 1:
+        check_expert_parallel(cfg, ep, "kimi_linear")
