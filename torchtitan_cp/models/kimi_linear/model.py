@@ -53,6 +53,7 @@ from torchtitan_cp.models.blocks.routed_attention import (
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
 from torchtitan_cp.models.mixers.delta_net import KDAMixer
 from torchtitan_cp.ops import context_parallel_attention
+from torchtitan_cp.ops.cp.collectives import all_gather_autograd
 
 __all__ = [
     "KIMI_LINEAR_FLAVORS",
@@ -181,12 +182,15 @@ class ActivationDtypeGroupedExperts(GroupedExperts):
 
 class LatentGatherMLA(Attention):
     """DeepSeek-V3's MLA (torchtitan's ``Attention``) that, under context parallelism on the
-    sdpa all-gather path, gathers each token's compressed latent instead of its keys and
-    values: ``kv_norm(latent)`` and the shared rope key, ``kv_lora_rank + qk_rope_head_dim``
-    numbers per token, where expanded K/V would be ``n_heads x (qk_nope + qk_rope + v)``.
-    Every rank expands the gathered latents with ``wkv_b`` (``ops.context_parallel_attention``
-    with ``expand``); the latents' gradients reduce-scatter back to their owners. Elsewhere
-    (no CP, flex, pass-KV) it is upstream's forward. In/out ``[B, L_local, D]``."""
+    all-gather path, gathers each token's compressed latent instead of its keys and values:
+    ``kv_norm(latent)`` and the shared rope key, ``kv_lora_rank + qk_rope_head_dim`` numbers
+    per token, where expanded K/V would be ``n_heads x (qk_nope + qk_rope + v)``. Every rank
+    expands the gathered latents with ``wkv_b``; the latents' gradients reduce-scatter back to
+    their owners (``ops.all_gather_autograd``). sdpa: ``ops.context_parallel_attention`` with
+    ``expand`` (padded rows, global token/document ids); flex: the rows gathered in rank
+    order, expanded, then flex of the local queries with this rank's document ``BlockMask``
+    (``RoutedInnerAttention.flex_gathered``, the layout torchtitan's flex K/V all-gather
+    gives). Elsewhere (no CP, pass-KV) it is upstream's forward. In/out ``[B, L_local, D]``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Attention.Config):
@@ -205,7 +209,6 @@ class LatentGatherMLA(Attention):
             and ctx.cp_enabled
             and isinstance(inner, RoutedInnerAttention)
             and inner.cp_mode == "all_gather"
-            and resolve_attention_backend(inner.backend, x.device) == "sdpa"
         ):
             return super().forward(x, attention_masks, positions)
         bsz, seqlen, _ = x.shape
@@ -226,6 +229,12 @@ class LatentGatherMLA(Attention):
             k = torch.cat([k_nope, g[:, :, :, c:].expand(-1, -1, heads, -1)], dim=-1)
             return k, v
 
+        if resolve_attention_backend(inner.backend, x.device) == "flex":
+            # [B, L, 1, c + r] -> [B, world x L, 1, c + r] in rank order (token dim first)
+            gathered = all_gather_autograd(rows.transpose(0, 1), ctx.group).transpose(0, 1)
+            k, v = expand(gathered)
+            o = inner.flex_gathered(q, k, v, ctx, self.softmax_scale)
+            return self.wo(o.reshape(bsz, seqlen, heads * dv))
         o = context_parallel_attention(
             q.reshape(1, bsz * seqlen, heads, self.qk_head_dim),
             rows.reshape(1, bsz * seqlen, 1, c + r),
@@ -495,8 +504,8 @@ def layer_types(cfg: KimiLinearModel.Config) -> list[str]:
 def check_kimi_linear_parallelism(cfg: Any, parallelism: Any) -> None:
     """A ValueError naming the key where Kimi Linear cannot run with ``parallelism`` in this
     recipe. Context parallelism runs (KDA layers through the CP driver and conv halo, MLA
-    layers through the recipe's attention CP: the compressed latent's all-gather on sdpa,
-    torchtitan's expanded K/V all-gather on flex, pass-KV with ``model.attention_cp``), and
+    layers through the recipe's attention CP: the compressed latent's all-gather on sdpa and
+    flex, expanded K/V on pass-KV with ``model.attention_cp``), and
     expert parallelism (torchtitan's MoE sharding and all-to-all dispatcher, composed with CP
     and FSDP) when its degree divides the experts. Tensor parallelism is refused."""
     for key, why in (

@@ -9,8 +9,6 @@ from typing import Any
 from torch import nn
 
 from torchtitan_cp.models.blocks.experts import apply_expert_parallel, apply_fsdp_with_experts
-from torchtitan_cp.models.blocks.flex import apply_flex_context_parallel
-from torchtitan_cp.models.blocks.routed_attention import RoutedInnerAttention
 
 __all__ = ["parallelize_kimi_linear"]
 
@@ -40,10 +38,9 @@ def parallelize_kimi_linear(
         raise NotImplementedError("compile.enable is not built for kimi_linear yet")
     if parallel_dims.ep_enabled:
         apply_expert_parallel(model, parallel_dims)
-    if parallel_dims.cp_enabled:
-        # KDA layers read the routing (CP driver, conv halo) by construction; MLA layers on
-        # flex get torchtitan's K/V all-gather (sdpa and pass-KV gather or pass K/V themselves).
-        apply_flex_context_parallel(model, parallel_dims.get_mesh("cp"), RoutedInnerAttention)
+    # Under CP nothing more to wire: KDA layers read the routing (CP driver, conv halo) and
+    # MLA layers gather their compressed latent (flex and sdpa) or pass K/V themselves, so
+    # torchtitan's flex K/V all-gather wrapper is not applied.
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if parallel_dims.fsdp_enabled:
