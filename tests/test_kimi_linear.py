@@ -37,7 +37,8 @@ def test_recipe_selects_kimi_linear_from_model_name():
 
 
 def test_48b_flavor_has_the_published_sizes():
-    """27 layers, MLA at 4, 8, ..., 24, 27 (1-indexed), 256 experts top-8 + 1 shared: 49.1e9
+    """27 layers, MLA at 4, 8, ..., 24, 27 (1-indexed: the published config.json's
+    linear_attn_config.full_attn_layers), 256 experts top-8 + 1 shared: 49.1e9
     parameters counted on the meta device (published: "48B total")."""
     cfg = kimi_linear_config("48B-A3B")
     types = layer_types(cfg)

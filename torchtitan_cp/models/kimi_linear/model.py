@@ -113,11 +113,17 @@ KIMI_LINEAR_FLAVORS: dict[str, KimiLinearSizes] = {
         num_limited_groups=1, route_scale=2.446, route_norm=True, norm_eps=1e-5,
         max_seq_len=1 << 20,
     ),
-    # moonshotai/Kimi-Linear-48B-A3B: transformers 5.23's KimiLinearConfig defaults (its
-    # docstring names that checkpoint). MLA at 4, 8, ..., 24, 27 (1-indexed), the published
-    # checkpoint's linear_attn_config.full_attn_layers as recalled, not verified against the
-    # file here (transformers' default layer_types differ); the HF folder check compares a
-    # folder's config.json and names layer_types when they differ.
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json (checked 2 December 2026 against
+    # a copy of it: hf.898520.xyz/Firworks/Kimi-Linear-48B-A3B-Instruct-nvfp4/.../config.json,
+    # a re-quantization that keeps the architecture fields): linear_attn_config.full_attn_layers
+    # [4, 8, 12, 16, 20, 24, 27] and kda_layers the other 20 (1-indexed), first_k_dense_replace
+    # 1, hidden 2304, intermediate 9216, moe_intermediate 1024, 256 experts top-8, 1 shared,
+    # 1 expert group, 32 MLA heads, kv_lora_rank 512, q_lora_rank null, qk_nope/rope/v
+    # 128/64/128, 32 KDA heads of 128, conv 4, model_max_length 1048576. Also transformers
+    # 5.23's KimiLinearConfig defaults, except its default layer_types (MLA at 0-indexed 4,
+    # 8, ...: a folder's linear_attn_config overrides it); routed_scaling_factor 2.446,
+    # rms_norm_eps 1e-5 and vocab 163840 from those defaults. The HF folder check compares a
+    # folder's config.json field by field.
     "48B-A3B": KimiLinearSizes(
         dim=2304, n_layers=27, vocab_size=163840, n_heads=32, q_lora_rank=0, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
