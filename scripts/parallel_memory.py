@@ -1,10 +1,12 @@
-"""Memory per rank of Qwen3.5-27B and 35B-A3B under CP x TP (x EP) with FSDP: the numbers of
-docs/parallelism.md, from the formula stated there (an estimate, not a measurement).
+"""Memory per rank of Qwen3.5-27B and 35B-A3B and Kimi-Linear-48B-A3B under CP x TP (x EP)
+with FSDP: the numbers of docs/parallelism.md, from the formula stated there (an estimate, not a
+measurement).
 
     python scripts/parallel_memory.py
 
-Sizes are torchtitan 0.3.0's flavors (``torchtitan/models/qwen3_5/__init__.py``; parameter
-counts measured on the meta device, text model only).
+Sizes are torchtitan 0.3.0's Qwen3.5 flavors (``torchtitan/models/qwen3_5/__init__.py``) and
+this recipe's ``kimi_linear`` ``48B-A3B`` flavor (parameter counts measured on the meta device,
+text model only).
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ MODELS = {
     "35B-A3B": dict(params=34.661e9, experts=32.212e9, layers=40, dim=2048, vocab=248320,
                     linear=2048 + 2048 + 4096 + 4096, attn=8192 + 512 + 512, kv=512 + 512,
                     ffn=8 * 512 + 512),
+    # Kimi Linear: KDA q, k, v, decay gate, output gate (32 heads x 128 each); MLA q (32 x 192),
+    # the latent (512 + 64) and its expansion (32 x (128 + 128)). kv: the all-gather CP path
+    # gathers the 576-number latent but every rank expands it to the whole row's keys
+    # (32 x 192) and values (32 x 128): both are held.
+    "Kimi-48B-A3B": dict(params=49.123e9, experts=47.110e9, layers=27, dim=2304, vocab=163840,
+                         linear=5 * 4096, attn=6144 + 576 + 8192,
+                         kv=576 + 32 * (192 + 128), ffn=8 * 1024 + 1024),
 }  # fmt: skip
 
 STATE_BYTES = 16  # fp32 parameter + gradient + AdamW's two moments
@@ -52,7 +61,9 @@ def main() -> None:
                ("27B", 1048576, 16, 4, 1), ("27B", 1048576, 8, 8, 1),
                ("35B-A3B", 131072, 8, 1, 1), ("35B-A3B", 131072, 4, 2, 1),
                ("35B-A3B", 131072, 8, 1, 2),
-               ("35B-A3B", 1048576, 32, 1, 1), ("35B-A3B", 1048576, 16, 2, 1)]  # fmt: skip
+               ("35B-A3B", 1048576, 32, 1, 1), ("35B-A3B", 1048576, 16, 2, 1),
+               ("Kimi-48B-A3B", 131072, 8, 1, 2), ("Kimi-48B-A3B", 1048576, 32, 1, 1),
+               ("Kimi-48B-A3B", 1048576, 32, 1, 2)]  # fmt: skip
     print(
         "| model | tokens | CP x TP (ranks) | state | saved inputs | one layer | K/V | "
         "logits | total GiB |"

@@ -37,7 +37,8 @@ def test_recipe_selects_kimi_linear_from_model_name():
 
 
 def test_48b_flavor_has_the_published_sizes():
-    """27 layers, MLA at 4, 8, ..., 24, 27 (1-indexed), 256 experts top-8 + 1 shared: 49.1e9
+    """27 layers, MLA at 4, 8, ..., 24, 27 (1-indexed: the published config.json's
+    linear_attn_config.full_attn_layers), 256 experts top-8 + 1 shared: 49.1e9
     parameters counted on the meta device (published: "48B total")."""
     cfg = kimi_linear_config("48B-A3B")
     types = layer_types(cfg)
@@ -74,8 +75,8 @@ def test_bad_kimi_linear_recipes_are_one_line_errors(recipe, message):
         (["--parallelism.tensor_parallel_degree", "2"],
          "parallelism.tensor_parallel_degree = 2 is not supported for model.name = "
          "'kimi_linear' yet"),
-        (["--parallelism.expert_parallel_degree", "2"],
-         "parallelism.expert_parallel_degree = 2 is not supported"),
+        (["--parallelism.expert_parallel_degree", "3"],
+         "parallelism.expert_parallel_degree = 3 does not divide the 8 experts of kimi_linear"),
         (["--compile.enable"], "compile.enable is not supported for model.name = 'kimi_linear'"),
     ],
 )  # fmt: skip
@@ -88,6 +89,9 @@ def test_what_is_not_built_is_refused_in_one_line(argv, message):
     assert load_config(["--config_file", CONFIG]).model.name == "kimi_linear"
     cp = load_config(["--config_file", CONFIG, "--parallelism.context_parallel_degree", "2"])
     assert cp.parallelism.context_parallel_degree == 2  # CP runs (tests/test_kimi_linear_cp.py)
+    ep = load_config(["--config_file", CONFIG, "--parallelism.context_parallel_degree", "2",
+                      "--parallelism.expert_parallel_degree", "2"])  # fmt: skip
+    assert ep.parallelism.expert_parallel_degree == 2  # EP runs (tests/test_kimi_linear_train.py)
 
 
 def test_hf_folder_of_another_size_is_one_line_before_launch(tmp_path):

@@ -5,7 +5,8 @@ all-reduced) must equal CP=1 on the same ranks for the head-tail and contiguous 
 KDA layers run the recipe's CP driver and conv halo (host routing, 0 readbacks), the MLA layers
 the recipe's attention CP path: on sdpa's all-gather path each token's compressed latent
 travels (``LatentGatherMLA``: 40 numbers per token at the debug sizes, where K/V would be 160),
-with pass-KV the expanded K/V.
+with pass-KV the expanded K/V. On flex (forward only: CPU flex has no backward) the latent
+travels too and the logits equal the unsharded sdpa model's.
 """
 
 from __future__ import annotations
@@ -115,3 +116,51 @@ def test_kimi_linear_host_and_readback_are_bitwise_identical():
     for (h_snap, h_reads), (d_snap, d_reads) in zip(host, readback, strict=True):
         assert h_reads == 0 and d_reads > 0
         assert h_snap == d_snap
+
+
+def _flex_latent_forward(rank: int, world: int, bsz: int, seqlen: int):
+    """Logits of the flex model under CP (latent gathered, this rank's BlockMask) against the
+    unsharded sdpa model's rows this rank owns, per layout; numbers gathered per token."""
+    _setup()
+    import torchtitan_cp.models.kimi_linear.model as kimi
+    from tests.helpers import random_batch
+    from tests.test_cp_flex_attention import _logits
+    from torchtitan_cp.routing import host_layout
+    from torchtitan_cp.trainer.sequence import SequencePreprocessor, shard_rows
+
+    tokens, positions, labels = random_batch(2, bsz, seqlen, VOCAB)
+    sdpa = _model()
+    torch.manual_seed(0)
+    flex = kimi.kimi_linear_config(
+        "debug", vocab_size=VOCAB, attention_backend="flex", linear_attention_backend="torch"
+    ).build()
+    flex.load_state_dict(sdpa.state_dict())
+    gathered = []
+    plain = kimi.all_gather_autograd
+    kimi.all_gather_autograd = lambda x, g: gathered.append(x[0, 0].numel()) or plain(x, g)
+    worst = {}
+    try:
+        for balancer in ("headtail", "contiguous"):
+            common = dict(device=torch.device("cpu"), load_balancer=balancer)
+            ref, _ = _logits(sdpa, SequencePreprocessor(cp_group=None, **common),
+                             tokens, positions, labels, True)  # fmt: skip
+            seq = SequencePreprocessor(cp_group=dist.group.WORLD, flex_attention=True, **common)
+            out, ctx = _logits(flex, seq, tokens, positions, labels, True)
+            assert ctx.block_mask is not None and seq.stats.readbacks == 0
+            layout = host_layout(positions, load_balancer=balancer, world_size=world,
+                                 device="cpu", block_size=128)  # fmt: skip
+            worst[balancer] = float((out - shard_rows(ref, layout.index, rank, world)).abs().max())
+    finally:
+        kimi.all_gather_autograd = plain
+    assert gathered == [40, 40], gathered  # one MLA layer per layout: latent 32 + rope key 8
+    return worst
+
+
+def test_kimi_linear_flex_gathers_the_latent():
+    """Flex MLA under CP=2 (head-tail, contiguous; 2 x 256 tokens, whole 128-token mask blocks
+    per rank): each token's 40-number latent is gathered, not its 160 K/V numbers, and the
+    logits equal the unsharded sdpa model's within 2e-5 (flex and sdpa accumulate
+    differently)."""
+    for worst in run_distributed(_flex_latent_forward, 2, 2, 256, timeout=300):
+        print("kimi_linear flex latent CP: worst |logits - unsharded|", worst)
+        assert all(err <= 2e-5 for err in worst.values()), worst

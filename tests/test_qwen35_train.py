@@ -34,6 +34,7 @@ def _seeded_runs(
     runs: dict[str, tuple[int, list[str]]],
     config: list[str] = CONFIG,
     steps: int = 3,
+    timeout: float = 300,
 ) -> dict:
     """``steps`` AdamW steps from one seed checkpoint for each ``name: (nproc, args)`` of
     ``config``; every run also gets ``extra``. Returns each run's metrics rows."""
@@ -47,7 +48,7 @@ def _seeded_runs(
               "--checkpoint.initial_load_path", str(seed_dir / "checkpoint" / "step-0"), *extra]  # fmt: skip
     rows = {}
     for name, (nproc, args) in runs.items():
-        torchrun_train([*common, *args], nproc=nproc, dump_folder=tmp_path / name)
+        torchrun_train([*common, *args], nproc=nproc, dump_folder=tmp_path / name, timeout=timeout)
         rows[name] = read_metrics(tmp_path / name)
     return rows
 

@@ -419,3 +419,27 @@ def test_shipped_gpu_configs_pass_the_size_checks(name, cp):
     model_cfg = model_config(config.model.flavor, **config.model.overrides())
     v._check_numbers(config, v._dp_degree(config, 8))
     v._check_seq_len(config, model_cfg)
+
+
+@pytest.mark.parametrize(
+    "seq_len, cp, ranks, mesh",
+    [("131072", "8", 16, "dp_shard 2 x cp 8, ep 8"), ("1048576", "32", 32, "cp 32, ep 8")],
+)
+def test_shipped_kimi_linear_48b_config_passes_the_checks(seq_len, cp, ranks, mesh):
+    """configs/gpu_kimi_linear_48b_cp.toml as shipped (128k, CP 8 x EP 8 on 16 ranks) and at
+    1M tokens (CP 32 on 32 ranks): the model, parallelism (EP divides the 256 experts and
+    dp_shard x cp) and size checks pass. The HF folder, tokenizer and data checks need the GPU
+    machine's files, so the initial HF load is off here."""
+    from torchtitan_cp.models import recipe_model_spec
+    from torchtitan_cp.train import load_config
+    from torchtitan_cp.trainer import validate as v
+
+    config = load_config(["--config_file", str(REPO / "configs" / "gpu_kimi_linear_48b_cp.toml"),
+                          "--checkpoint.no-initial-load-in-hf", "--training.seq_len", seq_len,
+                          "--parallelism.context_parallel_degree", cp])  # fmt: skip
+    assert config.model.name == "kimi_linear" and config.parallelism.expert_parallel_degree == 8
+    assert not config.compile.enable
+    model_cfg = recipe_model_spec(config.model).model
+    v._check_numbers(config, v._dp_degree(config, ranks))
+    v._check_seq_len(config, model_cfg)
+    assert v.mesh_text(config, ranks).startswith(mesh)

@@ -114,19 +114,12 @@ class RoutedInnerAttention(Module):
             )  # fmt: skip
             return o.reshape(bsz, seqlen, n_heads, v.shape[3])
         if backend == "flex":
-            if ctx.block_mask is None:
-                raise ValueError(
-                    "attention_backend 'flex' needs a SequenceContext with a document "
-                    "block_mask (SequencePreprocessor(flex_attention=True) builds one)"
-                )
             if ctx.cp_enabled and not self.flex_cp:
                 raise RuntimeError(
                     "flex attention under context parallelism needs its K/V all-gather: "
                     "the model's parallelize (apply_flex_context_parallel) applies it"
                 )
-            if scale is not None and scale != head_dim**-0.5:
-                raise ValueError(f"flex path supports the default scale only, got {scale}")
-            return self.flex(q, k, v, attention_masks=ctx.block_mask, enable_gqa=enable_gqa)
+            return self._flex(self.flex, q, k, v, ctx, scale, enable_gqa)
         o = context_parallel_attention(
             q.reshape(1, bsz * seqlen, n_heads, head_dim),
             k.reshape(1, bsz * seqlen, k.shape[2], k.shape[3]),
@@ -135,3 +128,37 @@ class RoutedInnerAttention(Module):
             max_tokens=ctx.routing.num_tokens,
         )  # fmt: skip
         return o.reshape(bsz, seqlen, n_heads, v.shape[3])
+
+    def flex_gathered(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: SequenceContext,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Flex attention of this rank's queries ``q [B, L_local, H, D]`` over keys and values
+        the caller already gathered over the CP group (``[B, world x L_local, H, D]``, rank
+        order, as torchtitan's flex K/V all-gather lays them out; MLA gathers its compressed
+        latent and expands it): this rank's document ``BlockMask``, no second gather."""
+        # the class's forward, not the instance's: torchtitan's CP wrapper would gather again
+        return self._flex(DocumentFlexAttention.forward.__get__(self.flex), q, k, v, ctx, scale)
+
+    @staticmethod
+    def _flex(
+        flex: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: SequenceContext,
+        scale: float | None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        if ctx.block_mask is None:
+            raise ValueError(
+                "attention_backend 'flex' needs a SequenceContext with a document "
+                "block_mask (SequencePreprocessor(flex_attention=True) builds one)"
+            )
+        if scale is not None and scale != q.shape[-1] ** -0.5:
+            raise ValueError(f"flex path supports the default scale only, got {scale}")
+        return flex(q, k, v, attention_masks=ctx.block_mask, enable_gqa=enable_gqa)

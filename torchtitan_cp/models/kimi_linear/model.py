@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtitan.models.common import Embedding, Linear, RMSNorm
 from torchtitan.models.common.decoder import Decoder, TransformerBlock
 from torchtitan.models.common.moe import GroupedExperts
@@ -40,6 +41,7 @@ from torchtitan_cp.models.blocks.attention_cp import (
     AttentionCP,
     check_attention_cp,
 )
+from torchtitan_cp.models.blocks.experts import check_expert_parallel, shard_experts_over_ep
 from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
 from torchtitan_cp.models.blocks.heads import recurrence_flops
 from torchtitan_cp.models.blocks.init import BASE_STD
@@ -48,10 +50,10 @@ from torchtitan_cp.models.blocks.routed_attention import (
     RoutedVarlenMetadata,
     routed_varlen_metadata,
 )
-from torchtitan_cp.models.blocks.tensor_parallel import local
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
 from torchtitan_cp.models.mixers.delta_net import KDAMixer
 from torchtitan_cp.ops import context_parallel_attention
+from torchtitan_cp.ops.cp.collectives import all_gather_autograd
 
 __all__ = [
     "KIMI_LINEAR_FLAVORS",
@@ -111,11 +113,17 @@ KIMI_LINEAR_FLAVORS: dict[str, KimiLinearSizes] = {
         num_limited_groups=1, route_scale=2.446, route_norm=True, norm_eps=1e-5,
         max_seq_len=1 << 20,
     ),
-    # moonshotai/Kimi-Linear-48B-A3B: transformers 5.23's KimiLinearConfig defaults (its
-    # docstring names that checkpoint). MLA at 4, 8, ..., 24, 27 (1-indexed), the published
-    # checkpoint's linear_attn_config.full_attn_layers as recalled, not verified against the
-    # file here (transformers' default layer_types differ); the HF folder check compares a
-    # folder's config.json and names layer_types when they differ.
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json (checked 2 December 2026 against
+    # a copy of it: hf.898520.xyz/Firworks/Kimi-Linear-48B-A3B-Instruct-nvfp4/.../config.json,
+    # a re-quantization that keeps the architecture fields): linear_attn_config.full_attn_layers
+    # [4, 8, 12, 16, 20, 24, 27] and kda_layers the other 20 (1-indexed), first_k_dense_replace
+    # 1, hidden 2304, intermediate 9216, moe_intermediate 1024, 256 experts top-8, 1 shared,
+    # 1 expert group, 32 MLA heads, kv_lora_rank 512, q_lora_rank null, qk_nope/rope/v
+    # 128/64/128, 32 KDA heads of 128, conv 4, model_max_length 1048576. Also transformers
+    # 5.23's KimiLinearConfig defaults, except its default layer_types (MLA at 0-indexed 4,
+    # 8, ...: a folder's linear_attn_config overrides it); routed_scaling_factor 2.446,
+    # rms_norm_eps 1e-5 and vocab 163840 from those defaults. The HF folder check compares a
+    # folder's config.json field by field.
     "48B-A3B": KimiLinearSizes(
         dim=2304, n_layers=27, vocab_size=163840, n_heads=32, q_lora_rank=0, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
@@ -166,7 +174,12 @@ class ActivationDtypeGroupedExperts(GroupedExperts):
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         dt = x_RD.dtype
-        w1, w2, w3 = (local(w).to(dt) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        # under EP the weights are DTensors sharded on the expert dimension (FSDP gathers
+        # efsdp): this rank's experts, as upstream's forward takes them
+        w1, w2, w3 = (
+            (w.to_local() if isinstance(w, DTensor) else w).to(dt)
+            for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        )
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         gate = self._grouped_mm(A=x_RD, B_t=w1.transpose(-2, -1), offs=offs)
         up = self._grouped_mm(A=x_RD, B_t=w3.transpose(-2, -1), offs=offs)
@@ -175,12 +188,15 @@ class ActivationDtypeGroupedExperts(GroupedExperts):
 
 class LatentGatherMLA(Attention):
     """DeepSeek-V3's MLA (torchtitan's ``Attention``) that, under context parallelism on the
-    sdpa all-gather path, gathers each token's compressed latent instead of its keys and
-    values: ``kv_norm(latent)`` and the shared rope key, ``kv_lora_rank + qk_rope_head_dim``
-    numbers per token, where expanded K/V would be ``n_heads x (qk_nope + qk_rope + v)``.
-    Every rank expands the gathered latents with ``wkv_b`` (``ops.context_parallel_attention``
-    with ``expand``); the latents' gradients reduce-scatter back to their owners. Elsewhere
-    (no CP, flex, pass-KV) it is upstream's forward. In/out ``[B, L_local, D]``."""
+    all-gather path, gathers each token's compressed latent instead of its keys and values:
+    ``kv_norm(latent)`` and the shared rope key, ``kv_lora_rank + qk_rope_head_dim`` numbers
+    per token, where expanded K/V would be ``n_heads x (qk_nope + qk_rope + v)``. Every rank
+    expands the gathered latents with ``wkv_b``; the latents' gradients reduce-scatter back to
+    their owners (``ops.all_gather_autograd``). sdpa: ``ops.context_parallel_attention`` with
+    ``expand`` (padded rows, global token/document ids); flex: the rows gathered in rank
+    order, expanded, then flex of the local queries with this rank's document ``BlockMask``
+    (``RoutedInnerAttention.flex_gathered``, the layout torchtitan's flex K/V all-gather
+    gives). Elsewhere (no CP, pass-KV) it is upstream's forward. In/out ``[B, L_local, D]``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Attention.Config):
@@ -199,7 +215,6 @@ class LatentGatherMLA(Attention):
             and ctx.cp_enabled
             and isinstance(inner, RoutedInnerAttention)
             and inner.cp_mode == "all_gather"
-            and resolve_attention_backend(inner.backend, x.device) == "sdpa"
         ):
             return super().forward(x, attention_masks, positions)
         bsz, seqlen, _ = x.shape
@@ -220,6 +235,12 @@ class LatentGatherMLA(Attention):
             k = torch.cat([k_nope, g[:, :, :, c:].expand(-1, -1, heads, -1)], dim=-1)
             return k, v
 
+        if resolve_attention_backend(inner.backend, x.device) == "flex":
+            # [B, L, 1, c + r] -> [B, world x L, 1, c + r] in rank order (token dim first)
+            gathered = all_gather_autograd(rows.transpose(0, 1), ctx.group).transpose(0, 1)
+            k, v = expand(gathered)
+            o = inner.flex_gathered(q, k, v, ctx, self.softmax_scale)
+            return self.wo(o.reshape(bsz, seqlen, heads * dv))
         o = context_parallel_attention(
             q.reshape(1, bsz * seqlen, heads, self.qk_head_dim),
             rows.reshape(1, bsz * seqlen, 1, c + r),
@@ -299,6 +320,8 @@ class KimiLinearModel(Decoder):
 
         def update_from_config(self, *, config, **kwargs) -> None:
             Decoder.Config.update_from_config(self, config=config, **kwargs)
+            if config.parallelism.expert_parallel_degree > 1:
+                shard_experts_over_ep(self.layers)  # torchtitan's own expert sharding
             la = getattr(config, "linear_attention", None)
             if la is not None:
                 self.linear_attention_backend = la.backend
@@ -486,13 +509,14 @@ def layer_types(cfg: KimiLinearModel.Config) -> list[str]:
 
 def check_kimi_linear_parallelism(cfg: Any, parallelism: Any) -> None:
     """A ValueError naming the key where Kimi Linear cannot run with ``parallelism`` in this
-    recipe yet. Context parallelism runs: KDA layers through the CP driver and conv halo, MLA
-    layers through the recipe's attention CP (all-gather of their expanded K/V, or pass-KV with
-    ``model.attention_cp``; the compressed latent's all-gather is not built)."""
+    recipe. Context parallelism runs (KDA layers through the CP driver and conv halo, MLA
+    layers through the recipe's attention CP: the compressed latent's all-gather on sdpa and
+    flex, expanded K/V on pass-KV with ``model.attention_cp``), and
+    expert parallelism (torchtitan's MoE sharding and all-to-all dispatcher, composed with CP
+    and FSDP) when its degree divides the experts. Tensor parallelism is refused."""
     for key, why in (
         ("tensor_parallel_degree", "tensor parallelism of KDA + MLA + MoE is not built"),
         ("pipeline_parallel_degree", "pipeline parallelism is not supported by this recipe"),
-        ("expert_parallel_degree", "expert parallelism for it is not wired yet"),
     ):  # fmt: skip
         degree = getattr(parallelism, key, 1)
         if degree > 1:
@@ -500,3 +524,6 @@ def check_kimi_linear_parallelism(cfg: Any, parallelism: Any) -> None:
                 f"parallelism.{key} = {degree} is not supported for model.name = "
                 f"'kimi_linear' yet: {why}; set it to 1"
             )
+    ep = getattr(parallelism, "expert_parallel_degree", 1)
+    if ep > 1:
+        check_expert_parallel(cfg, ep, "kimi_linear")

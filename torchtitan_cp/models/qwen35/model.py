@@ -34,10 +34,8 @@ import torch
 from torch import nn
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.decoder import Decoder
-from torchtitan.models.common.moe_sharding import set_moe_sharding_config
 from torchtitan.models.qwen3_5 import qwen3_5_configs
 from torchtitan.models.qwen3_5.model import GatedDeltaNet, Qwen35Model
-from torchtitan.models.qwen3_5.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT
 from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder
 from torchtitan.protocols.module import Module
 
@@ -46,6 +44,7 @@ from torchtitan_cp.models.blocks.attention_cp import (
     AttentionCP,
     check_attention_cp,
 )
+from torchtitan_cp.models.blocks.experts import check_expert_parallel, shard_experts_over_ep
 from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
 
 # Shared with models.kimi_linear, so they live in blocks/ (re-exported for existing callers).
@@ -210,14 +209,7 @@ class Qwen35TextModel(Qwen35Model):
             # sharding configs (and needs the vision encoder) for TP this recipe rejects.
             Decoder.Config.update_from_config(self, config=config, **kwargs)
             if config.parallelism.expert_parallel_degree > 1:
-                # torchtitan's own expert sharding: experts split over the EP mesh (its
-                # all-to-all token dispatcher), router and shared experts replicated.
-                for layer in self.layers:
-                    if layer.moe is not None:
-                        set_moe_sharding_config(
-                            layer.moe, enable_ep=True, enable_sp=False,
-                            expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT,
-                        )  # fmt: skip
+                shard_experts_over_ep(self.layers)  # torchtitan's own expert sharding
             la = getattr(config, "linear_attention", None)
             if la is not None:
                 self.linear_attention_backend = la.backend
@@ -364,21 +356,11 @@ def check_qwen35_parallelism(cfg: Any, parallelism: Any) -> None:
 
 def check_qwen35_expert_parallel(cfg: Any, ep: int, tp: int) -> None:
     """A ValueError naming the key where Qwen3.5 cannot split its experts over ``ep`` ranks."""
-    key = f"parallelism.expert_parallel_degree = {ep}"
-    moes = [layer.moe for layer in cfg.layers if layer.moe is not None]
-    if not moes:
-        raise ValueError(f"{key}: this qwen3_5 flavor has no experts (a dense flavor); set it to 1")
+    check_expert_parallel(cfg, ep, "qwen3_5")
     if tp > 1:
         raise ValueError(
-            f"{key} with tensor_parallel_degree = {tp}: EP x TP for Qwen3.5 is not done in this "
-            "recipe; use one of them"
-        )
-    experts = moes[0].num_experts
-    if experts % ep:
-        fits = [d for d in range(1, experts + 1) if experts % d == 0]
-        raise ValueError(
-            f"{key} does not divide the {experts} experts of qwen3_5: each EP rank holds a "
-            f"whole share of them; use a degree in {fits}"
+            f"parallelism.expert_parallel_degree = {ep} with tensor_parallel_degree = {tp}: "
+            "EP x TP for Qwen3.5 is not done in this recipe; use one of them"
         )
 
 

@@ -9,13 +9,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.compile import apply_compile
-from torchtitan.distributed.fsdp import apply_fsdp_to_decoder, apply_fsdp_to_vision_encoder
-from torchtitan.models.common.moe import MoE
 from torchtitan.models.qwen3_5.model import Qwen35TransformerBlock
 
-from torchtitan_cp import compat
+from torchtitan_cp.models.blocks.experts import apply_expert_parallel, apply_fsdp_with_experts
 from torchtitan_cp.models.blocks.flex import apply_flex_context_parallel
 from torchtitan_cp.models.blocks.tensor_parallel import (
     check_all_on_tp_mesh,
@@ -89,11 +86,7 @@ def parallelize_qwen35(
     if parallel_dims.tp_enabled:
         apply_tensor_parallel_qwen35(model, parallel_dims.get_mesh("tp"))
     if parallel_dims.ep_enabled:
-        # torchtitan's MoE modules shard themselves (sharding configs set by the model
-        # config's update_from_config): experts over the EP mesh, its all-to-all dispatcher
-        # wired to it. The CP ranks' tokens are routed like any other data-parallel tokens.
-        for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            moe.parallelize(parallel_dims)
+        apply_expert_parallel(model, parallel_dims)
     vision = getattr(model, "vision_encoder", None)
     if parallel_dims.cp_enabled:
         if vision is not None:
@@ -104,29 +97,8 @@ def parallelize_qwen35(
     if compile_config.enable and "model" in compile_config.components:
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
     if parallel_dims.fsdp_enabled:
-        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-        mesh = parallel_dims.get_mesh(names)
-        common = dict(
-            param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
-            reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-            reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
-            pp_enabled=False,
-        )
-        if vision is not None:
-            apply_fsdp_to_vision_encoder(vision, mesh, **common)  # pyrefly: ignore[bad-argument-type]
-        edp_mesh = None
-        if parallel_dims.ep_enabled:  # experts: FSDP over what EP leaves of dp_shard x cp
-            edp_names = (
-                ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"]
-            )
-            edp_mesh = parallel_dims.get_optional_mesh(edp_names)
-        apply_fsdp_to_decoder(
-            model,  # pyrefly: ignore[bad-argument-type]
-            mesh,
-            cpu_offload=training.enable_cpu_offload,
-            ep_degree=parallel_dims.ep,
-            edp_mesh=edp_mesh,
-            **common,  # pyrefly: ignore[bad-argument-type]
-        )
-        compat.force_sum_reduction_on_gloo(model)
+        apply_fsdp_with_experts(
+            model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+            encoder=vision,
+        )  # fmt: skip
     return model
