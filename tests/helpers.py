@@ -67,3 +67,45 @@ def flip(path: Path, offset: int = 100, n: int = 64) -> None:
     for i in range(offset, offset + n):
         data[i] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def row_aligned_corpus(split: Path, interleaved: Path, *, seq_len: int, rows: int) -> None:
+    """The same documents (cut from the bundled corpus) in two JSONL files, made so that every
+    training row of ``seq_len`` tokens is whole documents (two per row, of varied lengths).
+    ``split``: rows A_0..A_{rows-1}, then B_0..B_{rows-1}; ``interleaved``: A_0, B_0, A_1, ...
+    Two data-parallel ranks reading ``split`` (each rank a contiguous half) with one row each
+    see, at step k, the rows one rank reading ``interleaved`` with two rows sees: the same
+    global batch, each rank different data."""
+    import json
+
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    assets = Path(__file__).resolve().parents[1] / "torchtitan_cp" / "assets"
+    tok = HuggingFaceTokenizer(tokenizer_path=str(assets / "tokenizer"))
+    corpus = (assets / "corpus" / "train.jsonl").read_text().splitlines()
+    texts = (json.loads(line)["text"] for line in corpus)
+
+    def exact(n_inputs: int) -> str:
+        """A prefix of the next corpus text that the loader turns into ``n_inputs`` inputs
+        (its tokens with BOS and EOS, less one)."""
+        for text in texts:
+            ids = tok.encode(text[: 8 * n_inputs], add_bos=False, add_eos=False)
+            for cut in range(n_inputs - 1, min(len(ids), n_inputs + 8)):
+                piece = tok.decode(ids[:cut])
+                if len(tok.encode(piece, add_bos=True, add_eos=True)) - 1 == n_inputs:
+                    return piece
+        raise AssertionError(f"no corpus text gives {n_inputs} inputs")
+
+    def row(i: int) -> list[str]:
+        first = 40 + (53 * i) % (seq_len - 80)
+        return [exact(first), exact(seq_len - first)]
+
+    a = [row(i) for i in range(rows)]
+    b = [row(rows + i) for i in range(rows)]
+
+    def write(path: Path, docs: list[list[str]]) -> None:
+        lines = [json.dumps({"text": t}) for pair in docs for t in pair]
+        path.write_text("\n".join(lines) + "\n")
+
+    write(split, [*a, *b])
+    write(interleaved, [r for pair in zip(a, b, strict=True) for r in pair])

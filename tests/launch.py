@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tests.dist_utils import free_port
@@ -82,6 +83,42 @@ def torchrun_train(
             f"training failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         )
     return proc
+
+
+@dataclass
+class Launch:
+    """One launch of the trainer for ``fork_train``: ``nproc`` ranks of ``ARGS --dump_folder
+    FOLDER/name``, after copying ``copy_from`` there and removing ``remove`` (paths inside it)."""
+
+    name: str
+    nproc: int
+    args: list[str]
+    copy_from: str | None = None
+    remove: tuple[str, ...] = ()
+
+
+def fork_train(launches: list[Launch], *, folder: Path, timeout: float = 1200) -> str:
+    """Run ``launches`` one after another with tests/fork_launch.py: one process imports the
+    trainer once and forks every launch's ranks (real processes and gloo groups, the real entry
+    point; no torchrun agent). Each launch writes ``folder/<name>``. Returns the launcher's
+    stdout (one line per launch with its ranks' CPU time); raises with the failed ranks' logs."""
+    jobs = [
+        {**asdict(launch), "dump_folder": str(folder / launch.name), "remove": list(launch.remove)}
+        for launch in launches
+    ]
+    jobs_file = folder / "fork_launch.json"
+    jobs_file.write_text(json.dumps(jobs, indent=1))
+    cmd = [sys.executable, "-m", "tests.fork_launch", str(jobs_file)]
+    env = repo_env(PYTHONUNBUFFERED="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"fork_launch failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
+            f"{proc.stderr[-12000:]}"
+        )
+    return proc.stdout
 
 
 def python_train_cmd(args: list[str], *, dump_folder: Path) -> tuple[list[str], dict[str, str]]:

@@ -4,28 +4,30 @@ docs/parallelism.md has the numbers).
 The model: the float64 hybrid debug model with one layer of each kind that shards over TP
 (``KGRA``; Mamba2 is refused, see ``Mamba2Mixer.tensor_parallel_heads``) under tp2 and
 cp2 x tp2 equals the unsharded model (loss and gradients, 1e-10). The trainer: every run starts
-from one seed checkpoint, float32 on gloo. Hybrid: tp2, cp2 and cp2 x tp2 give dp1's loss and
-grad norm within 1e-5 relative over 10 AdamW steps, host and device-readback routing train bit
-for bit the same under cp2 x tp2 (one routing per CP rank, shared by its TP ranks), and a DCP
-checkpoint of one layout resumes under the other. Qwen3.5 dense: tp2 and cp2 x tp2 against dp1,
-routing bitwise, and the HF export of a cp2 x tp2 checkpoint bitwise equal to the unsharded
-export of the same weights. Qwen3.5 MoE: cp2 x ep2 against dp1, ep2 against fsdp2, the HF
-export of an ep2 checkpoint bitwise equal to the unsharded one. Cost on the 2-core machine:
-process starts dominate (about 10 s of CPU each; a hybrid step on 4 ranks about 1.4 s); the
-totals are in docs/parallelism.md."""
+from one seed checkpoint, float32 on gloo, 10 AdamW steps. Hybrid: fsdp2, tp2, cp2 and
+cp2 x tp2 give dp1's loss and grad norm within 1e-5 relative, host and device-readback routing
+train bit for bit the same under cp2 x tp2 (one routing per CP rank, shared by its TP ranks),
+and a DCP checkpoint of one layout resumes under the other. Qwen3.5 dense: fsdp2, cp2, tp2 and
+cp2 x tp2 against dp1, routing bitwise, and the HF export of a cp2 x tp2 checkpoint bitwise
+equal to the unsharded export of the same weights. Qwen3.5 MoE: fsdp2, cp2, ep2 and cp2 x ep2
+against dp1 (1e-5 through step 3, where its routes start to flip; see MOE_EXACT_STEPS), the HF
+export of an ep2 checkpoint bitwise equal to the unsharded one. fsdp2 runs read a corpus made
+so that two data-parallel ranks see dp1's global batches (``_fsdp_data``). Cost: each test's
+runs are forked from one launcher that imported the trainer once (tests/fork_launch.py), since
+process start-ups (about 5 s of CPU per rank, 3 s per torchrun agent), not steps, were most of
+it; the totals are in docs/parallelism.md."""
 
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.launch import python_train, read_metrics, torchrun_train
+from tests.helpers import row_aligned_corpus
+from tests.launch import Launch, fork_train, read_metrics
 from tests.test_export_hf import export_gap, export_tensors
-from tests.test_train import DEFAULT, seed_checkpoint
+from tests.test_train import DEFAULT
 
 pytestmark = pytest.mark.slow
 
@@ -92,33 +94,62 @@ def test_model_tp_equals_unsharded():
             assert not bad, (layout, bad)
 
 
-def _run(tmp_path, name: str, nproc: int, *extra: str, model=HYBRID, steps=STEPS) -> list[dict]:
-    dump = tmp_path / name
-    torchrun_train(
-        [*model, "--training.steps", str(steps),
-         "--validator.no-enable", "--metrics.no-enable-wandb", "--debug.deterministic", *extra],
-        nproc=nproc, dump_folder=dump, timeout=600,
-    )  # fmt: skip
-    rows = read_metrics(dump)
+RUN = ["--validator.no-enable", "--metrics.no-enable-wandb", "--debug.deterministic"]
+
+
+def _launch(name: str, nproc: int, model: list[str], *extra: str, steps=STEPS, **kw) -> Launch:
+    """A training run of ``steps`` steps (``kw``: Launch's copy_from / remove)."""
+    return Launch(name, nproc, [*model, "--training.steps", str(steps), *RUN, *extra], **kw)
+
+
+def _seed_launch(model: list[str]) -> Launch:
+    """One unsharded initialisation (``seed/checkpoint/step-0``) every run starts from."""
+    args = [*model, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+            "--metrics.no-enable-wandb"]  # fmt: skip
+    return Launch("seed", 1, args)
+
+
+def _run_all(tmp_path, launches: list[Launch]) -> None:
+    """All launches from one process that imported the trainer once (tests/fork_launch.py):
+    process start-ups, not steps, were most of these tests' CPU time."""
+    print(fork_train(launches, folder=tmp_path))
+
+
+def _rows(tmp_path, name: str, steps=STEPS) -> list[dict]:
+    rows = read_metrics(tmp_path / name)
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), name
     return rows
 
 
-def _worst(ref: list[dict], run: list[dict]) -> float:
-    return max(
-        abs(a[key] - b[key]) / abs(a[key])
+def _per_step(ref: list[dict], run: list[dict]) -> list[float]:
+    """Per step, the larger relative error of the loss and the grad norm."""
+    return [
+        max(abs(a[key] - b[key]) / abs(a[key]) for key in ("loss", "grad_norm"))
         for a, b in zip(ref, run, strict=True)
-        for key in ("loss", "grad_norm")
-    )
+    ]
 
 
-def _resume(tmp_path, source: str, name: str, nproc: int, *extra: str) -> list[dict]:
-    """Copy run ``source``'s dump, keep its step-5 checkpoint only, and resume it to step 10
-    under another layout: the rows of steps 6-10."""
-    shutil.copytree(tmp_path / source, tmp_path / name)
-    shutil.rmtree(tmp_path / name / "checkpoint" / f"step-{STEPS}")
-    rows = _run(tmp_path, name, nproc, *extra)
-    return [r for r in rows if r["step"] > STEPS // 2]
+def _worst(ref: list[dict], run: list[dict]) -> float:
+    return max(_per_step(ref, run))
+
+
+def _fsdp_data(tmp_path) -> tuple[list[str], list[str]]:
+    """The data of the fsdp2 rows: the command-line flags of one rank reading two rows a step
+    (the reference ``dp1-aligned``) and of two data-parallel ranks reading one row each, each
+    rank its own rows, the same global batch (tests/helpers.row_aligned_corpus). The bundled
+    corpus gives every data-parallel rank a contiguous share of the documents, so fsdp2's
+    global batch there is not dp1's."""
+    split, interleaved = tmp_path / "split.jsonl", tmp_path / "interleaved.jsonl"
+    row_aligned_corpus(split, interleaved, seq_len=256, rows=STEPS)
+    flags = ["--dataloader.dataset", "jsonl", "--dataloader.dataset_path"]
+    return [*flags, str(interleaved)], [*flags, str(split), "--training.local_batch_size", "1"]
+
+
+def _resume(source: str, name: str, nproc: int, model: list[str], *extra: str) -> Launch:
+    """Run ``source``'s dump with its step-5 checkpoint only, resumed to step 10 under another
+    layout (its rows of steps 6-10: ``_rows(...)[STEPS // 2:]``)."""
+    return _launch(name, nproc, model, *extra, copy_from=source,
+                   remove=(f"checkpoint/step-{STEPS}",))  # fmt: skip
 
 
 def _export(tmp_path, name: str, step: int, model: list[str]) -> dict[str, torch.Tensor]:
@@ -128,96 +159,121 @@ def _export(tmp_path, name: str, step: int, model: list[str]) -> dict[str, torch
     return export_tensors(checkpoint, tmp_path / f"{name}-hf", *model)
 
 
+TP = ["--parallelism.tensor_parallel_degree", "2"]
+CP = ["--parallelism.context_parallel_degree", "2"]
+READBACK = ["--linear_attention.routing_source", "device_readback"]
+
+
+def _layout_table(tmp_path, model, common, layouts, *extra: Launch) -> dict[str, float]:
+    """Run the seed, dp1, each of ``layouts`` (name -> ranks, flags), cp2 x tp2 with readback
+    routing, fsdp2 on dp1's global batches (against its ``dp1-aligned`` run), then ``extra``,
+    all from one launcher. Checks host and readback routing bitwise; returns every layout's
+    and fsdp2's worst relative error against dp1."""
+    one_rank, two_ranks = _fsdp_data(tmp_path)
+    _run_all(tmp_path, [
+        _seed_launch(model),
+        _launch("dp1", 1, model, *common),
+        *(_launch(name, n, model, *common, *flags) for name, (n, flags) in layouts.items()),
+        _launch("cp2xtp2-readback", 4, model, *common, *CP, *TP, *READBACK),
+        _launch("dp1-aligned", 1, model, *common, *one_rank),
+        _launch("fsdp2", 2, model, *common, *two_ranks),
+        *extra,
+    ])  # fmt: skip
+    host = [(r["loss"], r["grad_norm"]) for r in _rows(tmp_path, "cp2xtp2")]
+    assert host == [(r["loss"], r["grad_norm"]) for r in _rows(tmp_path, "cp2xtp2-readback")]
+    ref = _rows(tmp_path, "dp1")
+    worst = {name: _worst(ref, _rows(tmp_path, name)) for name in layouts}
+    worst["fsdp2"] = _worst(_rows(tmp_path, "dp1-aligned"), _rows(tmp_path, "fsdp2"))
+    return worst
+
+
 def test_tensor_parallel_parity_table(tmp_path):
-    """The parity table of the hybrid model (dp1, tp2, cp2, cp2 x tp2), routing host against
-    readback under cp2 x tp2, and DCP checkpoints across layouts: cp2 x tp2's step 5 resumed
-    under cp2, and cp2's under cp2 x tp2, continue dp1's curve."""
-    seed = seed_checkpoint(tmp_path, "--model.layer_pattern", PATTERN)
+    """The parity table of the hybrid model (dp1, fsdp2, tp2, cp2, cp2 x tp2), routing host
+    against readback under cp2 x tp2, and DCP checkpoints across layouts: cp2 x tp2's step 5
+    resumed under cp2, and cp2's under cp2 x tp2, continue dp1's curve."""
+    seed = str(tmp_path / "seed" / "checkpoint" / "step-0")
     common = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed,
               "--checkpoint.interval", str(STEPS // 2)]  # fmt: skip
-    ref = _run(tmp_path, "dp1", 1, *common)
-    tp = ["--parallelism.tensor_parallel_degree", "2"]
-    cp = ["--parallelism.context_parallel_degree", "2"]
-    runs = {
-        "tp2": _run(tmp_path, "tp2", 2, *common, *tp),
-        "cp2": _run(tmp_path, "cp2", 2, *common, *cp),
-        "cp2xtp2": _run(tmp_path, "cp2xtp2", 4, *common, *cp, *tp),
-    }
-    readback = _run(tmp_path, "cp2xtp2-readback", 4, *common, *cp, *tp,
-                    "--linear_attention.routing_source", "device_readback")  # fmt: skip
-    resumed = {
-        "cp2xtp2->cp2": _resume(tmp_path, "cp2xtp2", "cp2xtp2-to-cp2", 2, *common, *cp),
-        "cp2->cp2xtp2": _resume(tmp_path, "cp2", "cp2-to-cp2xtp2", 4, *common, *cp, *tp),
-    }
-    worst = {name: _worst(ref, rows) for name, rows in runs.items()}
-    worst |= {name: _worst(ref[STEPS // 2 :], rows) for name, rows in resumed.items()}
+    layouts = {"tp2": (2, TP), "cp2": (2, CP), "cp2xtp2": (4, [*CP, *TP])}
+    worst = _layout_table(
+        tmp_path, HYBRID, common, layouts,
+        _resume(str(tmp_path / "cp2xtp2"), "cp2xtp2-to-cp2", 2, HYBRID, *common, *CP),
+        _resume(str(tmp_path / "cp2"), "cp2-to-cp2xtp2", 4, HYBRID, *common, *CP, *TP),
+    )  # fmt: skip
+    ref = _rows(tmp_path, "dp1")
+    for name in ("cp2xtp2-to-cp2", "cp2-to-cp2xtp2"):
+        worst[name] = _worst(ref[STEPS // 2 :], _rows(tmp_path, name)[STEPS // 2 :])
     print("worst relative error against dp1:", worst)
     assert all(err <= REL for err in worst.values()), worst
-    host = [(r["loss"], r["grad_norm"]) for r in runs["cp2xtp2"]]
-    assert host == [(r["loss"], r["grad_norm"]) for r in readback]
-
-
-def _seed(tmp_path, model: list[str]) -> str:
-    python_train([*model, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-                  "--metrics.no-enable-wandb"], dump_folder=tmp_path / "seed")  # fmt: skip
-    return str(tmp_path / "seed" / "checkpoint" / "step-0")
 
 
 def test_qwen35_tensor_parallel_parity(tmp_path):
-    """Qwen3.5's dense debug model (GatedDeltaNet and gated attention layers): tp2 and
-    cp2 x tp2 give dp1's loss and grad norm within 1e-5 relative over 10 steps; host and
+    """Qwen3.5's dense debug model (GatedDeltaNet and gated attention layers): fsdp2, cp2, tp2
+    and cp2 x tp2 give dp1's loss and grad norm within 1e-5 relative over 10 steps; host and
     readback routing train bit for bit the same under cp2 x tp2; a cp2 x tp2 checkpoint's HF
     export (scripts/export_hf.py) is bit for bit the unsharded export of the same weights."""
-    seed = _seed(tmp_path, QWEN35)
+    seed = str(tmp_path / "seed" / "checkpoint" / "step-0")
     common = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed]
-    tp = ["--parallelism.tensor_parallel_degree", "2"]
-    cp = ["--parallelism.context_parallel_degree", "2"]
-    ref = _run(tmp_path, "dp1", 1, *common, model=QWEN35)
-    runs = {
-        "tp2": _run(tmp_path, "tp2", 2, *common, *tp, model=QWEN35),
-        "cp2xtp2": _run(tmp_path, "cp2xtp2", 4, *common, *cp, *tp, model=QWEN35),
-    }
-    readback_args = [*common, *cp, *tp, "--linear_attention.routing_source", "device_readback"]
-    readback = _run(tmp_path, "cp2xtp2-readback", 4, *readback_args, model=QWEN35)
-    worst = {name: _worst(ref, rows) for name, rows in runs.items()}
+    layouts = {"cp2": (2, CP), "tp2": (2, TP), "cp2xtp2": (4, [*CP, *TP])}
+    # HF export below: a cp2 x tp2 step (FSDP x TP 2-D parameters) run at learning rate 0
+    frozen = _launch("cp2xtp2-lr0", 4, QWEN35, *common, *CP, *TP, *FROZEN, steps=1)
+    worst = _layout_table(tmp_path, QWEN35, common, layouts, frozen)
     print("qwen3_5: worst relative error against dp1:", worst)
     assert all(err <= REL for err in worst.values()), worst
-    host = [(r["loss"], r["grad_norm"]) for r in runs["cp2xtp2"]]
-    assert host == [(r["loss"], r["grad_norm"]) for r in readback]
-    # HF export: a cp2 x tp2 step (FSDP x TP 2-D parameters, one full step run at learning
-    # rate 0) exports bit for bit as the unsharded seed it holds. Trained runs are no bitwise
-    # reference: Adam turns last-bit gradient differences into up to a step's size on
-    # parameters with tiny gradients (after 10 steps: 7e-4 of A_log, docs/parallelism.md)
-    _run(tmp_path, "cp2xtp2-lr0", 4, *common, *cp, *tp, *FROZEN, model=QWEN35, steps=1)
+    # HF export: the cp2 x tp2 step at learning rate 0 exports bit for bit as the unsharded
+    # seed it holds. Trained runs are no bitwise reference: Adam turns last-bit gradient
+    # differences into up to a step's size on parameters with tiny gradients (after 10 steps:
+    # 7e-4 of A_log, docs/parallelism.md)
     seed_hf = export_tensors(seed, tmp_path / "seed-hf", *QWEN35)
     assert export_gap(seed_hf, _export(tmp_path, "cp2xtp2-lr0", 1, QWEN35)) == (0.0, "")
 
 
-def test_qwen35_moe_expert_parallel_parity(tmp_path):
-    """Qwen3.5's debugmodel_moe through torchtitan's MoE modules and all-to-all dispatcher:
-    cp2 x ep2 (EP borrowed from CP) gives dp1's loss and grad norm, ep2 (borrowed from FSDP)
-    fsdp2's (same data: two data-parallel ranks), within 1e-5 relative; an ep2 checkpoint's
-    HF export is bit for bit the unsharded export of the same weights.
+# The MoE model's curves part after a few steps under any change of sharding, plain FSDP on the
+# same global batches included (measured over 10 steps: up to 2e-6 relative at step 3, 1e-4 at
+# step 5, 1e-3 by step 10; docs/parallelism.md): last-bit differences of the reductions flip
+# near-tied top-k routes, and Adam amplifies them. Every row holds 1e-5 through
+# MOE_EXACT_STEPS; the later steps stay within MOE_LATE, a guard against a run that goes wrong
+# later (a wrong gradient parts by far more at step 1).
+MOE_EXACT_STEPS = 3
+MOE_LATE = 3e-3
 
-    Two steps, not ten: the MoE model's curves part under any change of sharding, CP alone
-    included (cp2 against dp1, no EP: 2e-9, 6e-8, 2e-6 at steps 1-3, ~1e-3 by step 10), as
-    last-bit differences flip near-tied top-k routes and Adam amplifies them; EP's runs part
-    the same way (docs/parallelism.md). Steps 1-2 check the sharded gradients themselves."""
-    seed = _seed(tmp_path, QWEN35_MOE)
+
+def test_qwen35_moe_expert_parallel_parity(tmp_path):
+    """Qwen3.5's debugmodel_moe through torchtitan's MoE modules and all-to-all dispatcher,
+    10 steps: cp2, cp2 x ep2 (EP borrowed from CP) against dp1, fsdp2 and ep2 (EP borrowed from
+    FSDP) against dp1 on the same global batches, ep2 against fsdp2; an ep2 checkpoint's HF
+    export is bit for bit the unsharded export of the same weights."""
+    seed = str(tmp_path / "seed" / "checkpoint" / "step-0")
     common = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed]
     ep = ["--parallelism.expert_parallel_degree", "2"]
-    cp = ["--parallelism.context_parallel_degree", "2"]
-    moe = dict(model=QWEN35_MOE, steps=2)
-    dp1 = _run(tmp_path, "dp1", 1, *common, **moe)
-    fsdp2 = _run(tmp_path, "fsdp2", 2, *common, **moe)
-    worst = {
-        "cp2xep2": _worst(dp1, _run(tmp_path, "cp2xep2", 2, *common, *cp, *ep, **moe)),
-        "ep2 (vs fsdp2)": _worst(fsdp2, _run(tmp_path, "ep2", 2, *common, *ep, **moe)),
+    one_rank, two_ranks = _fsdp_data(tmp_path)
+    _run_all(tmp_path, [
+        _seed_launch(QWEN35_MOE),
+        _launch("dp1", 1, QWEN35_MOE, *common),
+        _launch("cp2", 2, QWEN35_MOE, *common, *CP),
+        _launch("cp2xep2", 2, QWEN35_MOE, *common, *CP, *ep),
+        _launch("dp1-aligned", 1, QWEN35_MOE, *common, *one_rank),
+        _launch("fsdp2", 2, QWEN35_MOE, *common, *two_ranks),
+        _launch("ep2", 2, QWEN35_MOE, *common, *ep, *two_ranks),
+        # HF export below: an ep2 step (experts sharded over EP) run at learning rate 0
+        _launch("ep2-lr0", 2, QWEN35_MOE, *common, *ep, *FROZEN, steps=1),
+    ])  # fmt: skip
+    dp1, aligned, fsdp2 = (_rows(tmp_path, n) for n in ("dp1", "dp1-aligned", "fsdp2"))
+    per_step = {
+        "cp2": _per_step(dp1, _rows(tmp_path, "cp2")),
+        "cp2xep2": _per_step(dp1, _rows(tmp_path, "cp2xep2")),
+        "fsdp2": _per_step(aligned, fsdp2),
+        "ep2": _per_step(aligned, _rows(tmp_path, "ep2")),
+        "ep2 (vs fsdp2)": _per_step(fsdp2, _rows(tmp_path, "ep2")),
     }
-    print("qwen3_5 MoE: worst relative error:", worst)
-    assert all(err <= REL for err in worst.values()), worst
-    # HF export: an ep2 step (experts sharded over EP, one full step run at learning rate 0)
-    # exports bit for bit as the unsharded seed it holds
-    _run(tmp_path, "ep2-lr0", 2, *common, *ep, *FROZEN, model=QWEN35_MOE, steps=1)
+    print(
+        "qwen3_5 MoE: relative error per step:",
+        {k: [f"{e:.1e}" for e in v] for k, v in per_step.items()},
+    )
+    exact = {k: max(v[:MOE_EXACT_STEPS]) for k, v in per_step.items()}
+    late = {k: max(v[MOE_EXACT_STEPS:]) for k, v in per_step.items()}
+    assert all(err <= REL for err in exact.values()), exact
+    assert all(err <= MOE_LATE for err in late.values()), late
+    # HF export: the ep2 step at learning rate 0 exports bit for bit as the unsharded seed
     seed_hf = export_tensors(seed, tmp_path / "seed-hf", *QWEN35_MOE)
     assert export_gap(seed_hf, _export(tmp_path, "ep2-lr0", 1, QWEN35_MOE)) == (0.0, "")
