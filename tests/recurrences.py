@@ -197,6 +197,14 @@ CASES: list[RecurrenceCase] = [
         {"fixed_decay": head_decay},
     ),  # fmt: skip
     # SSD with a gate per head and key (FLA's GLA): the registered "gla".
-    RecurrenceCase("gla", "gla", _gla_inputs, ("q", "k", "v", "g"), ssd_reference,
-                   _ssd_fla_naive, _ssd_torch_op, _ssd_fla_op),  # fmt: skip
+    RecurrenceCase(
+        "gla",
+        "gla",
+        _gla_inputs,
+        ("q", "k", "v", "g"),
+        ssd_reference,
+        _ssd_fla_naive,
+        _ssd_torch_op,
+        _ssd_fla_op,
+    ),  # fmt: skip
 ]

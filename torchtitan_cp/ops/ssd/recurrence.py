@@ -64,7 +64,9 @@ class SSD:
         """``(q, k, v, g)``: the inputs, the fixed decay broadcast to every token as the gate."""
         if self.fixed_decay is None:
             if (inputs[3].dim() == 4) != (self.gate == "key"):
-                raise ValueError(f"SSD(gate={self.gate!r}) got a gate of shape {list(inputs[3].shape)}")
+                raise ValueError(
+                    f"SSD(gate={self.gate!r}) got a gate of shape {list(inputs[3].shape)}"
+                )
             return inputs
         q, k, v = inputs
         d = self.fixed_decay(v.shape[2], v)
