@@ -171,40 +171,22 @@ def _gla_inputs(T: int, seed: int, dtype: torch.dtype = torch.float64, **kw: Any
     return ssd_inputs(T, seed, dtype, per_key=True, **kw)
 
 
+def _diagonal(id: str, name: str, inputs: Callable[..., list[Tensor]], oracle=ssd_reference,
+              **options: Any) -> RecurrenceCase:  # fmt: skip
+    """A case of the diagonal family (``ops/ssd``): its fla naive recurrence and custom ops."""
+    names = ("q", "k", "v", "g") if oracle is ssd_reference else ("q", "k", "v")
+    return RecurrenceCase(id, name, inputs, names, oracle, _ssd_fla_naive, _ssd_torch_op,
+                          _ssd_fla_op, options)  # fmt: skip
+
+
 CASES: list[RecurrenceCase] = [
     _delta_rule("kda"),
     _delta_rule("gdn"),
-    RecurrenceCase(
-        "ssd",
-        "ssd",
-        ssd_inputs,
-        ("q", "k", "v", "g"),
-        ssd_reference,
-        _ssd_fla_naive,
-        _ssd_torch_op,
-        _ssd_fla_op,
-    ),  # fmt: skip
+    _diagonal("ssd", "ssd", ssd_inputs),
     # SSD with a fixed decay per head instead of the gate input (what retention runs).
-    RecurrenceCase(
-        "ssd-fixed-decay",
-        "ssd",
-        _fixed_decay_inputs,
-        ("q", "k", "v"),
-        _fixed_decay_oracle,
-        _ssd_fla_naive,
-        _ssd_torch_op,
-        _ssd_fla_op,
-        {"fixed_decay": head_decay},
+    _diagonal(
+        "ssd-fixed-decay", "ssd", _fixed_decay_inputs, _fixed_decay_oracle, fixed_decay=head_decay
     ),  # fmt: skip
     # SSD with a gate per head and key (FLA's GLA): the registered "gla".
-    RecurrenceCase(
-        "gla",
-        "gla",
-        _gla_inputs,
-        ("q", "k", "v", "g"),
-        ssd_reference,
-        _ssd_fla_naive,
-        _ssd_torch_op,
-        _ssd_fla_op,
-    ),  # fmt: skip
+    _diagonal("gla", "gla", _gla_inputs),
 ]
