@@ -244,7 +244,6 @@ class _Indexed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # pyrefly: ignore[bad-override]
         outs, leaves = ctx.graph
-        del ctx.graph
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None
                  and o.requires_grad]  # fmt: skip
         wanted = [x for x in leaves if isinstance(x, Tensor) and x.requires_grad]
