@@ -23,7 +23,7 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "fla.ops.utils.index:prepare_chunk_indices",
     "fla.ops.kda.chunk_fwd:chunk_kda_fwd",  # fla_compat and the compiled path call the pieces
     "fla.ops.simple_gla:chunk_simple_gla",  # Mamba2 (SSD) and retention layers
-    "fla.ops.common.chunk_h:chunk_fwd_kernel_h",  # launched by fla_compat's simple-GLA shim
+    "fla.ops.common.chunk_h:chunk_fwd_kernel_h",  # launched by fla_compat's chunk-table shim
     "fla.ops.common.chunk_h:chunk_bwd_kernel_dh",
     # torchtitan modules the model is built from (no torchtitan.distributed.fsdp: trainer only)
     "torchtitan.protocols.module:Module",
@@ -35,7 +35,8 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "torchtitan_cp.ops.delta_rule.fla_kernel:chunk_delta_rule_fla",
     "torchtitan_cp.ops.conv.fla_kernel:causal_conv1d_fla",
     "torchtitan_cp.ops.fla_compat:chunk_kda_indexed",
-    "torchtitan_cp.ops.fla_compat:chunk_simple_gla_indexed",
+    "torchtitan_cp.ops.fla_compat:indexed",
+    "torchtitan_cp.ops.fla_compat:delta_rule_summaries_indexed",
     "torchtitan_cp.ops.delta_rule.custom_ops:delta_rule_fla_op",  # torch.compile's custom ops
     "torchtitan_cp.ops.conv.custom_ops:causal_conv1d_fla_op",
     "torchtitan_cp.ops.ssd.custom_ops:ssd_fla_op",

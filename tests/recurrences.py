@@ -110,11 +110,12 @@ def _delta_rule(kind: str) -> RecurrenceCase:
 
 
 def ssd_inputs(T: int, seed: int, dtype: torch.dtype = torch.float64, *, K: int = K,
-               V: int = V) -> list[Tensor]:  # fmt: skip
-    """``(q, k, v, g)`` for SSD: q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, g ``[1, T, HV]``."""
+               V: int = V, per_key: bool = False) -> list[Tensor]:  # fmt: skip
+    """``(q, k, v, g)`` for SSD: q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, g ``[1, T, HV]``
+    (``[1, T, HV, K]`` with ``per_key``: GLA)."""
     rnd = _rnd(torch.Generator().manual_seed(seed))
     q, k, v = rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, HV, V)
-    g = -F.softplus(rnd(1, T, HV)) * 0.3
+    g = -F.softplus(rnd(1, T, HV, K) if per_key else rnd(1, T, HV)) * 0.3
     return [x.to(dtype) for x in (q, k, v, g)]
 
 
@@ -132,9 +133,12 @@ def _gated(xs: list[Tensor] | tuple[Tensor, ...]) -> list[Tensor]:
 
 
 def _ssd_fla_naive(*xs: Tensor, initial_state: Tensor) -> tuple[Tensor, Tensor]:
+    from fla.ops.gla.naive import naive_recurrent_gla
     from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
 
     q, k, v, g = _gated(xs)
+    if g.dim() == 4:  # a gate per key: fla's GLA
+        return naive_recurrent_gla(*_rep(q, k), v, g, initial_state, output_final_state=True)
     return naive_recurrent_simple_gla(*_rep(q, k), v, g, initial_state=initial_state,
                                       output_final_state=True)  # fmt: skip
 
@@ -163,29 +167,26 @@ def _fixed_decay_oracle(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Ten
     return ssd_reference(q, k, v, g, **kw)
 
 
+def _gla_inputs(T: int, seed: int, dtype: torch.dtype = torch.float64, **kw: Any):
+    return ssd_inputs(T, seed, dtype, per_key=True, **kw)
+
+
+def _diagonal(id: str, name: str, inputs: Callable[..., list[Tensor]], oracle=ssd_reference,
+              **options: Any) -> RecurrenceCase:  # fmt: skip
+    """A case of the diagonal family (``ops/ssd``): its fla naive recurrence and custom ops."""
+    names = ("q", "k", "v", "g") if oracle is ssd_reference else ("q", "k", "v")
+    return RecurrenceCase(id, name, inputs, names, oracle, _ssd_fla_naive, _ssd_torch_op,
+                          _ssd_fla_op, options)  # fmt: skip
+
+
 CASES: list[RecurrenceCase] = [
     _delta_rule("kda"),
     _delta_rule("gdn"),
-    RecurrenceCase(
-        "ssd",
-        "ssd",
-        ssd_inputs,
-        ("q", "k", "v", "g"),
-        ssd_reference,
-        _ssd_fla_naive,
-        _ssd_torch_op,
-        _ssd_fla_op,
-    ),  # fmt: skip
+    _diagonal("ssd", "ssd", ssd_inputs),
     # SSD with a fixed decay per head instead of the gate input (what retention runs).
-    RecurrenceCase(
-        "ssd-fixed-decay",
-        "ssd",
-        _fixed_decay_inputs,
-        ("q", "k", "v"),
-        _fixed_decay_oracle,
-        _ssd_fla_naive,
-        _ssd_torch_op,
-        _ssd_fla_op,
-        {"fixed_decay": head_decay},
+    _diagonal(
+        "ssd-fixed-decay", "ssd", _fixed_decay_inputs, _fixed_decay_oracle, fixed_decay=head_decay
     ),  # fmt: skip
+    # SSD with a gate per head and key (FLA's GLA): the registered "gla".
+    _diagonal("gla", "gla", _gla_inputs),
 ]

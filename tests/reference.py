@@ -90,13 +90,14 @@ def ssd_reference(
     """SSD (Mamba2's recurrence), one token at a time, in float64:
     ``S_t = exp(g_t) S_{t-1} + k_t v_tᵀ``, ``o_t = S_tᵀ (scale q_t)``.
 
-    q, k ``[1,T,H,K]``; v ``[1,T,HV,V]``; g ``[1,T,HV]``; initial_state ``[N,HV,K,V]``.
-    Returns ``(o [1,T,HV,V] float64, final_states [N,HV,K,V] float64)``; differentiable.
+    q, k ``[1,T,H,K]``; v ``[1,T,HV,V]``; g ``[1,T,HV]`` (a decay per head) or ``[1,T,HV,K]``
+    (per head and key: FLA's GLA); initial_state ``[N,HV,K,V]``. Returns ``(o [1,T,HV,V] float64, final_states [N,HV,K,V] float64)``; differentiable.
     """
     g64 = g[0].double()
 
     def step(S: Tensor, t: int, kt: Tensor, vt: Tensor) -> Tensor:
-        return g64[t].exp()[:, None, None] * S + kt[..., None] * vt[:, None, :]
+        decay = g64[t].exp().reshape(S.shape[0], -1, 1)  # [HV, 1 or K, 1]
+        return decay * S + kt[..., None] * vt[:, None, :]
 
     return token_scan(q, k, v, step, scale, initial_state, cu_seqlens)
 

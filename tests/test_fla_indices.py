@@ -22,12 +22,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tests.dist_utils import loose_caps, random_cu_seqlens, random_layout
+from tests.recurrences import CASES
 from torchtitan_cp.ops import context_parallel_delta_rule
 from torchtitan_cp.ops.common import checks
 from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
 from torchtitan_cp.ops.conv import custom_ops as conv_ops
 from torchtitan_cp.ops.conv.fla_kernel import causal_conv1d_fla
 from torchtitan_cp.ops.conv.local import causal_conv1d
+from torchtitan_cp.ops.cp.driver import context_parallel_recurrence
+from torchtitan_cp.ops.cp.recurrence import recurrence
 from torchtitan_cp.ops.delta_rule.fla_kernel import chunk_delta_rule_fla
 from torchtitan_cp.ops.ssd.fla_kernel import chunk_ssd_fla
 from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
@@ -88,6 +91,7 @@ def fla_recorder(monkeypatch):
     # Load every fla module the adapters reach, then patch them all.
     import fla.modules.causal_conv1d  # noqa: F401
     import fla.ops.gated_delta_rule  # noqa: F401
+    import fla.ops.gla  # noqa: F401
     import fla.ops.kda  # noqa: F401
     import fla.ops.simple_gla  # noqa: F401
 
@@ -561,3 +565,29 @@ def test_qwen35_layers_pass_tables(fla_recorder, monkeypatch):
         "chunk_bwd_kernel_dqkwg",
     ):
         assert kernel in names, kernel
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_every_recurrence_fla_path_keeps_the_tables(fla_recorder, monkeypatch, case, device):
+    # Every registered recurrence's fla path (tests/recurrences.py), through the CP driver
+    # (summary + main pass, forward and backward): on CPU every launch gets fla-equal tables;
+    # on meta nothing moves between host and device and no device value is read (fla's own
+    # helpers would copy, its state passes would call .item()). The summary stream here is
+    # under 64 tokens, where fla's GLA picks a smaller chunk size than the routing's tables.
+    monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")
+    r = RoutingPlan.build(CU, TABLE, 0).to_device(device, chunk_size=FLA_CHUNK_SIZE)
+    xs = [x.float().to(device).requires_grad_() for x in case.inputs(r.num_tokens, 0, K=32, V=16)]
+    rec = recurrence(case.name, backend="fla", **case.options)
+    with _Transfers() as mode:
+        o, fin = context_parallel_recurrence(
+            rec, tuple(xs), routing=r, group=None, output_final_state=True
+        )
+        assert fin is not None
+        fla_recorder.phase = "bwd"
+        (o.sum() + fin.sum()).backward()
+    assert mode.seen == []
+    assert all(x.grad is not None for x in xs)
+    if device == "cpu":
+        checked = check_launches(fla_recorder, [r.cu_seqlens, r.summary_cu_seqlens])
+        assert checked["fwd"] and checked["bwd"], checked

@@ -156,9 +156,9 @@ def test_retention_on_fla_matches_torch_and_fla_chunk_retention():
 
 @ids
 def test_routing_tables_give_fla_results_bitwise(case):
-    """With the routing's host-built tables (KDA through ``fla_compat.chunk_kda_indexed``, GDN
-    through fla's ``chunk_indices``, SSD through ``fla_compat.chunk_simple_gla_indexed``) the
-    results are fla's own, bit for bit."""
+    """With the routing's host-built tables (KDA, SSD and GLA through ``fla_compat``'s
+    chunk-table shim, GDN through fla's ``chunk_indices``) the results are fla's own, bit for
+    bit."""
     o, fin, grads = recurrence(case.id, "varlen", "fla", tables=True)
     o_own, fin_own, grads_own = recurrence(case.id, "varlen", "fla", tables=False)
     assert torch.equal(o, o_own) and torch.equal(fin, fin_own)

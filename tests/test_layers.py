@@ -47,6 +47,21 @@ def test_decoder_builds_registered_mixers_and_counts_their_flops() -> None:
     assert LAYERS["M"].flops(cfg, 128) == 6 * 8 * (4 * 8 * 16 + 64 * (8 + 16))
 
 
+def test_heads_mixer_fields_come_from_the_decoder_or_keep_their_default() -> None:
+    # A mixer's own constant can be a Config field: from_model copies only the fields the
+    # decoder config has (rope_theta here) and leaves the others at the mixer's default.
+    from torchtitan_cp.models.mixers.retention import RetentionMixer
+
+    class Mixer(RetentionMixer):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(RetentionMixer.Config):
+            window: int = 7
+
+    cfg = dataclasses.replace(model_config("debug", layer_pattern="R"), rope_theta=123.0)
+    mc = Mixer.from_model(cfg, 2, "torch")
+    assert (mc.window, mc.rope_theta, mc.layer_id, mc.n_heads) == (7, 123.0, 2, cfg.n_heads)
+
+
 def test_recipe_has_every_decoder_field() -> None:
     from torchtitan_cp.models.recipe import ModelRecipe
 

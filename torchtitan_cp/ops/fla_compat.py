@@ -1,15 +1,29 @@
 """fla-core 0.6.0 compatibility: the one place that reaches below fla's public functions.
 
 Imported only inside the fla adapters and custom ops (``ops/<family>/fla_kernel.py``,
-``custom_ops.py``) and at their call (it loads fla, hence Triton). Each shim is the computation
-of one public fla function for our call's options, with the chunk tables supplied by the caller
-(``DeviceRouting``, built on the host) where the public function builds its own:
+``custom_ops.py``) and at their call (it loads fla, hence Triton).
 
-* :func:`chunk_kda_indexed`. Reason: ``fla.ops.kda.chunk_kda`` 0.6.0 has no ``chunk_indices``
-  parameter; its autograd Function always calls ``prepare_chunk_indices``, which ends in a
-  blocking pageable host-to-device copy (a host sync per call). It is fla's own
-  ``chunk_kda_fwd`` / ``chunk_kda_bwd`` with every option chunk_kda would pass for our call (no
-  in-kernel l2norm, gate or beta sigmoid; no CP context; no graph mode).
+One shim serves every fla chunk op: :func:`chunk_tables`, a context in which fla's chunked
+kernels take the caller's chunk tables (``DeviceRouting``, built on the host) for one offsets
+tensor, and :func:`indexed`, a public fla op run with its forward and its backward inside that
+context. Reason: fla-core 0.6.0's public chunk ops (``chunk_kda``, ``chunk_simple_gla``,
+``chunk_gla``, ...) take no chunk table: their autograd Functions call ``prepare_chunk_indices``,
+which ends in a blocking pageable host-to-device copy, and the state passes of the diagonal ones
+(``fla.ops.common.chunk_h.chunk_fwd_h`` / ``chunk_bwd_dh``) read their chunk count back with
+``.item()``: a host sync per call either way. Inside the context, for calls whose
+``cu_seqlens`` *is* the registered tensor (any other offsets reach fla's own code), the names
+below are replaced in every loaded fla module, and put back on exit:
+
+* ``prepare_chunk_indices(cu, BT)``: the routing's table for ``BT == FLA_CHUNK_SIZE``; for another
+  chunk size (``chunk_gla`` picks 16 or 32 for spans under 64 tokens) built on the device from
+  chunk counts known on the host (no read, no copy);
+* ``prepare_chunk_offsets(cu, BT)``: the routing's offsets for ``FLA_CHUNK_SIZE`` (fla's own
+  device computation otherwise: it reads nothing back);
+* ``chunk_fwd_h`` / ``chunk_bwd_dh``: fla's own functions, launching fla's own kernels, with the
+  chunk count from the host offsets instead of ``.item()``.
+
+The other shim, below everything else:
+
 * :func:`delta_rule_summaries_indexed` (the CP summaries of the delta rule). Reason: fla-core
   0.6.0 has no differentiable states-only entry point, so the summaries ran the whole
   ``chunk_kda`` / ``chunk_gated_delta_rule`` (outputs included, then discarded) with value width
@@ -20,24 +34,22 @@ of one public fla function for our call's options, with the chunk tables supplie
   summary is applied to (``Recurrence.apply``): ``fwd_h``, ``bwd_dhu`` with a zero output
   cotangent, and the WY backward (``chunk_kda_bwd_wy_dqkg_fused`` + ``chunk_kda_bwd_intra`` /
   ``chunk_bwd_dqkwg`` + ``prepare_wy_repr_bwd``); no ``dAv`` / ``dv_local``.
-* :func:`chunk_simple_gla_indexed` (with :func:`simple_gla_fwd_indexed` /
-  :func:`simple_gla_bwd_indexed`, which the SSD custom ops call). Reason:
-  ``fla.ops.simple_gla.chunk_simple_gla`` 0.6.0 has no ``chunk_indices`` parameter either (the
-  same host copy per call), and its state passes (``fla.ops.common.chunk_h.chunk_fwd_h`` /
-  ``chunk_bwd_dh``, forward and backward) read the chunk count back with ``.item()`` on the
-  device's chunk offsets, a device-to-host sync per call. The shim launches fla's own state
-  kernels with the caller's chunk offsets and the chunk count of the caller's (already cut) chunk
-  table, and calls fla's ``chunk_local_cumsum``, ``chunk_fwd_o``, ``chunk_bwd_dqkwg`` and
-  ``chunk_bwd_dv`` with the chunk table, in ``chunk_simple_gla``'s order with its options for
-  our call (scalar gate ``g``, no ``g_gamma``, states ``[K, V]``).
 
-Tested in tests/test_fla_indices.py (fla's host-index helpers made to raise, every kernel launch
-recorded and its tables compared with fla's own).
+A new fla-backed recurrence needs no edit here: its eager adapter calls
+``indexed(fla_op, *args, tables=(cu, cu_cpu, chunk_indices, chunk_offsets), **kwargs)`` and its
+custom ops call fla's forward and backward pieces inside ``with chunk_tables(...)``
+(docs/kernels.md, "One chunk-table shim"). Tested in tests/test_fla_indices.py (fla's
+host-index helpers made to raise, every kernel launch recorded and its tables compared with
+fla's own, no transfer and no device read on the meta device).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Generator
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -46,11 +58,10 @@ from fla.ops.common.chunk_delta_h import (
     chunk_gated_delta_rule_bwd_dhu,
     chunk_gated_delta_rule_fwd_h,
 )
-from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv, chunk_fwd_o
+from fla.ops.common.chunk_o import chunk_bwd_dqkwg
 from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
 from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
-from fla.ops.kda.chunk_bwd import chunk_kda_bwd, chunk_kda_bwd_wy_dqkg_fused
-from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
 from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra, chunk_kda_fwd_intra
 from fla.ops.utils.constant import RCP_LN2
 from fla.ops.utils.cumsum import chunk_local_cumsum
@@ -60,77 +71,239 @@ from torch import Tensor
 
 from .common.fla import FLA_CHUNK_SIZE, contiguous
 
-__all__ = [
-    "chunk_kda_indexed",
-    "delta_rule_summaries_indexed",
-    "chunk_simple_gla_indexed",
-    "simple_gla_bwd_indexed",
-    "simple_gla_fwd_indexed",
-]
+__all__ = ["chunk_kda_indexed", "chunk_tables", "delta_rule_summaries_indexed", "indexed"]
 
 
-class _ChunkKDAIndexed(torch.autograd.Function):
-    # Saved-for-backward set and gradient dtypes follow fla's ChunkKDAFunction for these options.
-    # fla's decorators are typed for functions returning one Tensor, hence the ignores.
+class _Tables(NamedTuple):
+    cu_seqlens: Tensor
+    cu_seqlens_cpu: Tensor
+    chunk_indices: Tensor | None  # exactly NT rows (``common.fla.chunk_table``)
+    chunk_offsets: Tensor | None
+
+
+_active: dict[int, _Tables] = {}  # id(cu_seqlens) -> its tables, while a context is open
+_depth = 0  # open contexts (the patch is installed by the first, removed by the last)
+_saved: list[tuple[Any, str, Any]] = []  # (module, name, what was there) while patched
+
+
+def _lookup(cu_seqlens: Tensor | None) -> _Tables | None:
+    t = _active.get(id(cu_seqlens)) if cu_seqlens is not None else None
+    return t if t is not None and t.cu_seqlens is cu_seqlens else None
+
+
+def _chunk_count(t: _Tables, size: int) -> int:
+    lens = (t.cu_seqlens_cpu[1:] - t.cu_seqlens_cpu[:-1]).to(torch.int64)
+    return int(torch.div(lens + size - 1, size, rounding_mode="floor").sum())
+
+
+def _chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=None) -> Tensor | None:
+    t = _lookup(cu_seqlens)
+    if t is None:
+        return None
+    if chunk_size == FLA_CHUNK_SIZE and t.chunk_indices is not None:
+        return t.chunk_indices
+    # fla's table for this chunk size from the device offsets; its length from the host.
+    counts = torch.div(cu_seqlens[1:] - cu_seqlens[:-1] + chunk_size - 1, chunk_size,
+                       rounding_mode="floor").to(torch.int64)  # fmt: skip
+    nt = _chunk_count(t, chunk_size)
+    seq = torch.arange(counts.numel(), device=cu_seqlens.device)
+    seq = torch.repeat_interleave(seq, counts, output_size=nt)
+    first = (torch.cumsum(counts, 0) - counts).index_select(0, seq)
+    idx = torch.arange(nt, device=cu_seqlens.device) - first
+    return torch.stack([seq, idx], 1).to(cu_seqlens)
+
+
+def _chunk_offsets(cu_seqlens, chunk_size) -> Tensor | None:
+    t = _lookup(cu_seqlens)
+    if t is None or chunk_size != FLA_CHUNK_SIZE or t.chunk_offsets is None:
+        return None
+    return t.chunk_offsets
+
+
+def _split(k: Tensor, t: _Tables, split_size: int) -> tuple[int, int, Tensor]:
+    """(N, chunk count, split offsets) of fla's state passes, the count from the host."""
+    offsets = _chunk_offsets(t.cu_seqlens, split_size)
+    if offsets is None:
+        offsets = prepare_chunk_offsets(t.cu_seqlens, split_size)  # on the device, no read
+    return t.cu_seqlens.shape[0] - 1, _chunk_count(t, split_size), offsets
+
+
+def _fwd_h(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, output_final_state=False,
+           state_v_first=False, cu_seqlens=None, chunk_size=64, split_size=None,
+           states_in_fp32=False):  # fmt: skip
+    """fla's ``chunk_fwd_h`` with the chunk count from the host (None: not our offsets)."""
+    t = _lookup(cu_seqlens)
+    if t is None:
+        return None
+    B, T, H, K, V = *k.shape, v.shape[-1]
+    BS = chunk_size if split_size is None else split_size
+    N, NS, offsets = _split(k, t, BS)
+    shape = (V, K) if state_v_first else (K, V)
+    h = k.new_empty(B, NS, H, *shape, dtype=torch.float if states_in_fp32 else k.dtype)
+    ht = k.new_empty(N, H, *shape, dtype=torch.float) if output_final_state else None
+
+    def grid(meta):
+        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
+
+    # Looked up at the call (not imported by name), so patched kernel objects are seen.
+    chunk_h.chunk_fwd_kernel_h[grid](
+        k=k, v=v, h=h, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=h0, ht=ht, cu_seqlens=cu_seqlens,
+        split_offsets=offsets, T=T, H=H, K=K, V=V, BT=chunk_size, BS=BS, USE_G=g is not None,
+        USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None, USE_GV=gv is not None,
+        STATE_V_FIRST=state_v_first,
+    )  # fmt: skip
+    return h, ht
+
+
+def _bwd_dh(q, k, v, do, h0, dht, scale, g=None, g_gamma=None, gk=None, gv=None,
+            state_v_first=False, cu_seqlens=None, chunk_size=64, split_size=None,
+            states_in_fp32=False):  # fmt: skip
+    """fla's ``chunk_bwd_dh`` with the chunk count from the host (None: not our offsets)."""
+    t = _lookup(cu_seqlens)
+    if t is None:
+        return None
+    B, T, H, K, V = *k.shape, v.shape[-1]
+    HQ = q.shape[2]
+    BS = chunk_size if split_size is None else split_size
+    N, NS, offsets = _split(k, t, BS)
+    shape = (V, K) if state_v_first else (K, V)
+    dh = k.new_empty(B, NS, HQ, *shape, dtype=torch.float if states_in_fp32 else k.dtype)
+    dh0 = torch.empty_like(h0, dtype=torch.float) if h0 is not None else None
+
+    def grid(meta):
+        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
+
+    chunk_h.chunk_bwd_kernel_dh[grid](
+        q=q, g=g, g_gamma=g_gamma, gk=gk, gv=gv, do=do, dh=dh, dht=dht, dh0=dh0,
+        cu_seqlens=cu_seqlens, split_offsets=offsets, scale=scale, T=T, HQ=HQ, H=H, K=K, V=V,
+        BT=chunk_size, BS=BS, NG=HQ // H, USE_G=g is not None, USE_G_GAMMA=g_gamma is not None,
+        USE_GK=gk is not None, USE_GV=gv is not None, STATE_V_FIRST=state_v_first,
+    )  # fmt: skip
+    return dh, dh0
+
+
+_REPLACEMENTS: dict[str, Callable[..., Any]] = {
+    "prepare_chunk_indices": _chunk_indices,
+    "prepare_chunk_offsets": _chunk_offsets,
+    "chunk_fwd_h": _fwd_h,
+    "chunk_bwd_dh": _bwd_dh,
+}
+
+
+def _dispatcher(ours: Callable[..., Any], theirs: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(theirs)
+    def call(*args, **kwargs):
+        out = ours(*args, **kwargs)
+        return theirs(*args, **kwargs) if out is None else out
+
+    return call
+
+
+def _patch() -> None:
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "fla" or name.startswith("fla.")):
+            continue
+        for attr, ours in _REPLACEMENTS.items():
+            theirs = vars(mod).get(attr)
+            if callable(theirs):
+                _saved.append((mod, attr, theirs))
+                setattr(mod, attr, _dispatcher(ours, theirs))
+
+
+def _unpatch() -> None:
+    while _saved:
+        mod, attr, theirs = _saved.pop()
+        setattr(mod, attr, theirs)
+
+
+@contextlib.contextmanager
+def chunk_tables(
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None,
+    chunk_offsets: Tensor | None,
+) -> Generator[None]:
+    """Inside: every fla chunk op called with this ``cu_seqlens`` tensor (on the device) takes the
+    routing's chunk tables (``chunk_indices`` exactly ``[NT, 2]``, cut with
+    ``common.fla.chunk_table``; ``chunk_offsets [N + 1]`` or None) for fla's chunk size, tables
+    built on the device from host counts for another chunk size, and its state passes take their
+    chunk count from ``cu_seqlens_cpu``: no host-to-device copy, no device read. A no-op without
+    offsets or without a table (fla then builds its own: a host sync per call)."""
+    global _depth
+    if cu_seqlens is None or cu_seqlens_cpu is None or chunk_indices is None:
+        yield
+        return
+    key = id(cu_seqlens)
+    before = _active.get(key)
+    _active[key] = _Tables(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets)
+    if _depth == 0:
+        _patch()
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            _unpatch()
+        if before is None:
+            del _active[key]
+        else:
+            _active[key] = before
+
+
+class _Indexed(torch.autograd.Function):
+    """A public fla op's forward and backward, each inside ``chunk_tables``: the op's own autograd
+    graph is built in the forward and differentiated in the backward (nothing is recomputed)."""
 
     @staticmethod
-    @input_guard  # pyrefly: ignore[bad-argument-type]
-    @autocast_custom_fwd
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                cu_seqlens_cpu, chunk_indices, chunk_offsets):  # fmt: skip
-        o, final_state, g_cumsum, Aqk, Akk, *_ = chunk_kda_fwd(
-            q=q,
-            k=k,
-            v=v,
-            g=g,
-            beta=beta,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu,
-            chunk_indices=chunk_indices,
-            chunk_offsets=chunk_offsets,
-            chunk_size=FLA_CHUNK_SIZE,
-        )
-        ctx.save_for_backward(q, k, v, g_cumsum, g, beta, Aqk, Akk, initial_state, cu_seqlens,
-                              chunk_indices, chunk_offsets)  # fmt: skip
-        ctx.scale = scale
-        return o.type_as(q), final_state
+    def forward(ctx, fn, tables, nargs, names, options, *tensors):  # pyrefly: ignore[bad-override]
+        leaves = [
+            x.detach().requires_grad_() if isinstance(x, Tensor) and x.requires_grad else x
+            for x in tensors
+        ]
+        with torch.enable_grad(), chunk_tables(*tables):
+            outs = fn(*leaves[:nargs], **options, **dict(zip(names, leaves[nargs:])))
+        ctx.graph, ctx.tables = (outs, leaves), tables
+        return tuple(o.detach() if o is not None else None for o in outs)
 
     @staticmethod
-    @input_guard  # pyrefly: ignore[bad-argument-type]
-    @autocast_custom_bwd
-    def backward(ctx, do, dht):  # pyrefly: ignore[bad-override]
-        q, k, v, g_cumsum, g, beta, Aqk, Akk, h0, cu, ci, co = ctx.saved_tensors
-        # Explicit, not left to input_guard: chunk_kda_bwd assumes contiguous rows, and the
-        # cotangents can be expanded views (a reduction's backward). A no-op when contiguous.
-        q, k, v, g_cumsum, beta, Aqk, Akk, h0, do, dht = contiguous(
-            q, k, v, g_cumsum, beta, Aqk, Akk, h0, do, dht
-        )
-        dq, dk, dv, db, dg, dh0, _, _ = chunk_kda_bwd(
-            q=q,
-            k=k,
-            v=v,
-            beta=beta,
-            Aqk=Aqk,
-            Akk=Akk,
-            scale=ctx.scale,
-            initial_state=h0,
-            do=do,
-            dht=dht,
-            g=g_cumsum,
-            cu_seqlens=cu,
-            chunk_indices=ci,
-            chunk_offsets=co,
-            chunk_size=FLA_CHUNK_SIZE,
-        )
-        grads = (dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), None, dh0)  # pyrefly: ignore[missing-attribute]
-        return grads + (None,) * 5
+    def backward(ctx, *grads):  # pyrefly: ignore[bad-override]
+        outs, leaves = ctx.graph
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None
+                 and o.requires_grad]  # fmt: skip
+        wanted = [x for x in leaves if isinstance(x, Tensor) and x.requires_grad]
+        got = iter([None] * len(wanted))
+        if pairs and wanted:
+            with chunk_tables(*ctx.tables):
+                got = iter(torch.autograd.grad([o for o, _ in pairs], wanted,
+                                               [g for _, g in pairs], allow_unused=True))  # fmt: skip
+        dx = [next(got) if isinstance(x, Tensor) and x.requires_grad else None for x in leaves]
+        return None, None, None, None, None, *dx
 
 
-# Opaque to dynamo exactly like the public chunk_kda it stands in for.
+# Opaque to dynamo exactly like the public fla ops it calls.
 @torch.compiler.disable
+def indexed(
+    fn: Callable[..., tuple[Tensor, Tensor | None]],
+    *args: Tensor,
+    tables: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None],
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """``fn(*args, **kwargs)`` (a public fla chunk op returning ``(o, final_state)``) with its
+    forward and backward inside ``chunk_tables(*tables)``; ``tables`` is ``(cu_seqlens,
+    cu_seqlens_cpu, chunk_indices, chunk_offsets)`` and its offsets are passed on to ``fn``.
+    Gradients reach every tensor argument, positional or keyword, that requires them."""
+    kwargs = dict(kwargs, cu_seqlens=tables[0], cu_seqlens_cpu=tables[1])
+    names = [n for n, x in kwargs.items() if isinstance(x, Tensor)]
+    options = {n: x for n, x in kwargs.items() if n not in names}
+    tensors = (*args, *(kwargs[n] for n in names))
+    if not torch.is_grad_enabled() or not any(x.requires_grad for x in tensors):
+        with chunk_tables(*tables):
+            return fn(*args, **kwargs)
+    o, final = _Indexed.apply(fn, tables, len(args), names, options, *tensors)
+    return o, final
+
+
 def chunk_kda_indexed(
     q: Tensor,
     k: Tensor,
@@ -147,40 +320,25 @@ def chunk_kda_indexed(
     chunk_offsets: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``chunk_kda`` (pre-computed natural-log gate, post-sigmoid beta, normalised q/k) over
-    packed sequences with the caller's chunk table.
+    packed sequences with the caller's chunk tables: ``indexed(chunk_kda, ...)``, kept by name
+    for ``ops/delta_rule/fla_kernel.py``. Shapes as ``chunk_kda``."""
+    from fla.ops.kda import chunk_kda
 
-    Shapes as ``chunk_kda``: q, k ``[1,T,H,K]``; v ``[1,T,HV,V]``; g ``[1,T,HV,K]``; beta
-    ``[1,T,HV]``; initial_state float32 ``[N,HV,K,V]``; cu_seqlens ``[N+1]`` on q's device;
-    chunk_indices ``[NT,2]`` and chunk_offsets ``[N+1]`` (``routing.chunks`` with
-    ``FLA_CHUNK_SIZE``) on q's device. Returns ``(o [1,T,HV,V], final_state [N,HV,K,V] | None)``.
-    """
-    K = q.shape[-1]
-    if K > 256:
-        raise ValueError(f"fla's KDA kernels support head dim K <= 256, got K={K}")
-    if initial_state is not None and initial_state.dtype != torch.float32:
-        raise ValueError(f"initial_state must be float32 for fla, got {initial_state.dtype}")
-    # Contiguous before fla's forward (which saves them for chunk_kda_bwd); v is usually a
+    # Contiguous before fla's forward (which saves them for its backward); v is usually a
     # split view of the conv output.
     q, k, v, g, beta, initial_state = contiguous(q, k, v, g, beta, initial_state)
-    return _ChunkKDAIndexed.apply(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        K**-0.5 if scale is None else scale,
-        initial_state,
-        output_final_state,
-        cu_seqlens,
-        cu_seqlens_cpu,
-        chunk_indices,
-        chunk_offsets,
-    )
+    return indexed(
+        chunk_kda, q, k, v, g, beta, tables=(cu_seqlens, cu_seqlens_cpu, chunk_indices,
+        chunk_offsets), scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- delta-rule summaries
-_fwd_h: Any = chunk_gated_delta_rule_fwd_h
-_bwd_dhu: Any = chunk_gated_delta_rule_bwd_dhu
+# fla's bare ``@dispatch`` decorator hides these functions' signatures from type checkers.
+_delta_fwd_h: Any = chunk_gated_delta_rule_fwd_h
+_delta_bwd_dhu: Any = chunk_gated_delta_rule_bwd_dhu
+_chunk_local_cumsum: Any = chunk_local_cumsum
 
 
 class _DeltaRuleSummaries(torch.autograd.Function):
@@ -217,7 +375,7 @@ class _DeltaRuleSummaries(torch.autograd.Function):
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         h0 = torch.zeros(N, HV, K, V + K, dtype=torch.float32, device=k.device)
         h0[..., V:] = torch.eye(K, dtype=torch.float32, device=k.device)
-        _, _, final = _fwd_h(
+        _, _, final = _delta_fwd_h(
             k=kh, w=w, u=torch.cat([u, u.new_zeros(*u.shape[:3], K)], -1), **gate,
             initial_state=h0, output_final_state=True, save_new_value=False, chunk_size=C,
             chunk_offsets=chunk_offsets, **idx,
@@ -238,12 +396,12 @@ class _DeltaRuleSummaries(torch.autograd.Function):
         gate = dict(gk=g_cs) if ctx.kind == "kda" else dict(g=g_cs)
         h_in = ctx.entry().float().contiguous()  # [N, HV, K, V], held fixed
         dht = dS[..., :V].float().contiguous()  # D
-        h, v_new, _ = _fwd_h(
+        h, v_new, _ = _delta_fwd_h(
             k=kh, w=w, u=u, **gate, initial_state=h_in, output_final_state=False, chunk_size=C,
             chunk_offsets=co, **idx,
         )  # fmt: skip
         do = torch.zeros_like(v)  # no output
-        dh, _, dv = _bwd_dhu(
+        dh, _, dv = _delta_bwd_dhu(
             q=kh, k=kh, w=w, do=do, dv=torch.zeros_like(u), **gate, h0=h_in, dht=dht,
             scale=scale, chunk_size=C, chunk_offsets=co, **idx,
         )  # fmt: skip
@@ -311,222 +469,3 @@ def delta_rule_summaries_indexed(
         q, k, v, g, beta, kind, K**-0.5 if scale is None else scale, entry, cu_seqlens,
         chunk_indices, chunk_offsets,
     )  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- simple GLA (SSD)
-# fla's bare ``@dispatch`` decorator hides these functions' signatures from type checkers.
-_chunk_local_cumsum: Any = chunk_local_cumsum
-_chunk_bwd_dv: Any = chunk_bwd_dv
-
-
-def _state_split(
-    k: Tensor, cu_seqlens: Tensor | None, chunk_indices: Tensor | None, chunk_offsets: Tensor | None
-) -> tuple[int, int, Tensor | None]:
-    """(N sequences, NT chunks, chunk offsets) as fla's ``chunk_fwd_h`` computes them, without
-    its ``.item()``: NT is the row count of the caller's chunk table (cut to the real chunks from
-    the host offsets), the offsets the caller's or fla's own device computation (no host read)."""
-    B, T = k.shape[:2]
-    if cu_seqlens is None:
-        return B, triton.cdiv(T, FLA_CHUNK_SIZE), None
-    if chunk_indices is None:
-        raise ValueError("simple GLA over cu_seqlens needs chunk_indices (routing.chunks)")
-    if chunk_offsets is None:
-        chunk_offsets = prepare_chunk_offsets(cu_seqlens, FLA_CHUNK_SIZE)
-    return cu_seqlens.shape[0] - 1, chunk_indices.shape[0], chunk_offsets
-
-
-def _chunk_states(
-    k: Tensor,
-    v: Tensor,
-    g_cumsum: Tensor,
-    h0: Tensor | None,
-    output_final_state: bool,
-    split: tuple[int, int, Tensor | None],
-    cu_seqlens: Tensor | None,
-    states_in_fp32: bool,
-) -> tuple[Tensor, Tensor | None]:
-    """fla's ``chunk_fwd_h`` (scalar gate, ``[K, V]`` states): the state entering every chunk
-    ``[B, NT, H, K, V]`` and the final states ``[N, H, K, V]`` float32 (or None)."""
-    B, T, H, K, V = *k.shape, v.shape[-1]
-    N, NT, offsets = split
-    h = k.new_empty(B, NT, H, K, V, dtype=torch.float if states_in_fp32 else k.dtype)
-    ht = k.new_empty(N, H, K, V, dtype=torch.float) if output_final_state else None
-
-    def grid(meta):
-        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
-
-    # Looked up at the call (not imported by name), so patched kernel objects are seen.
-    chunk_h.chunk_fwd_kernel_h[grid](
-        k=k, v=v, h=h, g=g_cumsum, g_gamma=None, gk=None, gv=None, h0=h0, ht=ht,
-        cu_seqlens=cu_seqlens, split_offsets=offsets, T=T, H=H, K=K, V=V, BT=FLA_CHUNK_SIZE,
-        BS=FLA_CHUNK_SIZE, USE_G=True, USE_G_GAMMA=False, USE_GK=False, USE_GV=False,
-        STATE_V_FIRST=False,
-    )  # fmt: skip
-    return h, ht
-
-
-def _chunk_state_grads(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g_cumsum: Tensor,
-    h0: Tensor | None,
-    do: Tensor,
-    dht: Tensor | None,
-    scale: float,
-    split: tuple[int, int, Tensor | None],
-    cu_seqlens: Tensor | None,
-) -> tuple[Tensor, Tensor | None]:
-    """fla's ``chunk_bwd_dh`` (scalar gate, float32 states): the state gradient of every chunk
-    ``[B, NT, H, K, V]`` and ``dh0 [N, H, K, V]`` float32 (None without h0)."""
-    B, T, H, K, V = *k.shape, v.shape[-1]
-    N, NT, offsets = split
-    dh = k.new_empty(B, NT, H, K, V, dtype=torch.float)
-    dh0 = torch.empty_like(h0, dtype=torch.float) if h0 is not None else None
-
-    def grid(meta):
-        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
-
-    chunk_h.chunk_bwd_kernel_dh[grid](
-        q=q, g=g_cumsum, g_gamma=None, gk=None, gv=None, do=do, dh=dh, dht=dht, dh0=dh0,
-        cu_seqlens=cu_seqlens, split_offsets=offsets, scale=scale, T=T, HQ=H, H=H, K=K, V=V,
-        BT=FLA_CHUNK_SIZE, BS=FLA_CHUNK_SIZE, NG=1, USE_G=True, USE_G_GAMMA=False, USE_GK=False,
-        USE_GV=False, STATE_V_FIRST=False,
-    )  # fmt: skip
-    return dh, dh0
-
-
-def simple_gla_fwd_indexed(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    *,
-    scale: float,
-    initial_state: Tensor | None,
-    output_final_state: bool,
-    cu_seqlens: Tensor | None,
-    chunk_indices: Tensor | None,
-    chunk_offsets: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """``chunk_simple_gla``'s forward for contiguous inputs: ``(o [1,T,H,V] in v's dtype,
-    final [N,H,K,V] float32 | None, g_cumsum [1,T,H] float32)``; g_cumsum (the chunk-local
-    cumulative gate in log2 units) is what :func:`simple_gla_bwd_indexed` reads."""
-    ci = chunk_indices if cu_seqlens is not None else None
-    split = _state_split(k, cu_seqlens, ci, chunk_offsets)
-    # fla pre-scales the gate by 1/ln 2 so its kernels use exp2.
-    g_cumsum = _chunk_local_cumsum(
-        g, chunk_size=FLA_CHUNK_SIZE, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=ci
-    )
-    h, ht = _chunk_states(k, v, g_cumsum, initial_state, output_final_state, split, cu_seqlens,
-                          states_in_fp32=False)  # fmt: skip
-    o = chunk_fwd_o(
-        q=q, k=k, v=v, h=h, g=g_cumsum, scale=scale, cu_seqlens=cu_seqlens,
-        chunk_size=FLA_CHUNK_SIZE, chunk_indices=ci,
-    )  # fmt: skip
-    return o, ht, g_cumsum
-
-
-def simple_gla_bwd_indexed(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g_cumsum: Tensor,
-    do: Tensor,
-    dht: Tensor | None,
-    *,
-    scale: float,
-    initial_state: Tensor | None,
-    cu_seqlens: Tensor | None,
-    chunk_indices: Tensor | None,
-    chunk_offsets: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """``chunk_simple_gla``'s backward for contiguous inputs: ``(dq, dk, dv, dg float32,
-    dh0 float32 | None)``, dg the gradient of the forward's (natural-log) ``g``."""
-    ci = chunk_indices if cu_seqlens is not None else None
-    split = _state_split(k, cu_seqlens, ci, chunk_offsets)
-    h, _ = _chunk_states(k, v, g_cumsum, initial_state, False, split, cu_seqlens,
-                         states_in_fp32=True)  # fmt: skip
-    dh, dh0 = _chunk_state_grads(q, k, v, g_cumsum, initial_state, do, dht, scale, split,
-                                 cu_seqlens)  # fmt: skip
-    common: dict[str, Any] = dict(
-        g=g_cumsum, do=do, dh=dh, scale=scale, cu_seqlens=cu_seqlens,
-        chunk_size=FLA_CHUNK_SIZE, chunk_indices=ci,
-    )  # fmt: skip
-    dq, dk, _, dg = chunk_bwd_dqkwg(q=q, k=k, v=v, h=h, **common)
-    dv = _chunk_bwd_dv(q=q, k=k, **common)
-    dg = _chunk_local_cumsum(
-        dg, chunk_size=FLA_CHUNK_SIZE, reverse=True, cu_seqlens=cu_seqlens, chunk_indices=ci
-    )
-    return dq, dk, dv, dg, dh0
-
-
-class _ChunkSimpleGLAIndexed(torch.autograd.Function):
-    # Saved set and gradient dtypes follow fla's ChunkSimpleGLAFunction for our options.
-
-    @staticmethod
-    @input_guard  # pyrefly: ignore[bad-argument-type]
-    @autocast_custom_fwd
-    def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
-                chunk_indices, chunk_offsets):  # fmt: skip
-        o, final, g_cumsum = simple_gla_fwd_indexed(
-            q, k, v, g, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, g_cumsum, initial_state, cu_seqlens, chunk_indices,
-                              chunk_offsets)  # fmt: skip
-        ctx.scale, ctx.g_dtype = scale, g.dtype
-        return o.to(q.dtype), final
-
-    @staticmethod
-    @input_guard  # pyrefly: ignore[bad-argument-type]
-    @autocast_custom_bwd
-    def backward(ctx, do, dht):  # pyrefly: ignore[bad-override]
-        q, k, v, g_cumsum, h0, cu, ci, co = ctx.saved_tensors
-        dq, dk, dv, dg, dh0 = simple_gla_bwd_indexed(
-            q, k, v, g_cumsum, do, dht, scale=ctx.scale, initial_state=h0, cu_seqlens=cu,
-            chunk_indices=ci, chunk_offsets=co,
-        )  # fmt: skip
-        grads = (dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), None, dh0)
-        return grads + (None,) * 4
-
-
-# Opaque to dynamo exactly like the public chunk_simple_gla it stands in for.
-@torch.compiler.disable
-def chunk_simple_gla_indexed(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    *,
-    scale: float | None,
-    initial_state: Tensor | None,
-    output_final_state: bool,
-    cu_seqlens: Tensor,
-    chunk_indices: Tensor,
-    chunk_offsets: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """``chunk_simple_gla`` (head-wise natural-log gate ``g``) over packed sequences with the
-    caller's chunk tables.
-
-    Shapes as ``chunk_simple_gla``: q, k ``[1,T,H,K]``; v ``[1,T,H,V]``; g ``[1,T,H]``;
-    initial_state float32 ``[N,H,K,V]``; cu_seqlens ``[N+1]`` on q's device; chunk_indices
-    exactly ``[NT,2]`` (cut with ``common.fla.chunk_table``) and chunk_offsets ``[N+1]`` (or
-    None: derived on the device) with ``FLA_CHUNK_SIZE``, on q's device. Returns
-    ``(o [1,T,H,V], final_state [N,H,K,V] | None)``.
-    """
-    if initial_state is not None and initial_state.dtype != torch.float32:
-        raise ValueError(f"initial_state must be float32 for fla, got {initial_state.dtype}")
-    return _ChunkSimpleGLAIndexed.apply(
-        q,
-        k,
-        v,
-        g,
-        q.shape[-1] ** -0.5 if scale is None else scale,
-        initial_state,
-        output_final_state,
-        cu_seqlens,
-        chunk_indices,
-        chunk_offsets,
-    )

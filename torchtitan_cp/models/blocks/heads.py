@@ -50,9 +50,15 @@ class HeadsMixer(Module):
     @classmethod
     def from_model(cls, cfg: Any, layer_id: int, backend: Backend) -> HeadsMixer.Config:
         """The mixer of layer ``layer_id`` of a ``HybridDecoder.Config`` ``cfg``, on the
-        registry's ``backend``."""
+        registry's ``backend``. A field the mixer's ``Config`` adds takes the decoder field of
+        the same name where the decoder has one (``rope_theta``), else keeps its default (the
+        mixer's own constant)."""
         own = {f.name for f in dataclasses.fields(HeadsMixer.Config)} | set(cls.variant_fields)
-        added = [f.name for f in dataclasses.fields(cls.Config) if f.name not in own]
+        added = [
+            f.name
+            for f in dataclasses.fields(cls.Config)
+            if f.name not in own and hasattr(cfg, f.name)
+        ]
         return cls.Config(
             dim=cfg.dim, n_heads=cfg.n_heads, head_dim=cfg.head_dim,
             value_head_dim=cfg.value_head_dim, norm_eps=cfg.norm_eps, layer_id=layer_id,

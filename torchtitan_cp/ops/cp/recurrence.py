@@ -152,6 +152,7 @@ RECURRENCES: dict[str, tuple[str, dict[str, str]]] = {
     "kda": ("torchtitan_cp.ops.delta_rule.recurrence:DeltaRule", {"kind": "kda"}),
     "gdn": ("torchtitan_cp.ops.delta_rule.recurrence:DeltaRule", {"kind": "gdn"}),
     "ssd": ("torchtitan_cp.ops.ssd.recurrence:SSD", {}),
+    "gla": ("torchtitan_cp.ops.ssd.recurrence:SSD", {"gate": "key"}),  # a gate per key
 }
 
 

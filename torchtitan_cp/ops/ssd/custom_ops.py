@@ -5,9 +5,9 @@ op (namespace ``torchtitan_cp``)            backward
 ==========================================  ==============================================
 ``ssd_torch`` (PyTorch)                     ``ssd_torch_bwd``: re-runs the forward under
                                             autograd (costs one extra forward)
-``ssd_fla`` (fla-core's simple GLA, CUDA)   ``ssd_fla_bwd``: fla's own simple-GLA backward
-                                            (``fla_compat.simple_gla_bwd_indexed``) on the
-                                            cumulative gate the forward returned
+``ssd_fla`` (fla-core's simple GLA or GLA,  ``ssd_fla_bwd``: fla's own backward on the
+CUDA)                                       cumulative gate the forward returned (GLA's
+                                            intra-chunk scores recomputed, one kernel)
 ==========================================  ==============================================
 
 The fla ops hand fla's internal functions contiguous tensors only (``common.fla.contiguous``)
@@ -15,20 +15,24 @@ and return only memory fla wrote (tests/test_fla_interpreter.py checks both on C
 opcheck and compiled against eager).
 
 Shapes and conventions are those of ``ops.ssd.local`` (docs/CONTRACTS.md), except that the fla
-ops take q/k already repeated to the value heads (simple GLA has one q/k head per value head;
-the repeat stays in the traced graph, so autograd sums its gradient) and a float32 gate.
+ops take q/k already repeated to the value heads (fla's GLA has one q/k head per value head;
+the repeat stays in the traced graph, so autograd sums its gradient) and a float32 gate. The fla
+ops call fla's forward and backward pieces inside ``fla_compat.chunk_tables`` (the routing's
+chunk tables, no host sync), with fla's chunk size ``FLA_CHUNK_SIZE``.
 """
 
 from __future__ import annotations
 
+import importlib
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..common import custom_ops as shared
 from ..common.custom_ops import NS, num_seqs
-from ..common.fla import chunk_table, contiguous, fla_chunk_indices
+from ..common.fla import FLA_CHUNK_SIZE, chunk_table, contiguous, fla_chunk_indices
 from .torch_kernel import chunk_ssd_torch
 
 __all__ = ["ssd_fla_op", "ssd_torch_op"]
@@ -93,6 +97,13 @@ shared.register_recompute_autograd(ssd_torch_op, ssd_torch_bwd_op, num_options=1
 # ----------------------------------------------------------------------------- SSD, fla
 
 
+def _fla(name: str) -> Any:
+    """fla-core 0.6.0's ``fla.ops.<module>:<function>``, imported at the call (fla loads Triton);
+    typed Any: fla's decorators hide its internal functions' signatures."""
+    module, function = name.split(":")
+    return getattr(importlib.import_module(f"fla.ops.{module}"), function)
+
+
 def _tables(
     cu_seqlens: Tensor | None,
     cu_seqlens_cpu: Tensor | None,
@@ -123,19 +134,27 @@ def ssd_fla_op(
     scale: float,
     output_final_state: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """fla-core's simple-GLA forward (``fla_compat.simple_gla_fwd_indexed``) on q, k, v
-    ``[1,T,HV,·]`` and a float32 gate ``[1,T,HV]``. Returns ``(o, final_state, g_cumsum)``: the
-    output in q's dtype, the float32 final states ``[N,HV,K,V]`` (``[0]`` when not requested)
-    and the chunk-local cumulative gate fla's backward reads instead of recomputing."""
-    from ..fla_compat import simple_gla_fwd_indexed
+    """fla-core's simple-GLA (g ``[1,T,HV]``) or GLA (g ``[1,T,HV,K]``) forward on q, k, v
+    ``[1,T,HV,·]`` and a float32 gate. Returns ``(o, final_state, g_cumsum)``: the output in
+    q's dtype, the float32 final states ``[N,HV,K,V]`` (``[0]`` when not requested) and the
+    chunk-local cumulative gate fla's backward reads instead of recomputing. (GLA's
+    intra-chunk scores are not returned: fla writes only their causal part, and an op output
+    must be fully written; the backward recomputes them.)"""
+    from fla.ops.utils.constant import RCP_LN2
+
+    from ..fla_compat import chunk_tables
 
     q, k, v, g, initial_state = contiguous(q, k, v, g, initial_state)
     ci, co = _tables(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets, q.shape[1])
-    o, final, g_cum = simple_gla_fwd_indexed(
-        q, k, v, g, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=ci,
-        chunk_offsets=co,
-    )  # fmt: skip
+    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+              cu_seqlens=cu_seqlens, chunk_size=FLA_CHUNK_SIZE, chunk_indices=ci)  # fmt: skip
+    with chunk_tables(cu_seqlens, cu_seqlens_cpu, ci, co):
+        if g.dim() == 4:
+            g_cum, _, _, final, o = _fla("gla.chunk:chunk_gla_fwd")(q, k, v, g, None, **kw)
+        else:  # fla pre-scales the gate by 1/ln 2 so its kernels use exp2
+            g_cum = _fla("utils:chunk_local_cumsum")(g, chunk_size=FLA_CHUNK_SIZE, scale=RCP_LN2,
+                                                     cu_seqlens=cu_seqlens, chunk_indices=ci)  # fmt: skip
+            o, final = _fla("simple_gla.chunk:chunk_simple_gla_fwd")(q, k, v, g_cum, **kw)
     if final is None:
         final = q.new_empty(0, dtype=torch.float32)
     return o.to(q.dtype), final, g_cum
@@ -167,18 +186,27 @@ def ssd_fla_bwd_op(
     dfinal: Tensor | None,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fla-core's own simple-GLA backward: ``(dq, dk, dv, dg, dh0)``, dg float32 for the
+    """fla-core's own simple-GLA or GLA backward: ``(dq, dk, dv, dg, dh0)``, dg float32 for the
     forward's gate, dh0 ``[0]`` without an initial state."""
-    from ..fla_compat import simple_gla_bwd_indexed
+    from ..fla_compat import chunk_tables
 
     ci, co = _tables(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets, q.shape[1])
     q, k, v, g_cumsum, initial_state, do, dfinal = contiguous(
         q, k, v, g_cumsum, initial_state, do, dfinal
     )
-    dq, dk, dv, dg, dh0 = simple_gla_bwd_indexed(
-        q, k, v, g_cumsum, do, dfinal, scale=scale, initial_state=initial_state,
-        cu_seqlens=cu_seqlens, chunk_indices=ci, chunk_offsets=co,
-    )  # fmt: skip
+    kw = dict(cu_seqlens=cu_seqlens, chunk_size=FLA_CHUNK_SIZE, chunk_indices=ci)
+    with chunk_tables(cu_seqlens, cu_seqlens_cpu, ci, co):
+        if g_cumsum.dim() == 4:
+            A = _fla("gla.chunk:chunk_gla_fwd_intra_gk")(q, k, g_cumsum, scale, **kw)
+            dq, dk, dv, dg, dh0 = _fla("gla.chunk:chunk_gla_bwd")(
+                q, k, v, None, g_cumsum, scale, initial_state, None, A, do, dfinal, **kw
+            )
+        else:
+            dq, dk, dv, dg, dh0 = _fla("simple_gla.chunk:chunk_simple_gla_bwd")(
+                q, k, v, g_cumsum, None, initial_state, do, dfinal, scale, **kw
+            )
+            dg = _fla("utils:chunk_local_cumsum")(dg, chunk_size=FLA_CHUNK_SIZE, reverse=True,
+                                                  cu_seqlens=cu_seqlens, chunk_indices=ci)  # fmt: skip
     if dh0 is None or initial_state is None:
         dh0 = q.new_empty(0, dtype=torch.float32)
     else:
@@ -187,8 +215,8 @@ def ssd_fla_bwd_op(
 
 
 @ssd_fla_bwd_op.register_fake
-def _(q, k, v, g_cumsum, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets,
-      do, dfinal, scale):  # fmt: skip
+def _(q, k, v, g_cumsum, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+      chunk_offsets, do, dfinal, scale):  # fmt: skip
     dh0 = (
         initial_state.new_empty(initial_state.shape)
         if initial_state is not None

@@ -37,7 +37,8 @@ def chunk_ssd(
 
     Args:
         q, k: ``[1, T, H, K]`` (Mamba2's C and B, H groups); v: ``[1, T, HV, V]``, HV a
-            multiple of H; g: natural-log decay ≤ 0, ``[1, T, HV]``.
+            multiple of H; g: natural-log decay ≤ 0, ``[1, T, HV]`` (a gate per head: Mamba2,
+            simple GLA) or ``[1, T, HV, K]`` (per head and key: FLA's GLA).
         scale: query scale, default ``K ** -0.5`` (Mamba2 uses 1.0).
         initial_state: ``[N, HV, K, V]``, one per sequence (zeros when None).
         cu_seqlens / cu_seqlens_cpu: ``[N+1]`` offsets on the device / host.
@@ -49,8 +50,9 @@ def chunk_ssd(
     Returns:
         ``(o [1, T, HV, V], final_state [N, HV, K, V] float32/float64 or None)``.
     """
+    gate = TokenInput(g, ("HV", "K") if g.dim() == 4 else ("HV",), " (per head or per key)")
     call = checks.check_local(
-        q, k, v, {"g": TokenInput(g, ("HV",))}, initial_state, cu_seqlens, cu_seqlens_cpu, backend
+        q, k, v, {"g": gate}, initial_state, cu_seqlens, cu_seqlens_cpu, backend
     )
     if torch.compiler.is_compiling():
         # While dynamo traces, the kernel runs as the custom ops of ``ssd.custom_ops`` (opaque

@@ -10,17 +10,21 @@ Mamba2/SSD kernel (its ``fla.layers.mamba2`` calls the external mamba_ssm kernel
 A fixed decay per head (RetNet's retention, ``models/mixers/retention.py``) is the same
 recurrence with ``SSD.fixed_decay`` set: the gate is that constant at every token, so the torch
 kernel, fla's ``chunk_simple_gla`` (fla-core's own ``chunk_retention`` is ``chunk_simple_gla``
-with a constant ``g_gamma``) and the summaries serve it unchanged.
+with a constant ``g_gamma``) and the summaries serve it unchanged. A gate per head and key
+(FLA's GLA, ``SSD(gate="key")``, registered as ``"gla"``) is the same recurrence with
+``exp(g_t)`` a diagonal ``[K]`` scaling the state's rows: the torch kernel takes either shape,
+fla's path is ``chunk_gla``, and the summary's decay is ``[HV, K]``.
 
 Summary algebra: the transition is diagonal, ``S_out = exp(a) S_in + E`` with one log decay
-``a`` per head, stored as ``[HV, K*V + 1] = [E | a]``; all-gathered per slot that is
-``HV (K V + 1)`` numbers against the delta rule's ``HV K (V + K)``.
+``a`` per head (per head and key: ``[HV, K]``), stored as ``[HV, K*V + 1] = [E | a]``
+(``[HV, K*V + K]``); all-gathered per slot that is ``HV (K V + 1)`` numbers (``HV K (V + 1)``)
+against the delta rule's ``HV K (V + K)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -45,21 +49,28 @@ __all__ = ["SSD", "context_parallel_ssd"]
 @dataclass(frozen=True)
 class SSD:
     """Mamba2's SSD as a ``Recurrence``; inputs ``(q, k, v, g)`` as for ``chunk_ssd``, or
-    ``(q, k, v)`` with a ``fixed_decay``."""
+    ``(q, k, v)`` with a ``fixed_decay``. ``gate``: ``"head"`` (g ``[1, T, HV]``) or ``"key"``
+    (g ``[1, T, HV, K]``, FLA's GLA)."""
 
     scale: float | None = None
     backend: Backend = "auto"
     fixed_decay: Callable[[int, Tensor], Tensor] | None = None
     """A decay per head instead of the gate input (RetNet's retention): ``fixed_decay(HV, v)``
-    is the natural-log decay ``[HV]`` of every token, on v's device in ``compute_dtype``."""
+    is the natural-log decay ``[HV]`` (``[HV, K]`` with ``gate="key"``) of every token, on v's
+    device in ``compute_dtype``."""
+    gate: Literal["head", "key"] = "head"
 
     def gated(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """``(q, k, v, g)``: the inputs, the fixed decay broadcast to every token as the gate."""
         if self.fixed_decay is None:
+            if (inputs[3].dim() == 4) != (self.gate == "key"):
+                raise ValueError(
+                    f"SSD(gate={self.gate!r}) got a gate of shape {list(inputs[3].shape)}"
+                )
             return inputs
         q, k, v = inputs
-        T, HV = v.shape[1], v.shape[2]
-        g = self.fixed_decay(HV, v).view(1, 1, HV).expand(1, T, HV)
+        d = self.fixed_decay(v.shape[2], v)
+        g = d.view(1, 1, *d.shape).expand(1, v.shape[1], *d.shape)
         return q, k, v, g.contiguous()  # fla's kernels read the gate densely
 
     def state_shape(self, inputs: tuple[Tensor, ...]) -> tuple[int, int, int]:
@@ -84,7 +95,8 @@ class SSD:
 
     def identity(self, state_shape: tuple[int, int, int], dtype, device) -> Tensor:
         HV, K, V = state_shape
-        return torch.zeros(1, HV, K * V + 1, dtype=dtype, device=device)  # E = 0, a = 0
+        width = K * V + (K if self.gate == "key" else 1)
+        return torch.zeros(1, HV, width, dtype=dtype, device=device)  # E = 0, a = 0
 
     def summarize(self, prepared: TokenPrepared, rows: SummaryRows) -> Tensor:
         tables = rows.tables
@@ -106,15 +118,16 @@ class SSD:
         assert E is not None
         # Log decay of every sequence: differences of a float64 prefix sum at the offsets
         # (a device gather, no host read; float64 so long ranges lose no precision).
-        cs = torch.cat([g.new_zeros(1, 1, g.shape[2], dtype=torch.float64),
+        cs = torch.cat([g.new_zeros(1, 1, *g.shape[2:], dtype=torch.float64),
                         g.double().cumsum(1)], 1)[0]  # fmt: skip
         cu = tables.cu_seqlens.to(device=g.device, dtype=torch.int64)
-        a = (cs.index_select(0, cu[1:]) - cs.index_select(0, cu[:-1])).to(dt)  # [N, HV]
-        return torch.cat([E.to(dt).flatten(-2), a.unsqueeze(-1)], -1)
+        a = (cs.index_select(0, cu[1:]) - cs.index_select(0, cu[:-1])).to(dt)  # [N, HV(, K)]
+        return torch.cat([E.to(dt).flatten(-2), a.reshape(*a.shape[:2], -1)], -1)
 
     def apply(self, summary: Tensor, state: Tensor) -> Tensor:
-        E = summary[..., :-1].unflatten(-1, state.shape[-2:])
-        return torch.exp(summary[..., -1])[..., None, None] * state + E
+        KV = state.shape[-2] * state.shape[-1]
+        E = summary[..., :KV].unflatten(-1, state.shape[-2:])
+        return torch.exp(summary[..., KV:])[..., None] * state + E  # a: [.., 1 or K, 1]
 
 
 def context_parallel_ssd(
@@ -132,7 +145,7 @@ def context_parallel_ssd(
     """SSD on this rank's span (shapes as ``chunk_ssd``), continuing documents across fragments
     and ranks; returns as ``context_parallel_recurrence``."""
     return context_parallel_recurrence(
-        SSD(scale=scale, backend=backend),
+        SSD(scale=scale, backend=backend, gate="key" if g.dim() == 4 else "head"),
         (q, k, v, g),
         routing=routing,
         group=group,
