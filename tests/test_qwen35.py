@@ -175,6 +175,19 @@ def test_recipe_selects_qwen35_from_model_name():
     assert big.dim == 1024 and len(big.layers) == 24
 
 
+def test_moe_specs_register_torchtitan_load_balancing_hook():
+    # Upstream's Qwen3.5 spec trains the MoE routers' expert bias with this optimizer pre-hook;
+    # the recipe's specs (Qwen3.5 and Kimi Linear) must keep it, or the bias never moves.
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+    from torchtitan.models.qwen3_5 import model_registry
+
+    upstream = model_registry("debugmodel_moe").post_optimizer_build_fn
+    assert upstream is register_moe_load_balancing_hook
+    for recipe in (ModelRecipe(name="qwen3_5", flavor="debugmodel_moe"),
+                   ModelRecipe(name="kimi_linear", flavor="debug")):  # fmt: skip
+        assert recipe_model_spec(recipe).post_optimizer_build_fn is upstream, recipe.name
+
+
 @pytest.mark.parametrize(
     "recipe, message",
     [
