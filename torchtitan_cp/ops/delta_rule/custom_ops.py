@@ -29,9 +29,15 @@ from torch import Tensor
 from ..common import custom_ops as shared
 from ..common.custom_ops import NS, num_seqs
 from ..common.fla import FLA_CHUNK_SIZE, contiguous, fla_chunk_indices
-from .torch_kernel import chunk_delta_rule_torch
+from ..common.dtypes import compute_dtype
+from .torch_kernel import chunk_delta_rule_torch, summaries_delta_rule_torch
 
-__all__ = ["delta_rule_fla_op", "delta_rule_torch_op"]
+__all__ = [
+    "delta_rule_fla_op",
+    "delta_rule_summaries_fla_op",
+    "delta_rule_summaries_torch_op",
+    "delta_rule_torch_op",
+]
 
 # ----------------------------------------------------------------------------- delta rule, torch
 
@@ -95,6 +101,85 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens_cpu, do, dfinal, kind, scale):
 
 # kind, scale
 shared.register_recompute_autograd(delta_rule_torch_op, delta_rule_torch_bwd_op, num_options=2)
+
+
+# ------------------------------------------------------------------- CP summaries, torch
+# The delta rule's CP summaries under torch.compile (``DeltaRule.summarize``): the states-only
+# pass, not the local kernel at value width V + K with its output discarded.
+
+
+@torch.library.custom_op(f"{NS}::delta_rule_summaries_torch", mutates_args=())
+def delta_rule_summaries_torch_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens_cpu: Tensor | None,
+    kind: str,
+    scale: float,
+) -> Tensor:
+    """``summaries_delta_rule_torch``: ``[N, HV, K, V + K] = [E | M]`` of every packed sequence,
+    in the compute dtype (the chunk maps composed; no query scores, no outputs)."""
+    return summaries_delta_rule_torch(
+        q, k, v, g, beta, kind=kind, scale=scale, cu_seqlens_cpu=cu_seqlens_cpu
+    ).contiguous()
+
+
+def _summaries_fake(q: Tensor, v: Tensor, cu_seqlens: Tensor | None, dtype: torch.dtype) -> Tensor:
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    return q.new_empty(num_seqs(cu_seqlens), HV, K, V + K, dtype=dtype)
+
+
+@delta_rule_summaries_torch_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens_cpu, kind, scale):
+    return _summaries_fake(q, v, cu_seqlens_cpu, compute_dtype(q.dtype))
+
+
+@torch.library.custom_op(f"{NS}::delta_rule_summaries_torch_bwd", mutates_args=())
+def delta_rule_summaries_torch_bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens_cpu: Tensor | None,
+    dS: Tensor,
+    kind: str,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dg, dbeta)`` of the summaries for the full cotangent ``dS = [dE | dM]``: the
+    states-only pass re-run under autograd (dq is zeros: the summaries do not read q)."""
+    inputs = (q, k, v, g, beta)
+    leaves = [x.detach().requires_grad_(True) for x in inputs]
+    with shared.autograd_inside_op():
+        S = summaries_delta_rule_torch(
+            *leaves, kind=kind, scale=scale, cu_seqlens_cpu=cu_seqlens_cpu
+        )
+        grads = shared.input_grads([S], [dS], leaves)
+    return tuple(gr.to(x.dtype).contiguous() for gr, x in zip(grads, inputs))  # type: ignore[return-value]
+
+
+@delta_rule_summaries_torch_bwd_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens_cpu, dS, kind, scale):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
+
+
+def _setup_summaries_torch(ctx, inputs, output) -> None:
+    *tensors, kind, scale = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.kind, ctx.scale = kind, scale
+
+
+def _backward_summaries_torch(ctx, dS):
+    q, k, v, g, beta, cu_cpu = ctx.saved_tensors
+    grads = delta_rule_summaries_torch_bwd_op(q, k, v, g, beta, cu_cpu, dS, ctx.kind, ctx.scale)
+    return *grads, None, None, None
+
+
+delta_rule_summaries_torch_op.register_autograd(
+    _backward_summaries_torch, setup_context=_setup_summaries_torch
+)
 
 
 # ----------------------------------------------------------------------------- delta rule, fla
@@ -259,3 +344,96 @@ def _backward_delta_rule_fla(ctx, do, dfinal, *_):
 
 
 delta_rule_fla_op.register_autograd(_backward_delta_rule_fla, setup_context=_setup_delta_rule_fla)
+
+
+# --------------------------------------------------------------------- CP summaries, fla
+# The compiled path's states-only summaries on fla (``fla_compat.delta_rule_summaries_fwd``).
+# The eager path's backward reads the local kernel's entry states through a side channel (a
+# ``D [I | hᵀ]`` cotangent at value width V), which does not cross op boundaries; this op's
+# backward takes the full cotangent ``[dE | dM]`` (what the fold's traced backward gives) and
+# runs the state backward at width V + K from ``[0 | I]``. It recomputes the gate cumsum and
+# the WY preparation rather than returning them from the forward op.
+
+
+def _summaries_fla_args(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices):
+    q, k, v, g, beta = contiguous(q, k, v, g, beta)
+    return (q, k, v, g, beta), dict(
+        cu_seqlens=cu_seqlens,
+        chunk_indices=fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, q.shape[1]),
+    )
+
+
+@torch.library.custom_op(f"{NS}::delta_rule_summaries_fla", mutates_args=())
+def delta_rule_summaries_fla_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens: Tensor,
+    cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None,
+    kind: str,
+    scale: float,
+) -> Tensor:
+    """fla's states-only pass: ``[N, HV, K, V + K] = [E | M]`` float32 of every packed sequence
+    (gate cumsum, WY preparation, the state kernel; no output kernel)."""
+    from ..fla_compat import delta_rule_summaries_fwd
+
+    inputs, idx = _summaries_fla_args(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    final, _ = delta_rule_summaries_fwd(*inputs, kind=kind, scale=scale, **idx)
+    return final.contiguous()
+
+
+@delta_rule_summaries_fla_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices, kind, scale):
+    return _summaries_fake(q, v, cu_seqlens, torch.float32)
+
+
+@torch.library.custom_op(f"{NS}::delta_rule_summaries_fla_bwd", mutates_args=())
+def delta_rule_summaries_fla_bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens: Tensor,
+    cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None,
+    dS: Tensor,
+    kind: str,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dg, dbeta)`` for the full cotangent ``dS``: the WY preparation again, then
+    fla's state backward at value width V + K from ``[0 | I]`` (dq is zeros)."""
+    from ..fla_compat import delta_rule_summaries_bwd, delta_rule_summaries_fwd
+
+    inputs, idx = _summaries_fla_args(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    q, k, v, g, beta = inputs
+    _, saved = delta_rule_summaries_fwd(*inputs, kind=kind, scale=scale, **idx)
+    dk, dv, dg, db = delta_rule_summaries_bwd(
+        q, k, v, beta, saved, contiguous(dS)[0], kind=kind, scale=scale, entry=None, **idx
+    )
+    return (torch.zeros_like(q), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(),
+            dg.to(g.dtype).contiguous(), db.to(beta.dtype).contiguous())  # fmt: skip
+
+
+@delta_rule_summaries_fla_bwd_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices, dS, kind, scale):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
+
+
+def _setup_summaries_fla(ctx, inputs, output) -> None:
+    *tensors, kind, scale = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.kind, ctx.scale = kind, scale
+
+
+def _backward_summaries_fla(ctx, dS):
+    grads = delta_rule_summaries_fla_bwd_op(*ctx.saved_tensors, dS, ctx.kind, ctx.scale)
+    return *grads, None, None, None, None, None
+
+
+delta_rule_summaries_fla_op.register_autograd(
+    _backward_summaries_fla, setup_context=_setup_summaries_fla
+)
