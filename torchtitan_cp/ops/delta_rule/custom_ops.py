@@ -28,8 +28,8 @@ from torch import Tensor
 
 from ..common import custom_ops as shared
 from ..common.custom_ops import NS, num_seqs
-from ..common.fla import FLA_CHUNK_SIZE, contiguous, fla_chunk_indices
 from ..common.dtypes import compute_dtype
+from ..common.fla import FLA_CHUNK_SIZE, contiguous, fla_chunk_indices
 from .torch_kernel import chunk_delta_rule_torch, summaries_delta_rule_torch
 
 __all__ = [
