@@ -150,14 +150,21 @@ def delta_rule_summaries_torch_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dg, dbeta)`` of the summaries for the full cotangent ``dS = [dE | dM]``: the
     states-only pass re-run under autograd (dq is zeros: the summaries do not read q)."""
-    inputs = (q, k, v, g, beta)
+    return summaries_torch_grads((q, k, v, g, beta), cu_seqlens_cpu, dS, kind, scale)  # type: ignore[return-value]
+
+
+def summaries_torch_grads(
+    inputs: tuple[Tensor, ...], cu_seqlens_cpu: Tensor | None, dS: Tensor, kind: str, scale: float
+) -> tuple[Tensor, ...]:
+    """The body of ``delta_rule_summaries_torch_bwd`` (also what scripts/bench_cp_overhead.py
+    counts: a custom op is opaque to FlopCounterMode)."""
     leaves = [x.detach().requires_grad_(True) for x in inputs]
     with shared.autograd_inside_op():
         S = summaries_delta_rule_torch(
             *leaves, kind=kind, scale=scale, cu_seqlens_cpu=cu_seqlens_cpu
         )
         grads = shared.input_grads([S], [dS], leaves)
-    return tuple(gr.to(x.dtype).contiguous() for gr, x in zip(grads, inputs))  # type: ignore[return-value]
+    return tuple(gr.to(x.dtype).contiguous() for gr, x in zip(grads, inputs))
 
 
 @delta_rule_summaries_torch_bwd_op.register_fake
