@@ -45,6 +45,11 @@ whole span as a middle rank publishes it, before (fla's full ``chunk_kda`` /
 ``chunk_gated_delta_rule`` at value width V + K from ``[0 | I]``, outputs discarded) and now
 (``fla_kernel.summaries_fla``: fla's WY preparation and state kernel only), each backward with
 the cotangent the CP driver sends, ``D [I | hᵀ]``.
+
+``--compile-count`` counts the compiled path's summaries on the torch backend: what their custom
+ops run (forward op, then the backward op that recomputes it), before (the local kernel's op pair
+at value width V + K from ``[0 | I]``) and now (the states-only summaries op pair), against the
+local kernel on the same tokens (FlopCounterMode on the ops' bodies: it cannot see into an op).
 """
 
 from __future__ import annotations
@@ -557,15 +562,9 @@ def main() -> None:
     ap.add_argument("--compile-count", action="store_true",
                     help="count the compiled path's summaries (torch backend)")  # fmt: skip
     args = ap.parse_args()
-    if args.compile_count:
+    if args.compile_count or args.fla_count:
         kinds = [k for k in args.kinds if k != "ssd"]
-        rows = compile_count(kinds, args.dims, args.tokens)
-        if args.json:
-            args.json.write_text(json.dumps(rows, indent=1))
-        return
-    if args.fla_count:
-        kinds = [k for k in args.kinds if k != "ssd"]
-        rows = fla_count(kinds, args.dims, args.tokens)
+        rows = (compile_count if args.compile_count else fla_count)(kinds, args.dims, args.tokens)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
         return
