@@ -9,6 +9,10 @@
 * The local kernels compile with ``fullgraph=True`` and do not recompile when the document
   layout changes; the CP delta rule, SSD and conv history compile on 2 gloo ranks, match eager
   (outputs and gradients) and do not recompile across layouts with capped routing.
+* The compiled path's CP summaries op (delta rule, torch backend; states-only) equals the local
+  kernel's final states from ``[0 | I]`` and their gradients for a full cotangent and passes
+  opcheck; compiled KDA + GDN CP layers on 2 gloo ranks equal the unsharded eager layer (slow).
+  The fla summaries op: tests/test_fla_interpreter.py.
 * ``routing_caps`` bounds every layout of its load balancer; ``check_compile`` rejects
   unsupported combinations with a ConfigError before any process group exists.
 """

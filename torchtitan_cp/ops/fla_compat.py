@@ -19,7 +19,10 @@ of one public fla function for our call's options, with the chunk tables supplie
   kernel. Its backward is fla's state backward at value width ``V`` with the entry state the
   summary is applied to (``Recurrence.apply``): ``fwd_h``, ``bwd_dhu`` with a zero output
   cotangent, and the WY backward (``chunk_kda_bwd_wy_dqkg_fused`` + ``chunk_kda_bwd_intra`` /
-  ``chunk_bwd_dqkwg`` + ``prepare_wy_repr_bwd``); no ``dAv`` / ``dv_local``.
+  ``chunk_bwd_dqkwg`` + ``prepare_wy_repr_bwd``); no ``dAv`` / ``dv_local``. Its two halves,
+  :func:`delta_rule_summaries_fwd` / :func:`delta_rule_summaries_bwd`, are also the compiled
+  path's summaries custom op (``ops/delta_rule/custom_ops.py``), whose backward takes the full
+  cotangent (``entry=None``: width ``V + K`` from ``[0 | I]``).
 * :func:`chunk_simple_gla_indexed` (with :func:`simple_gla_fwd_indexed` /
   :func:`simple_gla_bwd_indexed`, which the SSD custom ops call). Reason:
   ``fla.ops.simple_gla.chunk_simple_gla`` 0.6.0 has no ``chunk_indices`` parameter either (the

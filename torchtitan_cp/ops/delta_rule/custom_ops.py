@@ -8,6 +8,11 @@ op (namespace ``torchtitan_cp``)            backward
 ``delta_rule_fla`` (fla-core, CUDA)         ``delta_rule_fla_bwd``: fla's own
                                             ``chunk_kda_bwd`` / ``chunk_gated_delta_rule_bwd``
                                             on the intermediates the forward returned
+``delta_rule_summaries_torch`` (CP          ``delta_rule_summaries_torch_bwd``: re-runs the
+summaries ``[E | M]``, states only)         states-only pass under autograd (full cotangent)
+``delta_rule_summaries_fla`` (CP            ``delta_rule_summaries_fla_bwd``: the WY preparation
+summaries, fla's states-only pieces)        again, fla's state backward at width V + K from
+                                            ``[0 | I]`` and the WY backward
 ==========================================  ==============================================
 
 The fla ops hand fla's internal functions contiguous tensors only (``common.fla.contiguous``:
