@@ -106,11 +106,11 @@ def test_summaries_torch_op_opcheck_and_matches_the_kernel(kind):
     """The compiled path's CP summaries op (states-only: the chunk maps composed) gives the
     local kernel's final states from ``[0 | I]`` with values ``[v | 0]`` and their gradients for
     a full cotangent ``[dE | dM]`` (float64, 1e-12), and passes opcheck (packed with an empty
-    sequence, one dense sequence, permuted inputs)."""
+    sequence, a padding row, one dense sequence, permuted inputs)."""
     from torchtitan_cp.ops.delta_rule.torch_kernel import chunk_delta_rule_torch
 
     q, k, v, g, beta, _ = _delta_inputs(kind, 3)
-    S = delta_ops.delta_rule_summaries_torch_op(q, k, v, g, beta, CU, kind, 0.4)
+    S = delta_ops.delta_rule_summaries_torch_op(q, k, v, g, beta, CU, None, kind, 0.4)
     entry = torch.zeros(3, HV, K, V + K, dtype=torch.float64)
     entry[..., V:] = torch.eye(K, dtype=torch.float64)
     vs = torch.cat([v, v.new_zeros(1, T, HV, K)], -1)
@@ -119,16 +119,28 @@ def test_summaries_torch_op_opcheck_and_matches_the_kernel(kind):
     assert fin is not None
     torch.testing.assert_close(S, fin, rtol=0, atol=1e-12)
     dS = torch.randn_like(S)
-    dq, *got = torch.autograd.grad(S, (q, k, v, g, beta), dS)
+    dq, *got = torch.autograd.grad(S, (q, k, v, g, beta), dS, retain_graph=True)
     assert not dq.any()  # the summaries do not read q
     for name, a, b in zip("kvgb", got, torch.autograd.grad(fin, (k, v, g, beta), dS)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+    # A padding row (-1, last: the routing's capped summary stream) is the identity, not
+    # computed: its tokens get zero gradients, the other rows' values and gradients stay.
+    rows = torch.tensor([0, 1, -1], dtype=torch.int32)
+    S_pad = delta_ops.delta_rule_summaries_torch_op(q, k, v, g, beta, CU, rows, kind, 0.4)
+    assert torch.equal(S_pad[:2], S[:2]) and torch.equal(S_pad[2], entry[0])
+    pad_grads = torch.autograd.grad(S_pad, (k, v, g, beta), dS)
+    live_grads = torch.autograd.grad(S[:2], (k, v, g, beta), dS[:2])
+    for a, b in zip(pad_grads, live_grads, strict=True):
+        assert not a[:, 13:].any()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     xs = [x.detach().float().requires_grad_(True) for x in (q, k, v, g, beta)]
-    torch.library.opcheck(delta_ops.delta_rule_summaries_torch_op, (*xs, CU, kind, 0.4))
-    torch.library.opcheck(delta_ops.delta_rule_summaries_torch_op, (*xs, None, kind, 0.4))
+    op = delta_ops.delta_rule_summaries_torch_op
+    torch.library.opcheck(op, (*xs, CU, None, kind, 0.4))
+    torch.library.opcheck(op, (*xs, CU, rows, kind, 0.4))
+    torch.library.opcheck(op, (*xs, None, None, kind, 0.4))
     permuted = [x.detach().movedim(1, -1).contiguous().movedim(-1, 1).requires_grad_(True)
                 for x in xs]  # fmt: skip
-    torch.library.opcheck(delta_ops.delta_rule_summaries_torch_op, (*permuted, CU, kind, 0.4))
+    torch.library.opcheck(op, (*permuted, CU, None, kind, 0.4))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -259,16 +259,19 @@ def test_fla_summaries_op_matches_torch_and_opchecks(case):
 
     xs, cu, kind = _summaries_op_args(case)
     ci = chunk_indices(cu, 64)
-    S = custom_ops.delta_rule_summaries_fla_op(*xs, cu, cu, ci, kind, K**-0.5)
+    # The last row marked padding (the routing's capped stream): identity, zero gradients.
+    rows = torch.tensor([0, 1, 2, -1], dtype=torch.int32)
+    S = custom_ops.delta_rule_summaries_fla_op(*xs, cu, cu, ci, rows, kind, K**-0.5)
     ref_xs = [x.detach().double().requires_grad_(True) for x in xs]
-    S_ref = custom_ops.delta_rule_summaries_torch_op(*ref_xs, cu, kind, K**-0.5)
+    S_ref = custom_ops.delta_rule_summaries_torch_op(*ref_xs, cu, rows, kind, K**-0.5)
     dS = torch.randn(S.shape, generator=torch.Generator().manual_seed(3))
     grads = torch.autograd.grad(S, xs, dS)
     ref = torch.autograd.grad(S_ref, ref_xs, dS.double())
     report(f"{case.id} summaries op vs torch", rel_err(S, S_ref), TOL)
     for name, a, b in zip(case.names, grads, ref, strict=True):
         report(f"{case.id} summaries op d{name} vs torch", rel_err(a, b), TOL)
-    torch.library.opcheck(custom_ops.delta_rule_summaries_fla_op, (*xs, cu, cu, ci, kind, K**-0.5))
+    op = custom_ops.delta_rule_summaries_fla_op
+    torch.library.opcheck(op, (*xs, cu, cu, ci, rows, kind, K**-0.5))
 
 
 def test_fla_conv_op_opcheck():
@@ -369,10 +372,13 @@ SPAN_TABLE = [[(90, 150), (0, 20), (20, 21), (21, 90)]]
 
 
 def _out_of_order_span(case: RecurrenceCase, compiled: bool = False) -> None:
-    from tests.dist_utils import device_routing, span_index
+    from tests.dist_utils import device_routing, loose_caps, span_index
     from torchtitan_cp.ops.cp.driver import context_parallel_recurrence
 
-    routing = device_routing(SPAN_CU, SPAN_TABLE, 0)
+    # Compiled: capped routing as compile uses it (the summary stream padded with rows that
+    # publish nothing, which the summaries op skips).
+    caps = loose_caps(SPAN_CU, SPAN_TABLE) if compiled else None
+    routing = device_routing(SPAN_CU, SPAN_TABLE, 0, caps=caps)
     span = torch.tensor(span_index(SPAN_TABLE[0]), dtype=torch.int64)
     full = case.inputs(SPAN_CU[-1], 11, torch.float32, K=K, V=V)
     d_o = torch.randn(1, span.numel(), HV, V, generator=torch.Generator().manual_seed(5))

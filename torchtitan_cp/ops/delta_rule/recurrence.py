@@ -106,7 +106,8 @@ class DeltaRule:
         if isinstance(prepared, FlaPrepared):
             return summaries_fla(prepared, rows, kind=self.kind, scale=self.scale)
         # Under torch.compile (TokenPrepared): the states-only pass as its own custom op, no
-        # output kernel; its backward takes the full cotangent [dE | dM] (custom_ops.py).
+        # output kernel; its backward takes the full cotangent [dE | dM] (custom_ops.py). The
+        # host row ids tell it which rows are padding (not computed).
         inputs, _ = prepared
         q, k, v, g, beta = (x.index_select(1, rows.token_index) for x in inputs)
         tables = rows.tables
@@ -117,10 +118,10 @@ class DeltaRule:
             assert a.cu_seqlens is not None  # the summary stream is always packed
             return custom_ops.delta_rule_summaries_fla_op(
                 q, k, v, g, beta, a.cu_seqlens, a.cu_seqlens_cpu, tables.chunk_indices,
-                self.kind, a.scale,
+                rows.subsequence_cpu, self.kind, a.scale,
             )  # fmt: skip
         return custom_ops.delta_rule_summaries_torch_op(
-            q, k, v, g, beta, a.cu_seqlens_cpu, self.kind, a.scale
+            q, k, v, g, beta, a.cu_seqlens_cpu, rows.subsequence_cpu, self.kind, a.scale
         )
 
     def apply(self, summary: Tensor, state: Tensor) -> Tensor:

@@ -307,15 +307,25 @@ def summaries_delta_rule_torch(
     kind: str,
     scale: float | None = None,
     cu_seqlens_cpu: Tensor | None = None,
+    live: int | None = None,
 ) -> Tensor:
     """The states-only pass: ``[N, HV, K, V + K]`` summaries ``[E | M]`` of every packed sequence
     (``prepare_delta_rule_torch``, then ``compose_chunk_maps``; no query scores, no outputs),
     differentiable by plain autograd for any cotangent. What the compiled path's summaries
-    custom op runs (``custom_ops.delta_rule_summaries_torch_op``)."""
+    custom op runs (``custom_ops.delta_rule_summaries_torch_op``). ``live``: only the first
+    ``live`` sequences are computed (their tokens alone are read); the rest get the identity
+    (the routing's padding sequences under caps)."""
+    cu = host_cu_seqlens(q.shape[1], None, cu_seqlens_cpu)
+    n = len(cu) - 1
+    live = n if live is None else live
+    end = cu[live]
+    q, k, v, g, beta = (x[:, :end] for x in (q, k, v, g, beta))
+    cu_live = torch.tensor(cu[: live + 1], dtype=torch.int64)
     chunks = prepare_delta_rule_torch(
-        q, k, v, g, beta, kind=kind, scale=scale, cu_seqlens_cpu=cu_seqlens_cpu
+        q, k, v, g, beta, kind=kind, scale=scale, cu_seqlens_cpu=cu_live
     )
-    return compose_chunk_maps(chunks, list(range(len(chunks.cu) - 1)), entry_backward=False)
+    rows = list(range(live)) + [-1] * (n - live)
+    return compose_chunk_maps(chunks, rows, entry_backward=False)
 
 
 def chunk_delta_rule_torch(
