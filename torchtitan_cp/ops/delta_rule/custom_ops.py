@@ -194,20 +194,24 @@ def _(q, k, v, g, beta, cu_seqlens_cpu, rows_cpu, dS, kind, scale):
     return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
 
 
-def _setup_summaries_torch(ctx, inputs, output) -> None:
-    *tensors, kind, scale = inputs
-    ctx.save_for_backward(*tensors)
-    ctx.kind, ctx.scale = kind, scale
+def _register_summaries_autograd(op: Any, backward_op: Any) -> None:
+    """A summaries op's autograd: ``op(q, k, v, g, beta, *tables, kind, scale)`` saves its
+    tensors; ``backward_op(*saved, dS, kind, scale)`` returns ``(dq, dk, dv, dg, dbeta)`` (the
+    tables and options have no gradient)."""
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        *tensors, kind, scale = inputs
+        ctx.save_for_backward(*tensors)
+        ctx.kind, ctx.scale, ctx.num_args = kind, scale, len(inputs)
+
+    def backward(ctx: Any, dS: Tensor) -> tuple[Tensor | None, ...]:
+        grads = backward_op(*ctx.saved_tensors, dS, ctx.kind, ctx.scale)
+        return *grads, *(None,) * (ctx.num_args - len(grads))
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
-def _backward_summaries_torch(ctx, dS):
-    grads = delta_rule_summaries_torch_bwd_op(*ctx.saved_tensors, dS, ctx.kind, ctx.scale)
-    return *grads, None, None, None, None
-
-
-delta_rule_summaries_torch_op.register_autograd(
-    _backward_summaries_torch, setup_context=_setup_summaries_torch
-)
+_register_summaries_autograd(delta_rule_summaries_torch_op, delta_rule_summaries_torch_bwd_op)
 
 
 # ----------------------------------------------------------------------------- delta rule, fla
@@ -485,17 +489,4 @@ def _(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices, rows_cpu, dS,
     return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
 
 
-def _setup_summaries_fla(ctx, inputs, output) -> None:
-    *tensors, kind, scale = inputs
-    ctx.save_for_backward(*tensors)
-    ctx.kind, ctx.scale = kind, scale
-
-
-def _backward_summaries_fla(ctx, dS):
-    grads = delta_rule_summaries_fla_bwd_op(*ctx.saved_tensors, dS, ctx.kind, ctx.scale)
-    return *grads, None, None, None, None, None, None
-
-
-delta_rule_summaries_fla_op.register_autograd(
-    _backward_summaries_fla, setup_context=_setup_summaries_fla
-)
+_register_summaries_autograd(delta_rule_summaries_fla_op, delta_rule_summaries_fla_bwd_op)
