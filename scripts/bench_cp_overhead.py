@@ -6,6 +6,7 @@
     .venv/bin/python scripts/bench_cp_overhead.py --compare before.json after.json
     .venv/bin/python scripts/bench_cp_overhead.py --delay 200 --kinds kda --dims 128 --worlds 2
     .venv/bin/python scripts/bench_cp_overhead.py --fla-count [--kinds kda gdn] [--tokens 256]
+    .venv/bin/python scripts/bench_cp_overhead.py --compile-count [--kinds kda gdn] [--dims 128]
 
 For every (kind, K = V, W, layout) W gloo ranks each run the CP op (``context_parallel_delta_rule``
 / ``context_parallel_ssd``) forward + backward on their span and, on the same tokens, the local
@@ -44,6 +45,11 @@ whole span as a middle rank publishes it, before (fla's full ``chunk_kda`` /
 ``chunk_gated_delta_rule`` at value width V + K from ``[0 | I]``, outputs discarded) and now
 (``fla_kernel.summaries_fla``: fla's WY preparation and state kernel only), each backward with
 the cotangent the CP driver sends, ``D [I | hᵀ]``.
+
+``--compile-count`` counts the compiled path's summaries on the torch backend: what their custom
+ops run (forward op, then the backward op that recomputes it), before (the local kernel's op pair
+at value width V + K from ``[0 | I]``) and now (the states-only summaries op pair), against the
+local kernel on the same tokens (FlopCounterMode on the ops' bodies: it cannot see into an op).
 """
 
 from __future__ import annotations
@@ -463,6 +469,84 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
     return rows
 
 
+def _count(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def _compile_count_row(kind: str, D: int, tokens: int) -> dict:
+    from functools import partial
+
+    from torchtitan_cp.ops.common.custom_ops import recompute_grads
+    from torchtitan_cp.ops.delta_rule.custom_ops import summaries_torch_grads
+    from torchtitan_cp.ops.delta_rule.torch_kernel import (
+        chunk_delta_rule_torch,
+        summaries_delta_rule_torch,
+    )
+
+    cu = torch.tensor([0, tokens], dtype=torch.int32)
+    xs = _inputs(kind, tokens, D, seed=D)
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(1, H, D, D, generator=gen) * 0.1  # the entry state
+    dS = torch.randn(1, H, D, D, generator=gen)
+    cot = torch.cat([dS, dS @ h.transpose(-1, -2)], -1)  # what the driver sends
+    ins = tuple(x.detach() for x in xs)
+    kernel = partial(chunk_delta_rule_torch, kind=kind, scale=D**-0.5,
+                     output_final_state=True, cu_seqlens_cpu=cu)  # fmt: skip
+
+    def eager_local():
+        o, fin = kernel(*xs, initial_state=h)
+        (o.sum() + (fin * dS).sum()).backward()
+
+    def op_pair(inputs, h0, do, dfin):  # a torch-kernel op's forward, then its backward op
+        with torch.no_grad():
+            kernel(*inputs, initial_state=h0)
+        recompute_grads(kernel, inputs, h0, cu, do, dfin)
+
+    def summaries_now():
+        with torch.no_grad():
+            summaries_delta_rule_torch(*ins, kind=kind, scale=D**-0.5, cu_seqlens_cpu=cu)
+        summaries_torch_grads(ins, cu, cot, kind, D**-0.5)
+
+    q, k, v, g, beta = ins
+    vs = torch.cat([v, v.new_zeros(*v.shape[:3], D)], -1)
+    h0 = torch.cat([torch.zeros(1, H, D, D), torch.eye(D).expand(1, H, D, D)], -1)
+    return dict(
+        kind=kind,
+        dim=D,
+        tokens=tokens,
+        local=_count(eager_local),
+        local_op=_count(lambda: op_pair(ins, h, torch.ones_like(v), dS)),
+        # Before: the local kernel's op pair at value width V + K from [0 | I], its output's
+        # cotangent zeros (autograd materialises it), the final state's the driver's.
+        summary_before=_count(lambda: op_pair((q, k, vs, g, beta), h0, torch.zeros_like(vs), cot)),
+        summary_now=_count(summaries_now),
+    )
+
+
+def compile_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
+    """The compiled path's summaries on the torch backend, counted: what its custom ops run
+    (a custom op is opaque to FlopCounterMode, so their bodies are counted: the forward op's,
+    then the backward op's, which recomputes the forward under autograd). One sequence of
+    ``tokens`` tokens, published whole; the backward's cotangent is the driver's ``D [I | hᵀ]``
+    (both ops take it whole)."""
+    rows = []
+    for kind in kinds:
+        for D in dims:
+            row = _compile_count_row(kind, D, tokens)
+            rows.append(row)
+            loc = row["local"]
+            print(
+                f"{kind} K=V={D} T={tokens}: local {loc / 1e9:.3f} GFLOP (its compiled op pair "
+                f"{row['local_op'] / 1e9:.3f}); compiled summary before "
+                f"{row['summary_before'] / 1e9:.3f} ({row['summary_before'] / loc:.2f}x), now "
+                f"{row['summary_now'] / 1e9:.3f} ({row['summary_now'] / loc:.2f}x)",
+                flush=True,
+            )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--kinds", nargs="+", default=["kda", "gdn", "ssd"])
@@ -475,10 +559,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     ap.add_argument("--fla-count", action="store_true", help="count the fla path (interpreter)")
+    ap.add_argument("--compile-count", action="store_true",
+                    help="count the compiled path's summaries (torch backend)")  # fmt: skip
     args = ap.parse_args()
-    if args.fla_count:
+    if args.compile_count or args.fla_count:
         kinds = [k for k in args.kinds if k != "ssd"]
-        rows = fla_count(kinds, args.dims, args.tokens)
+        rows = (compile_count if args.compile_count else fla_count)(kinds, args.dims, args.tokens)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
         return

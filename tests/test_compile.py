@@ -9,6 +9,10 @@
 * The local kernels compile with ``fullgraph=True`` and do not recompile when the document
   layout changes; the CP delta rule, SSD and conv history compile on 2 gloo ranks, match eager
   (outputs and gradients) and do not recompile across layouts with capped routing.
+* The compiled path's CP summaries op (delta rule, torch backend; states-only) equals the local
+  kernel's final states from ``[0 | I]`` and their gradients for a full cotangent and passes
+  opcheck; compiled KDA + GDN CP layers on 2 gloo ranks equal the unsharded eager layer (slow).
+  The fla summaries op: tests/test_fla_interpreter.py.
 * ``routing_caps`` bounds every layout of its load balancer; ``check_compile`` rejects
   unsupported combinations with a ConfigError before any process group exists.
 """
@@ -95,6 +99,48 @@ def test_torch_op_opcheck(case):
                 for x in ins[:-1]]  # fmt: skip
     assert not permuted[0].is_contiguous()
     torch.library.opcheck(*case.torch_op(permuted, ins[-1], CU, 0.4))
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_summaries_torch_op_opcheck_and_matches_the_kernel(kind):
+    """The compiled path's CP summaries op (states-only: the chunk maps composed) gives the
+    local kernel's final states from ``[0 | I]`` with values ``[v | 0]`` and their gradients for
+    a full cotangent ``[dE | dM]`` (float64, 1e-12), and passes opcheck (packed with an empty
+    sequence, a padding row, one dense sequence, permuted inputs)."""
+    from torchtitan_cp.ops.delta_rule.torch_kernel import chunk_delta_rule_torch
+
+    q, k, v, g, beta, _ = _delta_inputs(kind, 3)
+    S = delta_ops.delta_rule_summaries_torch_op(q, k, v, g, beta, CU, None, kind, 0.4)
+    entry = torch.zeros(3, HV, K, V + K, dtype=torch.float64)
+    entry[..., V:] = torch.eye(K, dtype=torch.float64)
+    vs = torch.cat([v, v.new_zeros(1, T, HV, K)], -1)
+    _, fin = chunk_delta_rule_torch(q, k, vs, g, beta, kind=kind, scale=0.4, initial_state=entry,
+                                    output_final_state=True, cu_seqlens_cpu=CU)  # fmt: skip
+    assert fin is not None
+    torch.testing.assert_close(S, fin, rtol=0, atol=1e-12)
+    dS = torch.randn_like(S)
+    dq, *got = torch.autograd.grad(S, (q, k, v, g, beta), dS, retain_graph=True)
+    assert not dq.any()  # the summaries do not read q
+    for name, a, b in zip("kvgb", got, torch.autograd.grad(fin, (k, v, g, beta), dS)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+    # A padding row (-1, last: the routing's capped summary stream) is the identity, not
+    # computed: its tokens get zero gradients, the other rows' values and gradients stay.
+    rows = torch.tensor([0, 1, -1], dtype=torch.int32)
+    S_pad = delta_ops.delta_rule_summaries_torch_op(q, k, v, g, beta, CU, rows, kind, 0.4)
+    assert torch.equal(S_pad[:2], S[:2]) and torch.equal(S_pad[2], entry[0])
+    pad_grads = torch.autograd.grad(S_pad, (k, v, g, beta), dS)
+    live_grads = torch.autograd.grad(S[:2], (k, v, g, beta), dS[:2])
+    for a, b in zip(pad_grads, live_grads, strict=True):
+        assert not a[:, 13:].any()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    xs = [x.detach().float().requires_grad_(True) for x in (q, k, v, g, beta)]
+    op = delta_ops.delta_rule_summaries_torch_op
+    torch.library.opcheck(op, (*xs, CU, None, kind, 0.4))
+    torch.library.opcheck(op, (*xs, CU, rows, kind, 0.4))
+    torch.library.opcheck(op, (*xs, None, None, kind, 0.4))
+    permuted = [x.detach().movedim(1, -1).contiguous().movedim(-1, 1).requires_grad_(True)
+                for x in xs]  # fmt: skip
+    torch.library.opcheck(op, (*permuted, CU, None, kind, 0.4))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -316,6 +362,70 @@ def test_cp_ops_compile_on_gloo_without_recompiles():
     """2 gloo ranks, head-tail, capped routing: compiled CP conv history + GDN delta rule + SSD
     equal eager within 2e-5 (float32, outputs and every gradient); 3 layouts, one compile."""
     results = run_distributed(_cp_compiled, 2, timeout=400)
+    for rank, res in enumerate(results):
+        assert res["worst"] <= 2e-5, (rank, res)
+        assert res["frames"] == 1, (rank, res)
+
+
+def _cp_summaries_compiled(rank: int, world: int) -> dict:
+    """KDA + GDN CP layers compiled (their summaries through the states-only summaries op) vs
+    the unsharded eager layer (world 1, one fragment), float32, two head-tail layouts with
+    capped routing; outputs and every gradient on this rank's span."""
+    import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from tests.dist_utils import device_routing, span_index
+    from torchtitan_cp.ops import context_parallel_delta_rule
+    from torchtitan_cp.routing import headtail_fragments
+
+    group = dist.group.WORLD
+    rows, row_len = 2, 48
+    caps = routing_caps(load_balancer="headtail", batch_size=rows, seq_len=row_len,
+                        cp_degree=world, ptrr_block_size=128, max_subsequences=32)  # fmt: skip
+    table = headtail_fragments(row_len, rows, world)
+
+    def layer(q, k, v, g_kda, g_gdn, beta, routing, grp):
+        kw = dict(routing=routing, group=grp)
+        o1, _ = context_parallel_delta_rule(q, k, v, g_kda, beta, kind="kda", **kw)
+        o2, _ = context_parallel_delta_rule(q, k, v, g_gdn, beta, kind="gdn", **kw)
+        return o1 + o2
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(17)
+    total = rows * row_len
+    worst = 0.0
+    for _ in range(2):
+        # Long documents (up to a row): most spans publish and fold summaries.
+        cu = random_cu_seqlens(gen, rows, row_len, max_doc=row_len)
+        full = [F.normalize(torch.randn(1, total, H, K, generator=gen), dim=-1),
+                F.normalize(torch.randn(1, total, H, K, generator=gen), dim=-1),
+                torch.randn(1, total, HV, V, generator=gen),
+                -F.softplus(torch.randn(1, total, HV, K, generator=gen)) * 0.3,
+                -F.softplus(torch.randn(1, total, HV, generator=gen)) * 0.3,
+                torch.rand(1, total, HV, generator=gen)]  # fmt: skip
+        d_o = torch.randn(1, total, HV, V, generator=gen)
+        ref = [x.clone().requires_grad_(True) for x in full]
+        o_ref = layer(*ref, device_routing(cu, [[(0, total)]], 0), None)
+        ref_grads = torch.autograd.grad(o_ref, ref, d_o)
+        span = torch.tensor(span_index(table[rank]), dtype=torch.int64)
+        loc = [x.index_select(1, span).requires_grad_(True) for x in full]
+        routing = device_routing(cu, table, rank, caps=caps)
+        o = compiled(*loc, routing, group)
+        grads = torch.autograd.grad(o, loc, d_o.index_select(1, span))
+        worst = max(worst, (o - o_ref.detach().index_select(1, span)).abs().max().item())
+        for a, r in zip(grads, ref_grads, strict=True):
+            worst = max(worst, (a - r.index_select(1, span)).abs().max().item())
+    return {"worst": worst, "frames": counter.frame_count}
+
+
+@pytest.mark.slow
+def test_cp_summaries_op_compiled_matches_unsharded():
+    """2 gloo ranks: compiled KDA + GDN CP layers, whose summaries run as the states-only custom
+    op (backward from the full cotangent [dE | dM]), equal the unsharded eager layer within 2e-5
+    (float32, outputs and every gradient); 2 layouts, one compile."""
+    results = run_distributed(_cp_summaries_compiled, 2, timeout=400)
     for rank, res in enumerate(results):
         assert res["worst"] <= 2e-5, (rank, res)
         assert res["frames"] == 1, (rank, res)

@@ -243,6 +243,37 @@ def test_fla_op_opcheck(case):
     torch.library.opcheck(*_fla_op(case))
 
 
+def _summaries_op_args(case: RecurrenceCase):
+    """The compiled path's summaries on CU_OP's sequences (two empty), float32 leaves."""
+    xs = [x.requires_grad_(True) for x in case.inputs(CU_OP[-1], 13, torch.float32, K=K, V=V)]
+    kind = case.options.get("kind", case.name)
+    return xs, torch.tensor(CU_OP, dtype=torch.int32), kind
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("kda", "gdn")], ids=lambda c: c.id)
+def test_fla_summaries_op_matches_torch_and_opchecks(case):
+    """The compiled path's states-only summaries on fla (no output kernel; backward at width
+    V + K from [0 | I] for a full cotangent [dE | dM]) against the torch backend's op (float64),
+    values and every gradient, and opcheck."""
+    from torchtitan_cp.ops.delta_rule import custom_ops
+
+    xs, cu, kind = _summaries_op_args(case)
+    ci = chunk_indices(cu, 64)
+    # The last row marked padding (the routing's capped stream): identity, zero gradients.
+    rows = torch.tensor([0, 1, 2, -1], dtype=torch.int32)
+    S = custom_ops.delta_rule_summaries_fla_op(*xs, cu, cu, ci, rows, kind, K**-0.5)
+    ref_xs = [x.detach().double().requires_grad_(True) for x in xs]
+    S_ref = custom_ops.delta_rule_summaries_torch_op(*ref_xs, cu, rows, kind, K**-0.5)
+    dS = torch.randn(S.shape, generator=torch.Generator().manual_seed(3))
+    grads = torch.autograd.grad(S, xs, dS)
+    ref = torch.autograd.grad(S_ref, ref_xs, dS.double())
+    report(f"{case.id} summaries op vs torch", rel_err(S, S_ref), TOL)
+    for name, a, b in zip(case.names, grads, ref, strict=True):
+        report(f"{case.id} summaries op d{name} vs torch", rel_err(a, b), TOL)
+    op = custom_ops.delta_rule_summaries_fla_op
+    torch.library.opcheck(op, (*xs, cu, cu, ci, rows, kind, K**-0.5))
+
+
 def test_fla_conv_op_opcheck():
     from torchtitan_cp.ops.conv import custom_ops
 
@@ -340,12 +371,14 @@ SPAN_CU = [0, 1, 40, 110, 150]
 SPAN_TABLE = [[(90, 150), (0, 20), (20, 21), (21, 90)]]
 
 
-@ids
-def test_out_of_order_span_on_fla_matches_torch(case):
-    from tests.dist_utils import device_routing, span_index
+def _out_of_order_span(case: RecurrenceCase, compiled: bool = False) -> None:
+    from tests.dist_utils import device_routing, loose_caps, span_index
     from torchtitan_cp.ops.cp.driver import context_parallel_recurrence
 
-    routing = device_routing(SPAN_CU, SPAN_TABLE, 0)
+    # Compiled: capped routing as compile uses it (the summary stream padded with rows that
+    # publish nothing, which the summaries op skips).
+    caps = loose_caps(SPAN_CU, SPAN_TABLE) if compiled else None
+    routing = device_routing(SPAN_CU, SPAN_TABLE, 0, caps=caps)
     span = torch.tensor(span_index(SPAN_TABLE[0]), dtype=torch.int64)
     full = case.inputs(SPAN_CU[-1], 11, torch.float32, K=K, V=V)
     d_o = torch.randn(1, span.numel(), HV, V, generator=torch.Generator().manual_seed(5))
@@ -353,13 +386,33 @@ def test_out_of_order_span_on_fla_matches_torch(case):
     for backend, dtype in (("fla", torch.float32), ("torch", torch.float64)):
         loc = [x.to(dtype).index_select(1, span).requires_grad_(True) for x in full]
         rec = registered(case.name, backend=backend, **case.options)
-        o, fin = context_parallel_recurrence(rec, tuple(loc), routing=routing, group=None,
-                                             output_final_state=True)  # fmt: skip
+
+        def run(*xs, rec=rec):
+            return context_parallel_recurrence(rec, xs, routing=routing, group=None,
+                                               output_final_state=True)  # fmt: skip
+
+        if compiled and backend == "fla":
+            torch._dynamo.reset()
+            run = torch.compile(run, backend="aot_eager", fullgraph=True)
+        o, fin = run(*loc)
         assert fin is not None
         grads = torch.autograd.grad((o * d_o.to(dtype)).sum() + fin.sum(), loc)
         runs[backend] = [o.detach(), fin.detach(), *grads]
+    label = "compiled " if compiled else ""
     for name, a, b in zip(["o", "final", *("d" + n for n in case.names)], *runs.values()):
-        report(f"{case.id} out-of-order span {name} vs torch", rel_err(a, b), TOL)
+        report(f"{case.id} {label}out-of-order span {name} vs torch", rel_err(a, b), TOL)
+
+
+@ids
+def test_out_of_order_span_on_fla_matches_torch(case):
+    _out_of_order_span(case)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("kda", "gdn")], ids=lambda c: c.id)
+def test_compiled_out_of_order_span_on_fla_matches_torch(case):
+    """The same span compiled (aot_eager): fla's local kernel and the states-only summaries as
+    custom ops (the summaries' backward from the full cotangent, at width V + K)."""
+    _out_of_order_span(case, compiled=True)
 
 
 # ----------------------------------------------------------------------------- CP driver

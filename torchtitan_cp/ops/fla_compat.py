@@ -33,7 +33,10 @@ The other shim, below everything else:
   kernel. Its backward is fla's state backward at value width ``V`` with the entry state the
   summary is applied to (``Recurrence.apply``): ``fwd_h``, ``bwd_dhu`` with a zero output
   cotangent, and the WY backward (``chunk_kda_bwd_wy_dqkg_fused`` + ``chunk_kda_bwd_intra`` /
-  ``chunk_bwd_dqkwg`` + ``prepare_wy_repr_bwd``); no ``dAv`` / ``dv_local``.
+  ``chunk_bwd_dqkwg`` + ``prepare_wy_repr_bwd``); no ``dAv`` / ``dv_local``. Its two halves,
+  :func:`delta_rule_summaries_fwd` / :func:`delta_rule_summaries_bwd`, are also the compiled
+  path's summaries custom op (``ops/delta_rule/custom_ops.py``), whose backward takes the full
+  cotangent (``entry=None``: width ``V + K`` from ``[0 | I]``).
 
 A new fla-backed recurrence needs no edit here: its eager adapter calls
 ``indexed(fla_op, *args, tables=(cu, cu_cpu, chunk_indices, chunk_offsets), **kwargs)`` and its
@@ -71,7 +74,14 @@ from torch import Tensor
 
 from .common.fla import FLA_CHUNK_SIZE, contiguous
 
-__all__ = ["chunk_kda_indexed", "chunk_tables", "delta_rule_summaries_indexed", "indexed"]
+__all__ = [
+    "chunk_kda_indexed",
+    "chunk_tables",
+    "delta_rule_summaries_bwd",
+    "delta_rule_summaries_fwd",
+    "delta_rule_summaries_indexed",
+    "indexed",
+]
 
 
 class _Tables(NamedTuple):
@@ -341,15 +351,115 @@ _delta_bwd_dhu: Any = chunk_gated_delta_rule_bwd_dhu
 _chunk_local_cumsum: Any = chunk_local_cumsum
 
 
+def delta_rule_summaries_fwd(q, k, v, g, beta, *, kind, scale, cu_seqlens, chunk_indices,
+                             chunk_offsets=None) -> tuple[Tensor, tuple[Tensor, ...]]:  # fmt: skip
+    """The states-only pass on contiguous inputs: ``(final [N, HV, K, V + K] = [E | M] float32,
+    saved)``, ``saved = (g_cs, w, u, kh, Akk)`` what :func:`delta_rule_summaries_bwd` reads.
+
+    Gate cumsum, WY preparation, then the state kernel from ``[0 | I]`` with values ``[u | 0]``
+    (``u``, ``w`` the WY factors: the first V columns follow E, the last K follow M)."""
+    B, T, _, K = k.shape
+    HV, V = v.shape[2:]
+    C = FLA_CHUNK_SIZE
+    idx = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    g_cs = _chunk_local_cumsum(g, chunk_size=C, scale=RCP_LN2, **idx)
+    if kind == "kda":
+        w, u, _, kh, _, Akk = chunk_kda_fwd_intra(
+            q=q, k=k, v=v, gk=g_cs, beta=beta, scale=scale, chunk_size=C, **idx
+        )
+        gate = dict(gk=g_cs)
+    else:
+        w, u, Akk = chunk_gated_delta_rule_fwd_intra(
+            k=k, v=v, g=g_cs, beta=beta, chunk_size=C, **idx
+        )
+        kh, gate = k, dict(g=g_cs)
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    _, _, final = _delta_fwd_h(
+        k=kh, w=w, u=_widen(u, K), **gate, initial_state=_identity_entry(N, HV, K, V, k.device),
+        output_final_state=True, save_new_value=False, chunk_size=C,
+        chunk_offsets=chunk_offsets, **idx,
+    )  # fmt: skip
+    return final, (g_cs, w, u, kh, Akk)
+
+
+def _widen(x: Tensor, K: int) -> Tensor:
+    """``[x | 0]``: K zero value columns (the ones that follow M)."""
+    return torch.cat([x, x.new_zeros(*x.shape[:-1], K)], -1)
+
+
+def _identity_entry(N: int, HV: int, K: int, V: int, device) -> Tensor:
+    """``[0 | I]`` ``[N, HV, K, V + K]`` float32: the entry state whose final state is ``[E | M]``."""
+    h0 = torch.zeros(N, HV, K, V + K, dtype=torch.float32, device=device)
+    h0[..., V:] = torch.eye(K, dtype=torch.float32, device=device)
+    return h0
+
+
+def delta_rule_summaries_bwd(q, k, v, beta, saved, dS, *, kind, scale, entry, cu_seqlens,
+                             chunk_indices, chunk_offsets=None) -> tuple[Tensor, ...]:  # fmt: skip
+    """``(dk, dv, dg, dbeta)`` (dg of the natural-log gate, float32) of the summaries for the
+    cotangent ``dS [N, HV, K, V + K]``, on contiguous inputs, from ``saved`` of
+    :func:`delta_rule_summaries_fwd`: fla's state backward with no output cotangent (``fwd_h``,
+    ``bwd_dhu``, the WY backward; no ``dAv`` / ``dv_local``).
+
+    ``entry [N, HV, K, V]`` (float32): the state each summary is applied to; then only ``D =
+    dS[..., :V]`` is read (the cotangent is ``D [I | hᵀ]``) and the pass runs at value width V
+    from ``entry``. ``entry=None``: any cotangent; the pass runs at width ``V + K`` from
+    ``[0 | I]`` with values ``[u | 0]`` (the compiled path's custom op)."""
+    g_cs, w, u, kh, Akk = saved
+    H, HV, K, V = k.shape[2], v.shape[2], k.shape[3], v.shape[-1]
+    C = FLA_CHUNK_SIZE
+    idx = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    gate = dict(gk=g_cs) if kind == "kda" else dict(g=g_cs)
+    if entry is None:
+        N = dS.shape[0]
+        h_in, dht = _identity_entry(N, HV, K, V, k.device), dS.float().contiguous()
+        u, v_in = _widen(u, K), _widen(v, K)
+    else:
+        h_in, dht, v_in = entry.float().contiguous(), dS[..., :V].float().contiguous(), v
+    h, v_new, _ = _delta_fwd_h(
+        k=kh, w=w, u=u, **gate, initial_state=h_in, output_final_state=False, chunk_size=C,
+        chunk_offsets=chunk_offsets, **idx,
+    )  # fmt: skip
+    do = torch.zeros_like(v_in)  # no output
+    dh, _, dv = _delta_bwd_dhu(
+        q=kh, k=kh, w=w, do=do, dv=torch.zeros_like(u), **gate, h0=h_in, dht=dht,
+        scale=scale, chunk_size=C, chunk_offsets=chunk_offsets, **idx,
+    )  # fmt: skip
+    if kind == "kda":
+        _, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
+            q=q, k=k, v=v_in, v_new=v_new, g=g_cs, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
+            scale=scale, chunk_size=C, chunk_offsets=chunk_offsets, **idx,
+        )  # fmt: skip
+        dq0 = torch.zeros_like(dk)
+        dAqk = torch.zeros_like(Akk, dtype=torch.float)
+        _, dk, db, dg = chunk_kda_bwd_intra(
+            q=q, k=k, g=g_cs, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq0, dk=dk, db=db, dg=dg,
+            chunk_size=C, **idx,
+        )  # fmt: skip
+        if HV > H:  # grouped value heads: dk back to the key heads
+            dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(dim=3)
+    else:
+        _, dk, dw, dg = chunk_bwd_dqkwg(
+            q=q, k=k, v=v_new, w=w, g=g_cs, h=h, dv=dv, do=do, dh=dh, scale=scale,
+            chunk_size=C, **idx,
+        )  # fmt: skip
+        dk2, dv, db, dg2 = prepare_wy_repr_bwd(
+            k=k, v=v_in, beta=beta, g=g_cs, A=Akk, dw=dw, du=dv, **idx
+        )
+        dk.add_(dk2)
+        dg.add_(dg2)
+    dg = _chunk_local_cumsum(dg, chunk_size=C, reverse=True, **idx)
+    return dk, dv[..., :V].contiguous(), dg, db
+
+
 class _DeltaRuleSummaries(torch.autograd.Function):
     """``[E | M]`` of every packed sequence from fla's state pieces (``delta_rule_summaries_indexed``).
 
-    Forward: gate cumsum, WY preparation, then the state kernel from ``[0 | I]`` with values
-    ``[u | 0]`` (``u``, ``w`` the WY factors: the first V columns follow E, the last K follow M).
-    Backward: the summary is only ever applied to the entry state ``h`` its publisher's local
-    kernel used (``Recurrence.apply``), so its cotangent is ``D [I | hᵀ]`` with ``D`` its first V
-    columns, which is the cotangent of the final state of the same tokens run from ``h``: fla's
-    state backward from ``h`` with ``dht = D`` and no output cotangent (value width V, not V + K).
+    Forward: :func:`delta_rule_summaries_fwd`. Backward: the summary is only ever applied to the
+    entry state ``h`` its publisher's local kernel used (``Recurrence.apply``), so its cotangent
+    is ``D [I | hᵀ]`` with ``D`` its first V columns, which is the cotangent of the final state of
+    the same tokens run from ``h``: :func:`delta_rule_summaries_bwd` from ``h`` (value width V,
+    not V + K).
     """
 
     @staticmethod
@@ -357,31 +467,11 @@ class _DeltaRuleSummaries(torch.autograd.Function):
     @autocast_custom_fwd
     def forward(ctx, q, k, v, g, beta, kind, scale, entry, cu_seqlens, chunk_indices,
                 chunk_offsets):  # fmt: skip
-        B, T, _, K = k.shape
-        HV, V = v.shape[2:]
-        C = FLA_CHUNK_SIZE
-        idx = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        g_cs = _chunk_local_cumsum(g, chunk_size=C, scale=RCP_LN2, **idx)
-        if kind == "kda":
-            w, u, _, kh, _, Akk = chunk_kda_fwd_intra(
-                q=q, k=k, v=v, gk=g_cs, beta=beta, scale=scale, chunk_size=C, **idx
-            )
-            gate = dict(gk=g_cs)
-        else:
-            w, u, Akk = chunk_gated_delta_rule_fwd_intra(
-                k=k, v=v, g=g_cs, beta=beta, chunk_size=C, **idx
-            )
-            kh, gate = k, dict(g=g_cs)
-        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        h0 = torch.zeros(N, HV, K, V + K, dtype=torch.float32, device=k.device)
-        h0[..., V:] = torch.eye(K, dtype=torch.float32, device=k.device)
-        _, _, final = _delta_fwd_h(
-            k=kh, w=w, u=torch.cat([u, u.new_zeros(*u.shape[:3], K)], -1), **gate,
-            initial_state=h0, output_final_state=True, save_new_value=False, chunk_size=C,
-            chunk_offsets=chunk_offsets, **idx,
+        final, saved = delta_rule_summaries_fwd(
+            q, k, v, g, beta, kind=kind, scale=scale, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
         )  # fmt: skip
-        ctx.save_for_backward(q, k, v, g_cs, beta, w, u, kh, Akk, cu_seqlens, chunk_indices,
-                              chunk_offsets)  # fmt: skip
+        ctx.save_for_backward(q, k, v, beta, *saved, cu_seqlens, chunk_indices, chunk_offsets)
         ctx.kind, ctx.scale, ctx.entry, ctx.g_dtype = kind, scale, entry, g.dtype
         return final
 
@@ -389,47 +479,11 @@ class _DeltaRuleSummaries(torch.autograd.Function):
     @input_guard  # pyrefly: ignore[bad-argument-type]
     @autocast_custom_bwd
     def backward(ctx, dS):  # pyrefly: ignore[bad-override]
-        q, k, v, g_cs, beta, w, u, kh, Akk, cu, ci, co = ctx.saved_tensors
-        H, V = k.shape[2], v.shape[-1]
-        C, scale = FLA_CHUNK_SIZE, ctx.scale
-        idx = dict(cu_seqlens=cu, chunk_indices=ci)
-        gate = dict(gk=g_cs) if ctx.kind == "kda" else dict(g=g_cs)
-        h_in = ctx.entry().float().contiguous()  # [N, HV, K, V], held fixed
-        dht = dS[..., :V].float().contiguous()  # D
-        h, v_new, _ = _delta_fwd_h(
-            k=kh, w=w, u=u, **gate, initial_state=h_in, output_final_state=False, chunk_size=C,
-            chunk_offsets=co, **idx,
+        q, k, v, beta, *saved, cu, ci, co = ctx.saved_tensors
+        dk, dv, dg, db = delta_rule_summaries_bwd(
+            q, k, v, beta, tuple(saved), dS, kind=ctx.kind, scale=ctx.scale, entry=ctx.entry(),
+            cu_seqlens=cu, chunk_indices=ci, chunk_offsets=co,
         )  # fmt: skip
-        do = torch.zeros_like(v)  # no output
-        dh, _, dv = _delta_bwd_dhu(
-            q=kh, k=kh, w=w, do=do, dv=torch.zeros_like(u), **gate, h0=h_in, dht=dht,
-            scale=scale, chunk_size=C, chunk_offsets=co, **idx,
-        )  # fmt: skip
-        if ctx.kind == "kda":
-            _, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
-                q=q, k=k, v=v, v_new=v_new, g=g_cs, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
-                scale=scale, chunk_size=C, chunk_offsets=co, **idx,
-            )  # fmt: skip
-            dq0 = torch.zeros_like(dk)
-            dAqk = torch.zeros_like(Akk, dtype=torch.float)
-            _, dk, db, dg = chunk_kda_bwd_intra(
-                q=q, k=k, g=g_cs, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq0, dk=dk, db=db, dg=dg,
-                chunk_size=C, **idx,
-            )  # fmt: skip
-            HV = v.shape[2]
-            if HV > H:  # grouped value heads: dk back to the key heads
-                dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(dim=3)
-        else:
-            _, dk, dw, dg = chunk_bwd_dqkwg(
-                q=q, k=k, v=v_new, w=w, g=g_cs, h=h, dv=dv, do=do, dh=dh, scale=scale,
-                chunk_size=C, **idx,
-            )  # fmt: skip
-            dk2, dv, db, dg2 = prepare_wy_repr_bwd(
-                k=k, v=v, beta=beta, g=g_cs, A=Akk, dw=dw, du=dv, **idx
-            )
-            dk.add_(dk2)
-            dg.add_(dg2)
-        dg = _chunk_local_cumsum(dg, chunk_size=C, reverse=True, **idx)
         grads = (None, dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta))
         return grads + (None,) * 6
 

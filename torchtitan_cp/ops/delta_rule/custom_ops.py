@@ -8,6 +8,11 @@ op (namespace ``torchtitan_cp``)            backward
 ``delta_rule_fla`` (fla-core, CUDA)         ``delta_rule_fla_bwd``: fla's own
                                             ``chunk_kda_bwd`` / ``chunk_gated_delta_rule_bwd``
                                             on the intermediates the forward returned
+``delta_rule_summaries_torch`` (CP          ``delta_rule_summaries_torch_bwd``: re-runs the
+summaries ``[E | M]``, states only)         states-only pass under autograd (full cotangent)
+``delta_rule_summaries_fla`` (CP            ``delta_rule_summaries_fla_bwd``: the WY preparation
+summaries, fla's states-only pieces)        again, fla's state backward at width V + K from
+                                            ``[0 | I]`` and the WY backward
 ==========================================  ==============================================
 
 The fla ops hand fla's internal functions contiguous tensors only (``common.fla.contiguous``:
@@ -21,17 +26,23 @@ Shapes and conventions are those of ``ops.delta_rule.local`` (docs/CONTRACTS.md)
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
 
 from ..common import custom_ops as shared
 from ..common.custom_ops import NS, num_seqs
+from ..common.dtypes import compute_dtype
 from ..common.fla import FLA_CHUNK_SIZE, contiguous, fla_chunk_indices
-from .torch_kernel import chunk_delta_rule_torch
+from .torch_kernel import chunk_delta_rule_torch, summaries_delta_rule_torch
 
-__all__ = ["delta_rule_fla_op", "delta_rule_torch_op"]
+__all__ = [
+    "delta_rule_fla_op",
+    "delta_rule_summaries_fla_op",
+    "delta_rule_summaries_torch_op",
+    "delta_rule_torch_op",
+]
 
 # ----------------------------------------------------------------------------- delta rule, torch
 
@@ -95,6 +106,112 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens_cpu, do, dfinal, kind, scale):
 
 # kind, scale
 shared.register_recompute_autograd(delta_rule_torch_op, delta_rule_torch_bwd_op, num_options=2)
+
+
+# ------------------------------------------------------------------- CP summaries, torch
+# The delta rule's CP summaries under torch.compile (``DeltaRule.summarize``): the states-only
+# pass, not the local kernel at value width V + K with its output discarded.
+
+
+@torch.library.custom_op(f"{NS}::delta_rule_summaries_torch", mutates_args=())
+def delta_rule_summaries_torch_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens_cpu: Tensor | None,
+    rows_cpu: Tensor | None,
+    kind: str,
+    scale: float,
+) -> Tensor:
+    """``summaries_delta_rule_torch``: ``[N, HV, K, V + K] = [E | M]`` of every packed sequence,
+    in the compute dtype (the chunk maps composed; no query scores, no outputs). ``rows_cpu``
+    ``[N]`` (``SummaryRows.subsequence_cpu``): the rows marked −1 (the routing's padding, last)
+    are not computed (identity; their tokens get zero gradients)."""
+    return summaries_delta_rule_torch(
+        q, k, v, g, beta, kind=kind, scale=scale, cu_seqlens_cpu=cu_seqlens_cpu,
+        live=_live_rows(rows_cpu),
+    ).contiguous()  # fmt: skip
+
+
+def _live_rows(rows_cpu: Tensor | None) -> int | None:
+    """How many leading summary rows are published (the padding rows, −1, come last)."""
+    return None if rows_cpu is None else int(rows_cpu.ge(0).sum())
+
+
+def _summaries_fake(q: Tensor, v: Tensor, cu_seqlens: Tensor | None, dtype: torch.dtype) -> Tensor:
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    return q.new_empty(num_seqs(cu_seqlens), HV, K, V + K, dtype=dtype)
+
+
+@delta_rule_summaries_torch_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens_cpu, rows_cpu, kind, scale):
+    return _summaries_fake(q, v, cu_seqlens_cpu, compute_dtype(q.dtype))
+
+
+@torch.library.custom_op(f"{NS}::delta_rule_summaries_torch_bwd", mutates_args=())
+def delta_rule_summaries_torch_bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens_cpu: Tensor | None,
+    rows_cpu: Tensor | None,
+    dS: Tensor,
+    kind: str,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dg, dbeta)`` of the summaries for the full cotangent ``dS = [dE | dM]``: the
+    states-only pass re-run under autograd (dq is zeros: the summaries do not read q)."""
+    return summaries_torch_grads(  # type: ignore[return-value]
+        (q, k, v, g, beta), cu_seqlens_cpu, dS, kind, scale, _live_rows(rows_cpu)
+    )
+
+
+def summaries_torch_grads(
+    inputs: tuple[Tensor, ...],
+    cu_seqlens_cpu: Tensor | None,
+    dS: Tensor,
+    kind: str,
+    scale: float,
+    live: int | None = None,
+) -> tuple[Tensor, ...]:
+    """The body of ``delta_rule_summaries_torch_bwd`` (also what scripts/bench_cp_overhead.py
+    counts: a custom op is opaque to FlopCounterMode)."""
+    leaves = [x.detach().requires_grad_(True) for x in inputs]
+    with shared.autograd_inside_op():
+        S = summaries_delta_rule_torch(
+            *leaves, kind=kind, scale=scale, cu_seqlens_cpu=cu_seqlens_cpu, live=live
+        )
+        grads = shared.input_grads([S], [dS], leaves)
+    return tuple(gr.to(x.dtype).contiguous() for gr, x in zip(grads, inputs))
+
+
+@delta_rule_summaries_torch_bwd_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens_cpu, rows_cpu, dS, kind, scale):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
+
+
+def _register_summaries_autograd(op: Any, backward_op: Any) -> None:
+    """A summaries op's autograd: ``op(q, k, v, g, beta, *tables, kind, scale)`` saves its
+    tensors; ``backward_op(*saved, dS, kind, scale)`` returns ``(dq, dk, dv, dg, dbeta)`` (the
+    tables and options have no gradient)."""
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        *tensors, kind, scale = inputs
+        ctx.save_for_backward(*tensors)
+        ctx.kind, ctx.scale, ctx.num_args = kind, scale, len(inputs)
+
+    def backward(ctx: Any, dS: Tensor) -> tuple[Tensor | None, ...]:
+        grads = backward_op(*ctx.saved_tensors, dS, ctx.kind, ctx.scale)
+        return *grads, *(None,) * (ctx.num_args - len(grads))
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+_register_summaries_autograd(delta_rule_summaries_torch_op, delta_rule_summaries_torch_bwd_op)
 
 
 # ----------------------------------------------------------------------------- delta rule, fla
@@ -259,3 +376,117 @@ def _backward_delta_rule_fla(ctx, do, dfinal, *_):
 
 
 delta_rule_fla_op.register_autograd(_backward_delta_rule_fla, setup_context=_setup_delta_rule_fla)
+
+
+# --------------------------------------------------------------------- CP summaries, fla
+# The compiled path's states-only summaries on fla (``fla_compat.delta_rule_summaries_fwd``).
+# The eager path's backward reads the local kernel's entry states through a side channel (a
+# ``D [I | hᵀ]`` cotangent at value width V), which does not cross op boundaries; this op's
+# backward takes the full cotangent ``[dE | dM]`` (what the fold's traced backward gives) and
+# runs the state backward at width V + K from ``[0 | I]``. It recomputes the gate cumsum and
+# the WY preparation rather than returning them from the forward op.
+
+
+class _LiveStream(NamedTuple):
+    """The published rows' part of a summary stream (``_live_stream``)."""
+
+    inputs: list[Tensor]  # (q, k, v, g, beta) over the live rows' tokens, contiguous
+    idx: dict[str, Any]  # cu_seqlens and the chunk table fla's pieces take
+    live: int  # live rows
+    rows: int  # all rows
+
+
+def _live_stream(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices, rows_cpu):
+    """The tokens and offsets of the first ``live`` sequences (the padding rows, −1 in
+    ``rows_cpu``, come last and are not computed); host offsets only."""
+    n = num_seqs(cu_seqlens)
+    live = n if rows_cpu is None else int(rows_cpu.ge(0).sum())
+    # The whole stream's table, then its first rows: the live sequences' chunks come first.
+    ci = fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, q.shape[1])
+    if live < n:
+        assert cu_seqlens_cpu is not None and ci is not None  # always given by the callers
+        cu_cpu = cu_seqlens_cpu[: live + 1].to(torch.int64)
+        lens = cu_cpu[1:] - cu_cpu[:-1]
+        ci = ci[: int(((lens + FLA_CHUNK_SIZE - 1) // FLA_CHUNK_SIZE).sum())]
+        q, k, v, g, beta = (x[:, : int(cu_cpu[-1])] for x in (q, k, v, g, beta))
+        cu_seqlens = cu_seqlens[: live + 1]
+    q, k, v, g, beta = contiguous(q, k, v, g, beta)
+    return _LiveStream([q, k, v, g, beta], dict(cu_seqlens=cu_seqlens, chunk_indices=ci), live, n)
+
+
+@torch.library.custom_op(f"{NS}::delta_rule_summaries_fla", mutates_args=())
+def delta_rule_summaries_fla_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens: Tensor,
+    cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None,
+    rows_cpu: Tensor | None,
+    kind: str,
+    scale: float,
+) -> Tensor:
+    """fla's states-only pass: ``[N, HV, K, V + K] = [E | M]`` float32 of every packed sequence
+    (gate cumsum, WY preparation, the state kernel; no output kernel); the rows marked −1 in
+    ``rows_cpu`` (the routing's padding, last) are identities, not computed."""
+    from ..fla_compat import delta_rule_summaries_fwd
+
+    st = _live_stream(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices, rows_cpu)
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    out = torch.zeros(st.rows, HV, K, V + K, dtype=torch.float32, device=q.device)
+    out[..., V:] = torch.eye(K, dtype=torch.float32, device=q.device)
+    if st.live:
+        final, _ = delta_rule_summaries_fwd(*st.inputs, kind=kind, scale=scale, **st.idx)
+        out[: st.live] = final
+    return out
+
+
+@delta_rule_summaries_fla_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices, rows_cpu, kind, scale):
+    return _summaries_fake(q, v, cu_seqlens, torch.float32)
+
+
+@torch.library.custom_op(f"{NS}::delta_rule_summaries_fla_bwd", mutates_args=())
+def delta_rule_summaries_fla_bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens: Tensor,
+    cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None,
+    rows_cpu: Tensor | None,
+    dS: Tensor,
+    kind: str,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dg, dbeta)`` for the full cotangent ``dS``: the WY preparation again, then
+    fla's state backward at value width V + K from ``[0 | I]`` (dq is zeros, and so is every
+    gradient of a padding row's tokens)."""
+    from ..fla_compat import delta_rule_summaries_bwd, delta_rule_summaries_fwd
+
+    grads = [torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)]
+    st = _live_stream(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices, rows_cpu)
+    if not st.live:
+        return tuple(grads)  # type: ignore[return-value]
+    _, saved = delta_rule_summaries_fwd(*st.inputs, kind=kind, scale=scale, **st.idx)
+    ql, kl, vl, _, bl = st.inputs
+    dS_live = dS[: st.live].contiguous()
+    live_grads = delta_rule_summaries_bwd(
+        ql, kl, vl, bl, saved, dS_live, kind=kind, scale=scale, entry=None, **st.idx
+    )
+    end = ql.shape[1]
+    for gr, d in zip(grads[1:], live_grads, strict=True):  # dk, dv, dg, dbeta
+        gr[:, :end] = d.to(gr.dtype)
+    return tuple(grads)  # type: ignore[return-value]
+
+
+@delta_rule_summaries_fla_bwd_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices, rows_cpu, dS, kind, scale):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
+
+
+_register_summaries_autograd(delta_rule_summaries_fla_op, delta_rule_summaries_fla_bwd_op)

@@ -7,7 +7,8 @@ local kernel (``torch_kernel.compose_chunk_maps``). Elsewhere it comes from one 
 over the published tokens: values ``[v | 0]`` from the entry state ``[0 | I]``, since the first V
 columns follow E and the last K columns follow M (the same recurrence applied to the identity).
 On fla (eager) that pass is states-only (``fla_kernel.summaries_fla``: fla's WY preparation and
-state kernel, no output kernel); under ``torch.compile`` it is the local kernel's custom op.
+state kernel, no output kernel); under ``torch.compile`` the states-only pass of either backend is
+its own custom op (``custom_ops.delta_rule_summaries_torch_op`` / ``..._fla_op``).
 The driver (``ops.cp.driver``) does the rest.
 """
 
@@ -21,9 +22,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..common import checks
-from ..common.dtypes import compute_dtype
+from ..common.custom_ops import op_args
 from ..cp.driver import context_parallel_recurrence
 from ..cp.recurrence import InitialState, SequenceTables, SummaryRows, TokenPrepared, resolve_state
+from . import custom_ops
 from .fla_kernel import FlaPrepared, summaries_fla
 from .local import chunk_delta_rule
 from .torch_kernel import (
@@ -103,24 +105,24 @@ class DeltaRule:
             return compose_chunk_maps(prepared, rows.subsequence_cpu.tolist())
         if isinstance(prepared, FlaPrepared):
             return summaries_fla(prepared, rows, kind=self.kind, scale=self.scale)
+        # Under torch.compile (TokenPrepared): the states-only pass as its own custom op, no
+        # output kernel; its backward takes the full cotangent [dE | dM] (custom_ops.py). The
+        # host row ids tell it which rows are padding (not computed).
         inputs, _ = prepared
         q, k, v, g, beta = (x.index_select(1, rows.token_index) for x in inputs)
         tables = rows.tables
-        HV, K, V = self.state_shape((q, k, v))
-        n = tables.cu_seqlens.numel() - 1
-        dt = compute_dtype(v.dtype)
-        vs = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)  # [v | 0]
-        h0 = self.identity((HV, K, V), dt, v.device).expand(n, -1, -1, -1).contiguous()
-        # Under torch.compile the local kernel runs as an opaque custom op: the summary goes
-        # through it too and computes, and discards, the [.., V+K] output.
-        _, fin = chunk_delta_rule(
-            q, k, vs, g, beta, kind=self.kind, scale=self.scale, initial_state=h0,
-            output_final_state=True, cu_seqlens=tables.cu_seqlens,
-            cu_seqlens_cpu=tables.cu_seqlens_cpu, chunk_indices=tables.chunk_indices,
-            chunk_offsets=tables.chunk_offsets, backend=self.backend,
-        )  # fmt: skip
-        assert fin is not None  # output_final_state=True
-        return fin
+        backend = checks.resolve_backend(self.backend, q)
+        a = op_args(backend, q.shape[3], self.scale, tables.cu_seqlens, tables.cu_seqlens_cpu,
+                    None, q.device)  # fmt: skip
+        if backend == "fla":
+            assert a.cu_seqlens is not None  # the summary stream is always packed
+            return custom_ops.delta_rule_summaries_fla_op(
+                q, k, v, g, beta, a.cu_seqlens, a.cu_seqlens_cpu, tables.chunk_indices,
+                rows.subsequence_cpu, self.kind, a.scale,
+            )  # fmt: skip
+        return custom_ops.delta_rule_summaries_torch_op(
+            q, k, v, g, beta, a.cu_seqlens_cpu, rows.subsequence_cpu, self.kind, a.scale
+        )
 
     def apply(self, summary: Tensor, state: Tensor) -> Tensor:
         V = state.shape[-1]

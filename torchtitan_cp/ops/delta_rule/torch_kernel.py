@@ -43,6 +43,7 @@ __all__ = [
     "compose_chunk_maps",
     "local_delta_rule_torch",
     "prepare_delta_rule_torch",
+    "summaries_delta_rule_torch",
 ]
 
 
@@ -188,6 +189,21 @@ def local_delta_rule_torch(
     return lay.unpack(oc).to(chunks.out_dtype), (final if output_final_state else None)
 
 
+def _compose(M: Tensor, E: Tensor, plan: _ComposePlan) -> Tensor:
+    """``S <- M_c S + [E_c | 0]`` from ``S = [E_1 | M_1]`` over the plan's chunks: ``[R', HV, K,
+    V + K]`` in the plan's row order (plain ops: autograd through it takes any cotangent)."""
+    V = E.shape[-1]
+    dev = M.device
+    S = torch.cat([E[plan.ids[0].to(dev)], M[plan.ids[0].to(dev)]], -1)
+    for ids in plan.ids[1:]:
+        a = ids.numel()
+        ids = ids.to(dev)
+        head = M[ids] @ S[:a]
+        head[..., :V] += E[ids]
+        S = torch.cat([head, S[a:]], 0) if a < S.shape[0] else head
+    return S
+
+
 class _ComposeChunkMaps(torch.autograd.Function):
     """Summaries ``[E | M]`` of whole subsequences from their chunk maps (``compose_chunk_maps``).
 
@@ -204,16 +220,7 @@ class _ComposeChunkMaps(torch.autograd.Function):
     def forward(ctx, M: Tensor, E: Tensor, plan: _ComposePlan, saved: dict) -> Tensor:  # type: ignore[override]
         ctx.plan, ctx.saved = plan, saved
         ctx.save_for_backward(M)
-        V = E.shape[-1]
-        dev = M.device
-        S = torch.cat([E[plan.ids[0].to(dev)], M[plan.ids[0].to(dev)]], -1)  # [R', HV, K, V+K]
-        for ids in plan.ids[1:]:
-            a = ids.numel()
-            ids = ids.to(dev)
-            head = M[ids] @ S[:a]
-            head[..., :V] += E[ids]
-            S = torch.cat([head, S[a:]], 0) if a < S.shape[0] else head
-        return S
+        return _compose(M, E, plan)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
@@ -249,13 +256,17 @@ class _ComposePlan(NamedTuple):
     ids: list[Tensor]
 
 
-def compose_chunk_maps(chunks: DeltaRuleChunks, subsequences: list[int]) -> Tensor:
+def compose_chunk_maps(
+    chunks: DeltaRuleChunks, subsequences: list[int], *, entry_backward: bool = True
+) -> Tensor:
     """``[R, HV, K, V + K]`` summaries ``[E | M]`` of the prepared subsequences ``subsequences``
     (indices into ``chunks.cu``; −1 or an empty subsequence: the identity map).
 
-    Composes the chunk maps ``prepare_delta_rule_torch`` made (no scores, no solve, no outputs);
-    differentiable through ``_ComposeChunkMaps`` once ``local_delta_rule_torch`` has run on the
-    same chunks.
+    Composes the chunk maps ``prepare_delta_rule_torch`` made (no scores, no solve, no outputs).
+    ``entry_backward``: differentiable through ``_ComposeChunkMaps`` (the ``D [I | hᵀ]`` backward,
+    valid for the driver's use once ``local_delta_rule_torch`` has run on the same chunks); False:
+    plain autograd through the composition, any cotangent ``[dE | dM]`` (the summaries' custom op,
+    ``summaries_delta_rule_torch``).
     """
     HV, K, V = chunks.state_shape
     C = chunks.layout.chunk_size
@@ -278,8 +289,43 @@ def compose_chunk_maps(chunks: DeltaRuleChunks, subsequences: list[int]) -> Tens
         for p in range(nch[rows[0]])
     ]
     order = torch.tensor(rows, dtype=torch.int64)
-    S = _ComposeChunkMaps.apply(chunks.M, chunks.E, _ComposePlan(order, ids), chunks.saved)
+    plan = _ComposePlan(order, ids)
+    if entry_backward:
+        S = _ComposeChunkMaps.apply(chunks.M, chunks.E, plan, chunks.saved)
+    else:
+        S = _compose(chunks.M, chunks.E, plan)
     return out.index_copy(0, order.to(dev), S)
+
+
+def summaries_delta_rule_torch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    kind: str,
+    scale: float | None = None,
+    cu_seqlens_cpu: Tensor | None = None,
+    live: int | None = None,
+) -> Tensor:
+    """The states-only pass: ``[N, HV, K, V + K]`` summaries ``[E | M]`` of every packed sequence
+    (``prepare_delta_rule_torch``, then ``compose_chunk_maps``; no query scores, no outputs),
+    differentiable by plain autograd for any cotangent. What the compiled path's summaries
+    custom op runs (``custom_ops.delta_rule_summaries_torch_op``). ``live``: only the first
+    ``live`` sequences are computed (their tokens alone are read); the rest get the identity
+    (the routing's padding sequences under caps)."""
+    cu = host_cu_seqlens(q.shape[1], None, cu_seqlens_cpu)
+    n = len(cu) - 1
+    live = n if live is None else live
+    end = cu[live]
+    q, k, v, g, beta = (x[:, :end] for x in (q, k, v, g, beta))
+    cu_live = torch.tensor(cu[: live + 1], dtype=torch.int64)
+    chunks = prepare_delta_rule_torch(
+        q, k, v, g, beta, kind=kind, scale=scale, cu_seqlens_cpu=cu_live
+    )
+    rows = list(range(live)) + [-1] * (n - live)
+    return compose_chunk_maps(chunks, rows, entry_backward=False)
 
 
 def chunk_delta_rule_torch(
