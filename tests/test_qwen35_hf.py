@@ -230,7 +230,7 @@ def test_training_continues_from_an_hf_folder_and_exports_back(tmp_path):
 
     first = tmp_path / "first"
     base = ["--config_file", CONFIG, "--validator.no-enable", "--metrics.no-enable-wandb"]
-    # Both runs fork their ranks from one process that imported the trainer (fork_train).
+    # Each run forks its ranks from a process that imported the trainer once (fork_train).
     print(fork_train([Launch("first", 2, [*base, "--training.steps", "10", "--checkpoint.enable",
                                           "--checkpoint.interval", "10"])],
                      folder=tmp_path))  # fmt: skip
