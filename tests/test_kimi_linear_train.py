@@ -40,7 +40,7 @@ def test_kimi_linear_expert_parallel_matches_unsharded(tmp_path):
         tmp_path, [],
         {"dp1": (1, []), "cp2xep2": (2, [*cp2, *ep2]), "fsdp2": (2, []),
          "fsdp2xcp2xep2": (4, ["--parallelism.data_parallel_shard_degree", "2", *cp2, *ep2])},
-        config=CONFIG, steps=3, timeout=600,
+        config=CONFIG, steps=3,
     )  # fmt: skip
     worst = {
         name: max(

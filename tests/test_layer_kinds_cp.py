@@ -8,7 +8,7 @@ and test_train.py; every other kind is one entry of ``KINDS`` below:
 * Host-metadata and device-readback routing train bit for bit the same (tests/test_bitwise.py's
   harness, every balancer).
 * The real entry point: a trainer run at CP=2 gives the CP=1 loss and grad norm within 1e-5 over
-  3 AdamW steps (tests/test_train.py's harness).
+  3 AdamW steps (tests/test_train.py's check, its launches forked by tests/launch.py::fork_train).
 
 Mamba2 (M): the model tests build the debug flavor with the reference's Mamba2 sizes (head_dim
 64, state 128: two heads at dim 64); the trainer runs configs/debug_mamba2_cpu.toml.
@@ -77,13 +77,21 @@ def test_host_and_readback_train_bitwise_identically(pattern):
 
 @pytest.mark.parametrize("letter", sorted(KINDS))
 def test_trainer_cp2_matches_cp1(tmp_path, letter):
-    from tests.test_train import run_steps, seed_checkpoint
+    from tests.launch import Launch, fork_train, read_metrics
 
     opts = KINDS[letter].trainer
-    seed = seed_checkpoint(tmp_path, *opts, "--parallelism.context_parallel_degree", "1")
-    common = [*opts, "--checkpoint.enable", "--checkpoint.initial_load_path", seed]
-    ref = run_steps(tmp_path, "cp1", 1, *common, "--parallelism.context_parallel_degree", "1")
-    cp = run_steps(tmp_path, "cp2", 2, *common, "--parallelism.context_parallel_degree", "2")
+    run = ["--config_file", "configs/debug_cpu.toml", *opts]
+    seed = [*run, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+            "--metrics.no-enable-wandb", "--parallelism.context_parallel_degree", "1"]  # fmt: skip
+    common = [*run, "--training.steps", "3", "--validator.no-enable", "--metrics.no-enable-wandb",
+              "--debug.deterministic", "--checkpoint.enable", "--checkpoint.initial_load_path",
+              str(tmp_path / "seed" / "checkpoint" / "step-0")]  # fmt: skip
+    # One process imports the trainer once and forks every launch's ranks (fork_train).
+    print(fork_train([Launch("seed", 1, seed),
+                      *(Launch(f"cp{cp}", cp, [*common, "--parallelism.context_parallel_degree",
+                                               str(cp)]) for cp in (1, 2))],
+                     folder=tmp_path))  # fmt: skip
+    ref, cp = read_metrics(tmp_path / "cp1"), read_metrics(tmp_path / "cp2")
     for a, b in zip(ref, cp, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a["step"], a["grad_norm"])

@@ -20,7 +20,7 @@ compat.apply()
 
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
-from tests.launch import REPO, read_metrics, torchrun_train  # noqa: E402
+from tests.launch import REPO, Launch, fork_train, read_metrics  # noqa: E402
 from tests.test_qwen35 import make_batch  # noqa: E402
 from torchtitan_cp.models.qwen35.hf import check_hf_folder, write_hf_folder  # noqa: E402
 from torchtitan_cp.models.qwen35.model import qwen35_config  # noqa: E402
@@ -230,8 +230,10 @@ def test_training_continues_from_an_hf_folder_and_exports_back(tmp_path):
 
     first = tmp_path / "first"
     base = ["--config_file", CONFIG, "--validator.no-enable", "--metrics.no-enable-wandb"]
-    torchrun_train([*base, "--training.steps", "10", "--checkpoint.enable",
-                    "--checkpoint.interval", "10"], nproc=2, dump_folder=first)  # fmt: skip
+    # Each run forks its ranks from a process that imported the trainer once (fork_train).
+    print(fork_train([Launch("first", 2, [*base, "--training.steps", "10", "--checkpoint.enable",
+                                          "--checkpoint.interval", "10"])],
+                     folder=tmp_path))  # fmt: skip
     fresh = read_metrics(first)
     hf = tmp_path / "hf"
     proc = subprocess.run(
@@ -245,12 +247,12 @@ def test_training_continues_from_an_hf_folder_and_exports_back(tmp_path):
     _transformers_reads_the_export(first / "checkpoint" / "step-10", hf)
 
     second = tmp_path / "second"
-    torchrun_train([*base, "--training.steps", "3", "--parallelism.context_parallel_degree", "2",
-                    "--checkpoint.enable", "--checkpoint.interval", "3",
-                    "--checkpoint.initial_load_path", str(hf),
-                    "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only",
-                    "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"],
-                   nproc=2, dump_folder=second)  # fmt: skip
+    args = [*base, "--training.steps", "3", "--parallelism.context_parallel_degree", "2",
+            "--checkpoint.enable", "--checkpoint.interval", "3",
+            "--checkpoint.initial_load_path", str(hf),
+            "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only",
+            "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]  # fmt: skip
+    print(fork_train([Launch("second", 2, args)], folder=tmp_path))
     resumed = read_metrics(second)
     assert resumed[0]["loss"] < fresh[0]["loss"] - 1.0, (fresh[0]["loss"], resumed[0]["loss"])
     # ... and below every loss of the first run's first half: it starts where that run got to.

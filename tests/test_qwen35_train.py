@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import read_metrics, torchrun_train
+from tests.launch import Launch, fork_train, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -15,12 +15,10 @@ CONFIG = ["--config_file", "configs/qwen35_debug_cpu.toml"]
 def test_qwen35_debug_trains_on_two_cpu_ranks(tmp_path, cp):
     """FSDP over 2 ranks (CP=1) or CP=2 head-tail: the loss falls and the host routing reads
     nothing back."""
+    args = [*CONFIG, "--training.steps", "10", "--validator.freq", "10", "--validator.steps", "1",
+            "--metrics.no-enable-wandb", "--parallelism.context_parallel_degree", str(cp)]  # fmt: skip
+    print(fork_train([Launch(f"cp{cp}", 2, args)], folder=tmp_path))
     dump = tmp_path / f"cp{cp}"
-    torchrun_train(
-        [*CONFIG, "--training.steps", "10", "--validator.freq", "10", "--validator.steps", "1",
-         "--metrics.no-enable-wandb", "--parallelism.context_parallel_degree", str(cp)],
-        nproc=2, dump_folder=dump,
-    )  # fmt: skip
     rows = read_metrics(dump)
     assert [r["step"] for r in rows] == list(range(1, 11))
     first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-3:]) / 3
@@ -34,23 +32,21 @@ def _seeded_runs(
     runs: dict[str, tuple[int, list[str]]],
     config: list[str] = CONFIG,
     steps: int = 3,
-    timeout: float = 300,
 ) -> dict:
     """``steps`` AdamW steps from one seed checkpoint for each ``name: (nproc, args)`` of
-    ``config``; every run also gets ``extra``. Returns each run's metrics rows."""
-    from tests.launch import python_train
-
-    seed_dir = tmp_path / "seed"
-    python_train([*config, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-                  "--metrics.no-enable-wandb"], dump_folder=seed_dir)  # fmt: skip
+    ``config``; every run also gets ``extra``. Returns each run's metrics rows. The seed and
+    every run are launched from one process that imported the trainer once
+    (tests/launch.py::fork_train): process start-ups were most of these tests' CPU time."""
+    seed = [*config, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+            "--metrics.no-enable-wandb"]  # fmt: skip
     common = [*config, "--training.steps", str(steps), "--validator.no-enable",
               "--metrics.no-enable-wandb", "--debug.deterministic", "--checkpoint.enable",
-              "--checkpoint.initial_load_path", str(seed_dir / "checkpoint" / "step-0"), *extra]  # fmt: skip
-    rows = {}
-    for name, (nproc, args) in runs.items():
-        torchrun_train([*common, *args], nproc=nproc, dump_folder=tmp_path / name, timeout=timeout)
-        rows[name] = read_metrics(tmp_path / name)
-    return rows
+              "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0"),
+              *extra]  # fmt: skip
+    launches = [Launch("seed", 1, seed)]
+    launches += [Launch(name, nproc, [*common, *args]) for name, (nproc, args) in runs.items()]
+    print(fork_train(launches, folder=tmp_path))
+    return {name: read_metrics(tmp_path / name) for name in runs}
 
 
 def _assert_same_curve(ref: list[dict], other: list[dict]) -> None:
