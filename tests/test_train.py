@@ -1,4 +1,7 @@
-"""End-to-end runs of the real entry point under torchrun (gloo, 2 CPU processes)."""
+"""End-to-end runs of the real entry point under torchrun (gloo, 2 CPU processes). The tests
+that only compare runs' metrics fork their runs from one launcher (``fork_train``: real rank
+processes and gloo groups, the real entry point, no torchrun agent); the rest, and every test
+about torchrun itself, launch with torchrun."""
 
 from __future__ import annotations
 
@@ -7,7 +10,14 @@ import shutil
 
 import pytest
 
-from tests.launch import python_train, read_metrics, read_run_headers, torchrun_train
+from tests.launch import (
+    Launch,
+    fork_train,
+    python_train,
+    read_metrics,
+    read_run_headers,
+    torchrun_train,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +41,17 @@ def test_default_config_trains_and_logs(tmp_path):
     assert runs, "expected an offline wandb run to sync later"
 
 
-def run_steps(tmp_path, name: str, nproc: int, *extra: str) -> list[dict]:
-    dump = tmp_path / name
-    torchrun_train(
-        [*DEFAULT, "--training.steps", "3", "--validator.no-enable", "--metrics.no-enable-wandb",
-         "--debug.deterministic", *extra],
-        nproc=nproc, dump_folder=dump,
+def fork_steps(tmp_path, runs: dict[str, tuple[int, list[str]]]) -> dict[str, list[dict]]:
+    """3 deterministic steps of the debug config for each run ``{name: (nproc, extra args)}``,
+    forked one after another from one launcher that imported the trainer once; each run's
+    metrics by name."""
+    fork_train(
+        [Launch(name, nproc, [*DEFAULT, "--training.steps", "3", "--validator.no-enable",
+                              "--metrics.no-enable-wandb", "--debug.deterministic", *extra])
+         for name, (nproc, extra) in runs.items()],
+        folder=tmp_path,
     )  # fmt: skip
-    return read_metrics(dump)
+    return {name: read_metrics(tmp_path / name) for name in runs}
 
 
 def seed_checkpoint(tmp_path, *extra: str) -> str:
@@ -62,12 +75,16 @@ def test_context_parallel_matches_unsharded(tmp_path, pattern, modes):
     seed = seed_checkpoint(tmp_path, "--model.layer_pattern", pattern)
     common = ["--model.layer_pattern", pattern, "--checkpoint.enable",
               "--checkpoint.initial_load_path", seed]  # fmt: skip
-    ref = run_steps(tmp_path, "cp1", 1, *common)
+    runs = fork_steps(tmp_path, {
+        "cp1": (1, common),
+        **{f"cp2-{mode}": (2, [*common, "--model.attention_cp", mode,
+                               "--parallelism.context_parallel_degree", "2"]) for mode in modes},
+    })  # fmt: skip
+    ref = runs["cp1"]
     max_loss = "loss_metrics/global_max_loss"
     assert all(r[max_loss] == r["loss"] for r in ref), "one rank: the average itself"
     for mode in modes:
-        cp = run_steps(tmp_path, f"cp2-{mode}", 2, *common, "--model.attention_cp", mode,
-                       "--parallelism.context_parallel_degree", "2")  # fmt: skip
+        cp = runs[f"cp2-{mode}"]
         for a, b in zip(ref, cp, strict=True):
             assert abs(a["loss"] - b["loss"]) <= 1e-5, (mode, a["step"], a["loss"], b["loss"])
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (mode, a["step"])
@@ -100,7 +117,7 @@ def test_checkpoint_resume_continues_the_loss_curve(tmp_path):
 
 @pytest.mark.parametrize("pattern, balancer", [("KKA", "headtail"), ("GGA", "ptrr")])
 def test_host_and_readback_runs_are_bitwise_identical(tmp_path, pattern, balancer):
-    """Two torchrun runs (CP=2, 2 gradient-accumulation microbatches, validation) that differ
+    """Two runs (CP=2, 2 gradient-accumulation microbatches, validation; forked) that differ
     only in linear_attention.routing_source log identical losses, grad norms, gradient and
     parameter hashes; the host run reads nothing back, also in validation."""
     common = ["--model.layer_pattern", pattern, "--parallelism.context_parallel_degree", "2",
@@ -108,15 +125,17 @@ def test_host_and_readback_runs_are_bitwise_identical(tmp_path, pattern, balance
               "--training.global_batch_size", "4", "--debug.param_checksums",
               "--debug.seed", "42", "--validator.enable", "--validator.freq", "2",
               "--validator.steps", "2"]  # fmt: skip
-    runs = {}
-    for source in ("host", "device_readback"):
-        dump = tmp_path / source
-        torchrun_train(
-            [*DEFAULT, "--training.steps", "3", "--metrics.no-enable-wandb",
-             "--debug.deterministic", "--linear_attention.routing_source", source, *common],
-            nproc=2, dump_folder=dump,
-        )  # fmt: skip
-        runs[source] = (dump / "metrics.jsonl").read_text().splitlines()
+    fork_train(
+        [Launch(source, 2, [*DEFAULT, "--training.steps", "3", "--metrics.no-enable-wandb",
+                            "--debug.deterministic", "--linear_attention.routing_source", source,
+                            *common])
+         for source in ("host", "device_readback")],
+        folder=tmp_path,
+    )  # fmt: skip
+    runs = {
+        s: (tmp_path / s / "metrics.jsonl").read_text().splitlines()
+        for s in ("host", "device_readback")
+    }
     host = [json.loads(x) for x in runs["host"]]
     dev = [json.loads(x) for x in runs["device_readback"]]
     train_h, train_d = [r for r in host if "loss" in r], [r for r in dev if "loss" in r]
@@ -143,8 +162,11 @@ def test_context_parallel_with_fsdp_matches_fsdp_alone(tmp_path):
     common = ["--model.layer_pattern", pattern, "--checkpoint.enable",
               "--checkpoint.initial_load_path", seed,
               "--parallelism.data_parallel_shard_degree", "2"]  # fmt: skip
-    ref = run_steps(tmp_path, "dp2", 2, *common)
-    both = run_steps(tmp_path, "dp2cp2", 4, *common, "--parallelism.context_parallel_degree", "2")
+    runs = fork_steps(tmp_path, {
+        "dp2": (2, common),
+        "dp2cp2": (4, [*common, "--parallelism.context_parallel_degree", "2"]),
+    })  # fmt: skip
+    ref, both = runs["dp2"], runs["dp2cp2"]
     for a, b in zip(ref, both, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a["step"], a["grad_norm"])
