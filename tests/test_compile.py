@@ -200,49 +200,51 @@ def test_conv_torch_op_fake_is_contiguous_for_permuted_dense_inputs():
     torch.library.opcheck(conv_ops.causal_conv1d_torch_op, (*args, cu, "silu"))
 
 
-@pytest.mark.parametrize("kind", ["kda", "gdn"])
-def test_fla_fake_impls_give_fla_shapes(kind):
-    """Shapes and dtypes the fake impls promise, for bf16 inputs as on the GPU (fla returns
-    the output in q's dtype, float32 states and cumulative gates, scores [1,T,HV,64])."""
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_fla_fake_impls_give_fla_shapes(case: RecurrenceCase):
+    """Shapes and dtypes the fla op's fake impl promises, for bf16 inputs as on the GPU (float32
+    gates and states): the output in the values' dtype, float32 final states and cumulative
+    gates, the delta rule's scores ``[1, T, HV, 64]``; and through its
+    registered autograd, every gradient (the backward op's fake) in its input's shape and
+    dtype. Every registered recurrence, from its case's fla op call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    xs = [x.float() if name == "g" else x.to(torch.bfloat16)
+          for name, x in zip(case.names, case.inputs(T, 0))]  # fmt: skip
+    h0 = torch.zeros(3, HV, K, V)
+    op, args = case.fla_op(xs, h0, CU, CU, None, None, 0.3)
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(a).requires_grad_(True)
+                if isinstance(a, torch.Tensor) and a.is_floating_point() else
+                mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                for a in args]  # fmt: skip
+        o, fin, g_cum, *scores = op(*args)
+        assert (o.shape, o.dtype) == ((1, T, HV, V), torch.bfloat16)
+        assert (fin.shape, fin.dtype) == ((3, HV, K, V), torch.float32)
+        gate = args[3]  # every family's fla op takes (q, k, v, gate, ...)
+        assert (g_cum.shape, g_cum.dtype) == (gate.shape, torch.float32)
+        if scores:  # the delta rule saves its chunk scores [1, T, HV, 64] (KDA: two of them)
+            a1, a2 = scores
+            assert a1.shape == (1, T, HV, FLA_CHUNK_SIZE)
+            assert a2.shape == (a1.shape if gate.dim() == 4 else (0,))
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        grads = torch.autograd.grad(o.float().sum() + fin.sum(), leaves, allow_unused=True)
+        for grad, x in zip(grads, leaves, strict=True):
+            assert grad is not None and (grad.shape, grad.dtype) == (x.shape, x.dtype)
+
+
+def test_conv_fla_fake_impl_gives_fla_shapes():
+    """The conv's fla op fake: the output in the input's shape and dtype (bf16 as on the GPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        bf = torch.bfloat16
-        q, k = torch.empty(1, T, H, K, dtype=bf), torch.empty(1, T, H, K, dtype=bf)
-        v = torch.empty(1, T, HV, V, dtype=bf)
-        g = torch.empty(*((1, T, HV, K) if kind == "kda" else (1, T, HV)))
-        beta = torch.empty(1, T, HV, dtype=bf)
-        h0 = torch.empty(3, HV, K, V)
-        cu = torch.empty(4, dtype=torch.int32)
-        o, fin, g_cum, a1, a2 = delta_ops.delta_rule_fla_op(
-            q, k, v, g, beta, h0, cu, cu, None, kind, 0.3, True
-        )
-        assert (o.shape, o.dtype) == ((1, T, HV, V), bf)
-        assert (fin.shape, fin.dtype) == ((3, HV, K, V), torch.float32)
-        assert (g_cum.shape, g_cum.dtype) == (g.shape, torch.float32)
-        assert a1.shape == (1, T, HV, FLA_CHUNK_SIZE)
-        assert a2.shape == (a1.shape if kind == "kda" else (0,))
-        grads = delta_ops.delta_rule_fla_bwd_op(
-            q, k, v, beta, g_cum, a1, a2, h0, cu, cu, None, o, fin, kind, 0.3
-        )
-        for grad, x in zip(grads, (q, k, v, g_cum, beta, h0)):
-            assert (grad.shape, grad.dtype) == (x.shape, x.dtype)
+        bf, cu = torch.bfloat16, torch.empty(4, dtype=torch.int32)
         x = torch.empty(1, T, 5, dtype=bf)
         w = torch.empty(5, 4, dtype=bf)
         y = conv_ops.causal_conv1d_fla_op(
             x, w, None, torch.empty(3, 5, 4, dtype=bf), cu, cu, None, "silu"
         )
         assert (y.shape, y.dtype) == (x.shape, bf)
-        # SSD (simple GLA): q/k already repeated to the value heads, float32 gate.
-        qs = torch.empty(1, T, HV, K, dtype=bf)
-        gs = torch.empty(1, T, HV)
-        o, fin, g_cum = ssd_ops.ssd_fla_op(qs, qs, v, gs, h0, cu, cu, None, None, 1.0, True)
-        assert (o.shape, o.dtype) == ((1, T, HV, V), bf)
-        assert (fin.shape, fin.dtype) == ((3, HV, K, V), torch.float32)
-        assert (g_cum.shape, g_cum.dtype) == (gs.shape, torch.float32)
-        grads = ssd_ops.ssd_fla_bwd_op(qs, qs, v, g_cum, h0, cu, cu, None, None, o, fin, 1.0)
-        for grad, x in zip(grads, (qs, qs, v, gs, h0)):
-            assert (grad.shape, grad.dtype) == (x.shape, x.dtype)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's Triton kernels need CUDA")
