@@ -29,22 +29,14 @@ def host_cu_seqlens(
     return [int(c) for c in cu]
 
 
-def entry_states(
-    q: Tensor,
-    v: Tensor,
-    cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | None,
-    initial_state: Tensor | None,
-) -> tuple[list[int], Tensor]:
-    """The host offsets (``host_cu_seqlens``) and every sequence's entry state ``[N, HV, K, V]``
-    in the compute dtype (zeros when ``initial_state`` is None), for a chunked kernel over
-    ``q [1, T, H, K]`` and ``v [1, T, HV, V]``."""
-    cu = host_cu_seqlens(q.shape[1], cu_seqlens, cu_seqlens_cpu)
+def entry_states(q: Tensor, v: Tensor, num_seqs: int, initial_state: Tensor | None) -> Tensor:
+    """Every sequence's entry state ``[N, HV, K, V]`` in the compute dtype, for a chunked kernel
+    over ``q [1, T, H, K]`` and ``v [1, T, HV, V]``: ``initial_state`` cast, or zeros when None."""
     cd = compute_dtype(q.dtype)
     if initial_state is not None:
-        return cu, initial_state.to(cd)
+        return initial_state.to(cd)
     HV, V = v.shape[2:]
-    return cu, torch.zeros(len(cu) - 1, HV, q.shape[3], V, dtype=cd, device=q.device)
+    return torch.zeros(num_seqs, HV, q.shape[3], V, dtype=cd, device=q.device)
 
 
 def seq_ids_and_positions(cu: list[int]) -> tuple[Tensor, Tensor]:

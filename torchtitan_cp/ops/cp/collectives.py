@@ -101,49 +101,108 @@ class _AllGather(torch.autograd.Function):
         return out, None
 
 
-class _AllGatherStart(torch.autograd.Function):
-    """The all-gather posted asynchronously (``async_op=True``); the returned buffer is filled
-    when ``Pending.wait`` returns. The backward is ``_AllGather``'s reduce-scatter."""
+class _Flight:
+    """One all-gather and its backward's reduce-scatter, each in flight between two autograd
+    nodes (``all_gather_start``). Holds the c10d works and the buffers they must outlive."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rows = 0
+        self.work = None  # the forward's all-gather
+        self.send: Tensor | None = None
+        self.out: Tensor | None = None
+        self.rs_work = None  # the backward's reduce-scatter
+        self.rs_send: Tensor | None = None
+        self.rs_out: Tensor | None = None
+
+
+class _Post(torch.autograd.Function):
+    """Posts the all-gather of ``x`` (``async_op=True``) and returns a token, an empty tensor
+    that ties ``_Land`` to ``x`` in the graph. Backward: waits for the reduce-scatter that
+    ``_Land``'s backward posted and hands its rows to ``x``.
+
+    Why two nodes: autograd runs the ready node with the highest sequence number first, so the
+    state-independent local work created between this node and ``_Land`` (issued while the
+    all-gather is in flight) runs, in the backward, after ``_Land``'s backward has posted the
+    reduce-scatter and before this node waits for it. One node posting and waiting (a blocking
+    reduce-scatter) would leave nothing to overlap: by then that work has already run."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup, pending: Pending) -> Tensor:  # type: ignore[override]
-        ctx.group = group
-        ctx.rows = x.shape[0]
+    def forward(ctx, x: Tensor, flight: _Flight) -> Tensor:  # type: ignore[override]
+        ctx.flight = flight
         x = x.contiguous()
-        out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-        pending._work = _all_gather_single(out, x, group=group, async_op=True)
-        pending._keep = x  # the send buffer must outlive the collective
+        flight.rows = x.shape[0]
+        flight.out = x.new_empty((group_size(flight.group) * x.shape[0], *x.shape[1:]))
+        flight.work = _all_gather_single(flight.out, x, group=flight.group, async_op=True)
+        flight.send = x  # the send buffer must outlive the collective
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        flight = ctx.flight
+        if flight.rs_work is None or flight.rs_out is None:
+            raise RuntimeError("all_gather_start: the gathered tensor's backward did not run")
+        flight.rs_work.wait()
+        grad = flight.rs_out
+        flight.rs_work = flight.rs_send = flight.rs_out = None
+        return grad, None
+
+
+class _Land(torch.autograd.Function):
+    """Waits for ``_Post``'s all-gather and returns the gathered tensor. Backward: posts the
+    reduce-scatter (a sum to the rows' owners, as ``_AllGather``'s) and returns at once; the
+    ``_Post`` node waits for it."""
+
+    @staticmethod
+    def forward(ctx, token: Tensor, flight: _Flight) -> Tensor:  # type: ignore[override]
+        ctx.flight = flight
+        ctx.token_meta = (token.shape, token.dtype, token.device)
+        assert flight.work is not None and flight.out is not None
+        flight.work.wait()
+        out, flight.work, flight.send, flight.out = flight.out, None, None, None
         return out
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        return _AllGather.backward(ctx, grad)[0], None, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        flight = ctx.flight
+        grad = grad.contiguous()
+        flight.rs_out = grad.new_empty((flight.rows, *grad.shape[1:]))
+        flight.rs_send = grad
+        flight.rs_work = _reduce_scatter_single(
+            flight.rs_out, grad, op=dist.ReduceOp.SUM, group=flight.group, async_op=True
+        )
+        shape, dtype, device = ctx.token_meta
+        return torch.zeros(shape, dtype=dtype, device=device), None
 
 
 class Pending:
     """An all-gather in flight (``all_gather_start``). ``wait()`` returns the gathered tensor
     (differentiable as ``all_gather_autograd``'s), blocking only if the collective has not
-    finished; call it once every state-independent computation has been issued."""
+    finished; call it once every state-independent computation has been issued. Its backward
+    overlaps in the same way: the reduce-scatter is posted where ``wait()`` was called and
+    waited for where ``all_gather_start`` was, so the backward of the work issued in between
+    runs while it is in flight."""
 
     def __init__(self) -> None:
-        self._work = None
-        self._keep: Tensor | None = None
+        self._flight: _Flight | None = None
+        self._token: Tensor | None = None
         self._out: Tensor | None = None
 
     def wait(self) -> Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = self._keep = None
-        assert self._out is not None
+        if self._out is None:
+            assert self._flight is not None and self._token is not None
+            self._out = _Land.apply(self._token, self._flight)
+            self._token = None
         return self._out
 
 
 def all_gather_start(x: Tensor, group: dist.ProcessGroup | None) -> Pending:
     """Post the all-gather of ``x [n, ...]`` into ``[world * n, ...]`` and return at once.
 
-    Eager runs use c10d's asynchronous collective (gloo and NCCL run it beside the caller:
-    gloo on its own threads, NCCL on its own stream), so the caller computes while it is in
-    flight. Under ``torch.compile`` (and in world 1) it is ``all_gather_autograd`` itself,
+    Eager runs use c10d's asynchronous collectives (gloo runs them on its own threads, NCCL on
+    its own stream), so the caller computes while the all-gather is in flight, and the
+    backward computes the gradients of that work while the reduce-scatter is (``_Post``,
+    ``_Land``). Under ``torch.compile`` (and in world 1) it is ``all_gather_autograd`` itself,
     already finished: the compiler schedules the functional collective.
     """
     pending = Pending()
@@ -151,7 +210,8 @@ def all_gather_start(x: Tensor, group: dist.ProcessGroup | None) -> Pending:
         pending._out = all_gather_autograd(x, group)
         return pending
     assert group is not None
-    pending._out = _AllGatherStart.apply(x, group, pending)
+    pending._flight = _Flight(group)
+    pending._token = _Post.apply(x, pending._flight)
     return pending
 
 

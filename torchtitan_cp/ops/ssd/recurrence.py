@@ -34,7 +34,7 @@ from ..common import checks
 from ..common.checks import Backend
 from ..common.dtypes import compute_dtype
 from ..cp.driver import context_parallel_recurrence
-from ..cp.recurrence import InitialState, SequenceTables, SummaryRows, TokenPrepared, resolve_state
+from ..cp.recurrence import InitialState, SequenceTables, SummaryRows, TokenPrepared
 from .local import chunk_ssd
 from .torch_kernel import chunk_ssd_torch
 
@@ -87,7 +87,7 @@ class SSD:
     ) -> tuple[Tensor, Tensor | None]:
         inputs, tables = prepared
         return chunk_ssd(
-            *self.gated(inputs), scale=self.scale, initial_state=resolve_state(initial_state),
+            *self.gated(inputs), scale=self.scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=tables.cu_seqlens,
             cu_seqlens_cpu=tables.cu_seqlens_cpu, backend=self.backend,
             chunk_indices=tables.chunk_indices, chunk_offsets=tables.chunk_offsets,

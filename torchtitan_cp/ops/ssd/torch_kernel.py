@@ -12,12 +12,14 @@ state: ``o_t = exp(G_t) (scale q_t)ᵀ S0 + sum_{s<=t} (scale q_t · k_s) exp(G_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from ..common.dtypes import compute_dtype
 from ..common.scores import decay_scores
-from ..common.varlen import chunk_layout, entry_states
+from ..common.varlen import chunk_layout, entry_states, host_cu_seqlens
 
 __all__ = ["chunk_ssd_torch"]
 
@@ -29,7 +31,7 @@ def chunk_ssd_torch(
     g: Tensor,
     *,
     scale: float | None = None,
-    initial_state: Tensor | None = None,
+    initial_state: Tensor | Callable[[], Tensor | None] | None = None,
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
@@ -43,7 +45,9 @@ def chunk_ssd_torch(
         q, k: ``[1, T, H, K]`` (Mamba2's C and B; H groups); v: ``[1, T, HV, V]``, HV a
             multiple of H. g: natural-log decay ≤ 0, ``[1, T, HV]`` or ``[1, T, HV, K]``.
         scale: query scale, default ``K ** -0.5``.
-        initial_state: ``[N, HV, K, V]`` (zeros when None).
+        initial_state: ``[N, HV, K, V]`` (zeros when None), or a thunk returning it, called
+            after the state-independent terms (the scores, the intra-chunk outputs) are issued:
+            the CP driver's all-gather is in flight meanwhile.
         cu_seqlens / cu_seqlens_cpu: ``[N+1]`` sequence offsets (host copy preferred).
         states_only: return ``(None, final)`` without computing any output.
 
@@ -56,11 +60,16 @@ def chunk_ssd_torch(
     scale = K**-0.5 if scale is None else scale
     cd = compute_dtype(q.dtype)
     C = chunk_size
-    cu, state0 = entry_states(q, v, cu_seqlens, cu_seqlens_cpu, initial_state)
+    cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
     want_final = output_final_state or states_only
+
+    def state0() -> Tensor:
+        h0 = initial_state() if callable(initial_state) else initial_state
+        return entry_states(q, v, len(cu) - 1, h0)
+
     if T == 0:
         o = None if states_only else v.new_zeros(1, 0, HV, V)
-        return o, (state0.clone() if want_final else None)
+        return o, (state0().clone() if want_final else None)
 
     lay = chunk_layout(cu, C)
     rep = HV // H
@@ -71,13 +80,17 @@ def chunk_ssd_torch(
     Gl = Gk[:, :, -1:]  # [NC, HV, 1, K or 1]
     E = (kc * torch.exp(Gl - Gk)).transpose(-1, -2) @ vc  # [NC, HV, K, V]; exp(G_C - G_t) <= 1
     dec = torch.exp(Gl).transpose(-1, -2)  # [NC, HV, K or 1, 1]
-    # Inter-chunk recurrence S <- exp(G_C) S + E, and every chunk's entry state S0.
-    final, S0 = lay.scan(dec, E, state0, torch.mul, entries=not states_only)
     if states_only:
-        return None, final
-    assert S0 is not None
+        return None, lay.scan(dec, E, state0(), torch.mul, entries=False)[0]
+    # State-independent: the query side of the state term and the intra-chunk outputs (what
+    # overlaps the CP driver's all-gather, Megatron's "CB" part of Mamba2's state passing).
     qc = lay.pack(q, cd).repeat_interleave(rep, dim=1) * scale
     sub = sub_chunk_size if C % sub_chunk_size == 0 else C
     scores = decay_scores(qc.unsqueeze(0), kc, G, sub)[0]  # [NC, HV, C, C]
-    oc = (qc * torch.exp(Gk)) @ S0 + scores @ vc  # [NC, HV, C, V]
+    qg = qc * torch.exp(Gk)  # [NC, HV, C, K]
+    oi = scores @ vc  # [NC, HV, C, V]
+    # Inter-chunk recurrence S <- exp(G_C) S + E, and every chunk's entry state S0.
+    final, S0 = lay.scan(dec, E, state0(), torch.mul, entries=True)
+    assert S0 is not None
+    oc = qg @ S0 + oi  # [NC, HV, C, V]
     return lay.unpack(oc).to(v.dtype), (final if want_final else None)
