@@ -28,12 +28,13 @@ It imports only the public ops and routing, so ``BENCH_SOURCE=/path/to/other/che
 same benchmark on another version (the before/after table of docs/PERFORMANCE.md).
 
 ``--delay MS`` measures the overlap instead. First, load-independent: the CPU time the rank's
-thread spends between posting the summaries' all-gather and waiting for it (work that hides the
-collective's latency), against the whole forward's. Then every all-gather of the CP op is held
-back by MS milliseconds (a thread sleeps, then runs it, as a slow network would), and it gives
-the CP forward's wall time with and without the delay; an op that overlaps the collective with
-state-independent work grows by less than the delay (wall time, medians of ``--repeats``: it
-needs an otherwise idle machine to mean much).
+thread spends between posting the summaries' all-gather and waiting for it, and in the backward
+between posting the reduce-scatter and waiting for it (work that hides each collective's
+latency), against each pass's CPU time. Then every all-gather and reduce-scatter of the CP op
+is held back by MS milliseconds (a thread sleeps, then runs it, as a slow network would), and
+it gives the CP forward + backward's wall time with and without the delays; an op that overlaps
+its collectives with state-independent work grows by less than the two delays (wall time,
+medians of ``--repeats``: it needs an otherwise idle machine to mean much).
 
 ``--fla-count`` counts the fla (CUDA) path's work without a GPU: one process runs fla's Triton
 kernels under Triton's interpreter (tests/fla_interpreter.py, the ``fla_interpreter`` test tier)
@@ -185,25 +186,29 @@ class _DelayedWork:
 
 
 def _install_delay(seconds: float) -> None:
-    """Hold every all-gather of the CP ops back by ``seconds`` (a slow network, emulated)."""
+    """Hold every all-gather of the CP ops, and every reduce-scatter of their backward, back by
+    ``seconds`` (a slow network, emulated)."""
     from torchtitan_cp.ops.cp import collectives
 
-    real = collectives._all_gather_single
+    def delay(real):
+        def delayed(out, x, *args, async_op=False, **kwargs):
+            if not async_op:
+                time.sleep(seconds)
+                return real(out, x, *args, **kwargs)
 
-    def delayed(out, x, group=None, async_op=False):
-        if not async_op:
-            time.sleep(seconds)
-            return real(out, x, group=group)
+            def run() -> None:
+                time.sleep(seconds)
+                with torch.no_grad():  # as c10d's own threads: grad mode is per thread
+                    real(out, x, *args, **kwargs)
 
-        def run() -> None:
-            time.sleep(seconds)
-            real(out, x, group=group)
+            thread = threading.Thread(target=run, daemon=True)
+            thread.start()
+            return _DelayedWork(thread)
 
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        return _DelayedWork(thread)
+        return delayed
 
-    collectives._all_gather_single = delayed
+    collectives._all_gather_single = delay(collectives._all_gather_single)
+    collectives._reduce_scatter_single = delay(collectives._reduce_scatter_single)
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, out: dict) -> None:
@@ -245,64 +250,84 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _in_flight_cpu(cp, xs) -> tuple[float, float]:
-    """(CPU seconds this thread spends between posting the all-gather and waiting for it,
-    CPU seconds of the whole forward): the work that overlaps the collective, measured in
-    thread CPU time so that the machine's load does not enter."""
-    from torchtitan_cp.ops.cp import collectives
+class _Marks:
+    """Thread CPU time at the post of each collective the CP op issues asynchronously and at
+    the wait on its work (c10d's calls wrapped)."""
 
-    marks: dict[str, float] = {}
-    real_post = collectives._all_gather_single
-    pending = getattr(collectives, "Pending", None)  # absent before the overlap existed
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
 
-    def post(*args, **kwargs):
-        marks.setdefault("post", time.thread_time())
-        return real_post(*args, **kwargs)
+    def __enter__(self):
+        from torchtitan_cp.ops.cp import collectives
 
-    collectives._all_gather_single = post
-    if pending is not None:
-        real_wait = pending.wait
+        self.real = collectives._all_gather_single, collectives._reduce_scatter_single
+        marks = self.marks
 
-        def wait(self):
-            marks.setdefault("wait", time.thread_time())
-            return real_wait(self)
+        def wrap(real, name):
+            class Work:
+                def __init__(self, work) -> None:
+                    self.work = work
 
-        pending.wait = wait
-    try:
+                def wait(self, *args):
+                    marks.setdefault(name + " wait", time.thread_time())
+                    return self.work.wait(*args)
+
+            def post(*args, async_op=False, **kwargs):
+                marks.setdefault(name + " post", time.thread_time())
+                work = real(*args, async_op=async_op, **kwargs)
+                return Work(work) if async_op else work
+
+            return post
+
+        collectives._all_gather_single = wrap(self.real[0], "gather")
+        collectives._reduce_scatter_single = wrap(self.real[1], "scatter")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torchtitan_cp.ops.cp import collectives
+
+        collectives._all_gather_single, collectives._reduce_scatter_single = self.real
+
+    def flight(self, name: str) -> float:
+        """CPU seconds between the post and the wait (0 for a blocking collective)."""
+        post = self.marks[name + " post"]
+        return self.marks.get(name + " wait", post) - post
+
+
+def _in_flight_cpu(cp, xs) -> dict[str, float]:
+    """CPU seconds this thread spends, in the forward, between posting the all-gather and
+    waiting for it and, in the backward, between posting the reduce-scatter and waiting for it
+    (the work that overlaps each collective), and each pass's CPU seconds: thread CPU time, so
+    that the machine's load does not enter."""
+    for x in xs:
+        x.grad = None
+    with _Marks() as m:
         t0 = time.thread_time()
-        with torch.no_grad():
-            cp(*xs)
-        total = time.thread_time() - t0
-    finally:
-        collectives._all_gather_single = real_post
-        if pending is not None:
-            pending.wait = real_wait
-    return marks.get("wait", marks["post"]) - marks["post"], total
+        o = cp(*xs)
+        t1 = time.thread_time()
+        o.backward(torch.ones_like(o))
+        t2 = time.thread_time()
+    return {"fwd_cpu": t1 - t0, "in_flight_cpu": m.flight("gather"),
+            "bwd_cpu": t2 - t1, "bwd_in_flight_cpu": m.flight("scatter")}  # fmt: skip
 
 
 def _overlap(cp, xs, cfg: dict, group) -> dict:
-    def forward_wall() -> float:
+    def wall() -> float:
         times = []
         for _ in range(cfg["repeats"]):
             dist.barrier(group)
             t0 = time.perf_counter()
-            with torch.no_grad():
-                cp(*xs)
+            _fwd_bwd(cp, xs)
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    with torch.no_grad():
-        cp(*xs)  # warm-up
+    _fwd_bwd(cp, xs)  # warm-up
     flight = [_in_flight_cpu(cp, xs) for _ in range(cfg["repeats"])]
-    plain = forward_wall()
+    res = {key: statistics.median(f[key] for f in flight) for key in flight[0]}
+    res["wall"] = wall()
     _install_delay(cfg["delay_ms"] / 1000)
-    delayed = forward_wall()
-    return {
-        "fwd_wall": plain,
-        "fwd_wall_delayed": delayed,
-        "in_flight_cpu": statistics.median(f[0] for f in flight),
-        "fwd_cpu": statistics.median(f[1] for f in flight),
-    }
+    res["wall_delayed"] = wall()
+    return res
 
 
 def _free_port() -> int:
@@ -555,7 +580,8 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=["contiguous", "head-tail", "packed"])
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--delay", type=float, default=0.0, help="ms added to every all-gather")
+    ap.add_argument("--delay", type=float, default=0.0,
+                    help="ms added to every all-gather and reduce-scatter")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     ap.add_argument("--fla-count", action="store_true", help="count the fla path (interpreter)")
@@ -582,14 +608,16 @@ def main() -> None:
                     ranks = run_config(cfg, world)
                     if args.delay:
                         for r in ranks:
-                            grow = (r["fwd_wall_delayed"] - r["fwd_wall"]) * 1000
+                            grow = (r["wall_delayed"] - r["wall"]) * 1000
                             print(
                                 f"{kind} K=V={dim} W={world} {layout} rank {r['rank']}: forward "
-                                f"{r['fwd_cpu'] * 1000:.1f} ms CPU, of which "
-                                f"{r['in_flight_cpu'] * 1000:.1f} ms while the all-gather is in "
-                                f"flight; wall {r['fwd_wall'] * 1000:.1f} ms, with a "
-                                f"{args.delay:.0f} ms delay {r['fwd_wall_delayed'] * 1000:.1f} "
-                                f"ms: grew {grow:.1f} ms ({grow / args.delay:.2f} of the delay)",
+                                f"{r['fwd_cpu'] * 1000:.1f} ms CPU, "
+                                f"{r['in_flight_cpu'] * 1000:.1f} of them while the all-gather "
+                                f"is in flight; backward {r['bwd_cpu'] * 1000:.1f} ms CPU, "
+                                f"{r['bwd_in_flight_cpu'] * 1000:.1f} while the reduce-scatter "
+                                f"is; wall {r['wall'] * 1000:.1f} ms, with {args.delay:.0f} ms "
+                                f"on each collective {r['wall_delayed'] * 1000:.1f} ms: grew "
+                                f"{grow:.1f} ms ({grow / (2 * args.delay):.2f} of the delays)",
                                 flush=True,
                             )
                         continue
