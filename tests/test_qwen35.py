@@ -202,6 +202,32 @@ def test_bad_qwen35_recipes_are_one_line_errors(recipe, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_moe_widths_that_tp_cannot_split_are_refused():
+    """TP splits each routed expert's hidden units (EP off) and the shared expert's: a width
+    the degree does not divide is one line naming the key; under EP x TP the routed experts
+    stay whole, so only the shared expert's width counts."""
+    import dataclasses
+
+    from torchtitan_cp.models.qwen35.model import check_qwen35_parallelism
+
+    cfg = qwen35_config("debugmodel_moe", n_layers=1)
+    moe = cfg.layers[0].moe
+    inner = dataclasses.replace(moe.routed_experts.inner_experts, hidden_dim=255)
+    moe.routed_experts = dataclasses.replace(moe.routed_experts, inner_experts=inner)
+
+    def parallelism(tp: int, ep: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(context_parallel_degree=1, tensor_parallel_degree=tp,
+                                     expert_parallel_degree=ep)  # fmt: skip
+
+    with pytest.raises(ValueError) as e:
+        check_qwen35_parallelism(cfg, parallelism(2, 1))
+    msg = str(e.value)
+    assert "tensor_parallel_degree = 2 does not divide the 255 routed expert hidden units" in msg
+    assert "use a degree in [1, 3, 5, 15, 17, 51, 85, 255]" in msg and "\n" not in msg
+    check_qwen35_parallelism(cfg, parallelism(2, 2))  # EP x TP: experts whole
+    check_qwen35_parallelism(cfg, parallelism(1, 1))
+
+
 def test_hybrid_rejects_qwen_only_keys():
     with pytest.raises(ValueError, match="model.n_layers applies to model.name = 'qwen3_5'"):
         recipe_model_spec(ModelRecipe(n_layers=2))

@@ -9,9 +9,10 @@ cp2 x tp2 give dp1's loss and grad norm within 1e-5 relative, host and device-re
 train bit for bit the same under cp2 x tp2 (one routing per CP rank, shared by its TP ranks),
 and a DCP checkpoint of one layout resumes under the other. Qwen3.5 dense: fsdp2, cp2, tp2 and
 cp2 x tp2 against dp1, routing bitwise, and the HF export of a cp2 x tp2 checkpoint bitwise
-equal to the unsharded export of the same weights. Qwen3.5 MoE: fsdp2, cp2, ep2 and cp2 x ep2
-against dp1 (1e-5 through step 3, where its routes start to flip; see MOE_EXACT_STEPS), the HF
-export of an ep2 checkpoint bitwise equal to the unsharded one. fsdp2 runs read a corpus made
+equal to the unsharded export of the same weights. Qwen3.5 MoE: fsdp2, cp2, tp2, cp2 x tp2,
+ep2, cp2 x ep2 and tp2 x ep2 against dp1 (1e-5 through step 2, after which its routes start to
+flip; see MOE_EXACT_STEPS), the HF export of an ep2 and of a cp2 x tp2 checkpoint bitwise
+equal to the unsharded one. fsdp2 runs read a corpus made
 so that two data-parallel ranks see dp1's global batches (``_fsdp_data``). Cost: each test's
 runs are forked from one launcher that imported the trainer once (tests/fork_launch.py), since
 process start-ups (about 5 s of CPU per rank, 3 s per torchrun agent), not steps, were most of
@@ -240,11 +241,14 @@ MOE_EXACT_STEPS = 2
 MOE_LATE = 1e-2
 
 
-def test_qwen35_moe_expert_parallel_parity(tmp_path):
-    """Qwen3.5's debugmodel_moe through torchtitan's MoE modules and all-to-all dispatcher,
-    10 steps: cp2, cp2 x ep2 (EP borrowed from CP) against dp1, fsdp2 and ep2 (EP borrowed from
-    FSDP) against dp1 on the same global batches, ep2 against fsdp2; an ep2 checkpoint's HF
-    export is bit for bit the unsharded export of the same weights."""
+def test_qwen35_moe_parallel_parity(tmp_path):
+    """Qwen3.5's debugmodel_moe through torchtitan's MoE modules, its TP sharding and its
+    all-to-all dispatcher, 10 steps: cp2, tp2 (each expert's hidden units split), cp2 x tp2,
+    cp2 x ep2 (EP borrowed from CP) and tp2 x ep2 (EP borrowed from TP, the tokens
+    sequence-sharded) against dp1, fsdp2 and ep2 (EP borrowed from FSDP) against dp1 on the
+    same global batches, ep2 against fsdp2; the HF export of an ep2 and of a cp2 x tp2
+    checkpoint (experts FSDP x TP 2-D) is bit for bit the unsharded export of the same
+    weights."""
     seed = str(tmp_path / "seed" / "checkpoint" / "step-0")
     common = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed]
     ep = ["--parallelism.expert_parallel_degree", "2"]
@@ -253,17 +257,24 @@ def test_qwen35_moe_expert_parallel_parity(tmp_path):
         _seed_launch(QWEN35_MOE),
         _launch("dp1", 1, QWEN35_MOE, *common),
         _launch("cp2", 2, QWEN35_MOE, *common, *CP),
+        _launch("tp2", 2, QWEN35_MOE, *common, *TP),
+        _launch("cp2xtp2", 4, QWEN35_MOE, *common, *CP, *TP),
         _launch("cp2xep2", 2, QWEN35_MOE, *common, *CP, *ep),
+        _launch("tp2xep2", 2, QWEN35_MOE, *common, *TP, *ep),
         _launch("dp1-aligned", 1, QWEN35_MOE, *common, *one_rank),
         _launch("fsdp2", 2, QWEN35_MOE, *common, *two_ranks),
         _launch("ep2", 2, QWEN35_MOE, *common, *ep, *two_ranks),
-        # HF export below: an ep2 step (experts sharded over EP) run at learning rate 0
+        # HF export below: an ep2 step (experts sharded over EP) and a cp2 x tp2 step (experts
+        # FSDP x TP) run at learning rate 0
         _launch("ep2-lr0", 2, QWEN35_MOE, *common, *ep, *FROZEN, steps=1),
+        _launch("cp2xtp2-lr0", 4, QWEN35_MOE, *common, *CP, *TP, *FROZEN, steps=1),
     ])  # fmt: skip
     dp1, aligned, fsdp2 = (_rows(tmp_path, n) for n in ("dp1", "dp1-aligned", "fsdp2"))
     per_step = {
-        "cp2": _per_step(dp1, _rows(tmp_path, "cp2")),
-        "cp2xep2": _per_step(dp1, _rows(tmp_path, "cp2xep2")),
+        name: _per_step(dp1, _rows(tmp_path, name))
+        for name in ("cp2", "tp2", "cp2xtp2", "cp2xep2", "tp2xep2")
+    }
+    per_step |= {
         "fsdp2": _per_step(aligned, fsdp2),
         "ep2": _per_step(aligned, _rows(tmp_path, "ep2")),
         "ep2 (vs fsdp2)": _per_step(fsdp2, _rows(tmp_path, "ep2")),
@@ -276,6 +287,8 @@ def test_qwen35_moe_expert_parallel_parity(tmp_path):
     late = {k: max(v[MOE_EXACT_STEPS:]) for k, v in per_step.items()}
     assert all(err <= REL for err in exact.values()), exact
     assert all(err <= MOE_LATE for err in late.values()), late
-    # HF export: the ep2 step at learning rate 0 exports bit for bit as the unsharded seed
+    # HF export: the ep2 and cp2 x tp2 steps at learning rate 0 export bit for bit as the
+    # unsharded seed
     seed_hf = export_tensors(seed, tmp_path / "seed-hf", *QWEN35_MOE)
-    assert export_gap(seed_hf, _export(tmp_path, "ep2-lr0", 1, QWEN35_MOE)) == (0.0, "")
+    for name in ("ep2-lr0", "cp2xtp2-lr0"):
+        assert export_gap(seed_hf, _export(tmp_path, name, 1, QWEN35_MOE)) == (0.0, ""), name

@@ -53,6 +53,17 @@ def test_check_reports_the_mesh(capsys, tmp_path):
     assert (code, err) == (0, "[mesh] dp_shard 2 x cp 2 x tp 2 (8 processes)\n")
 
 
+def test_qwen35_moe_under_tp_and_ep_x_tp_passes_the_check(capsys, tmp_path):
+    """Qwen3.5's MoE flavor runs under TP (each expert's hidden units split) and EP x TP
+    (torchtitan's EP borrows the TP ranks); ``--check`` names the mesh."""
+    args = ["--config_file", "configs/qwen35_debug_cpu.toml", "--model.flavor",
+            "debugmodel_moe", "--parallelism.tensor_parallel_degree", "2",
+            "--dump_folder", str(tmp_path)]  # fmt: skip
+    assert check(capsys, *args) == (0, "2\n", "[mesh] tp 2 (2 processes)\n")
+    code, out, err = check(capsys, *args, "--parallelism.expert_parallel_degree", "2")
+    assert (code, err) == (0, "[mesh] tp 2, ep 2 (inside dp_shard x cp x tp) (2 processes)\n")
+
+
 # Each row: the flags, the process count, and what the line must say (the key and the fix).
 BAD_VALUES = [
     (["--training.steps", "-3"], "2", ["training.steps must be >= 0, got -3"]),
@@ -100,10 +111,11 @@ BAD_VALUES = [
     (["--config_file", "configs/qwen35_debug_cpu.toml", "--model.flavor", "debugmodel_moe",
       "--parallelism.expert_parallel_degree", "4"], "2",
      ["expert_parallel_degree (4) must divide data_parallel_shard_degree x "
-      "context_parallel_degree (2 x 1)"]),
+      "context_parallel_degree x tensor_parallel_degree (2 x 1 x 1)"]),
     (["--config_file", "configs/qwen35_debug_cpu.toml", "--model.flavor", "debugmodel_moe",
-      "--parallelism.tensor_parallel_degree", "2"], "2",
-     ["tensor parallelism of Qwen3.5's MoE layers is not done"]),
+      "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4"],
+     "2", ["expert_parallel_degree (4) must divide data_parallel_shard_degree x "
+           "context_parallel_degree x tensor_parallel_degree (1 x 1 x 2)"]),
     (["--config_file", "configs/qwen35_debug_cpu.toml", "--parallelism.expert_parallel_degree",
       "2"], "2", ["expert_parallel_degree = 2: this qwen3_5 flavor has no experts"]),
     (["--parallelism.pipeline_parallel_degree", "2"], "2",

@@ -118,18 +118,19 @@ def _dp_degree(config: Any, world_size: int) -> int:
             "run; make the product equal NPROC x NNODES or set data_parallel_shard_degree = -1",
         )
     ep = p.expert_parallel_degree
+    # torchtitan's EP borrows its ranks from dp_shard x cp x tp (its efsdp x ep mesh)
     _need(
-        ep == 1 or (shard * p.context_parallel_degree) % ep == 0,
+        ep == 1 or (shard * p.context_parallel_degree * tp) % ep == 0,
         f"parallelism.expert_parallel_degree ({ep}) must divide data_parallel_shard_degree x "
-        f"context_parallel_degree ({shard} x {p.context_parallel_degree}): experts are split "
-        "over those ranks",
+        f"context_parallel_degree x tensor_parallel_degree ({shard} x "
+        f"{p.context_parallel_degree} x {tp}): experts are split over those ranks",
     )
     return shard * p.data_parallel_replicate_degree
 
 
 def mesh_text(config: Any, world_size: int) -> str:
     """The device mesh torchtitan builds for ``world_size`` processes, in its order (pp,
-    dp_replicate, dp_shard, cp, tp; ep borrowed from dp_shard x cp), e.g.
+    dp_replicate, dp_shard, cp, tp; ep borrowed from dp_shard x cp x tp), e.g.
     ``dp_shard 1 x cp 2 x tp 2 (4 processes)``."""
     p = config.parallelism
     tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
@@ -141,7 +142,7 @@ def mesh_text(config: Any, world_size: int) -> str:
             ("cp", cp), ("tp", tp)]  # fmt: skip
     text = " x ".join(f"{name} {d}" for name, d in axes if d > 1) or "one rank"
     if p.expert_parallel_degree > 1:
-        text += f", ep {p.expert_parallel_degree} (inside dp_shard x cp)"
+        text += f", ep {p.expert_parallel_degree} (inside dp_shard x cp{' x tp' * (tp > 1)})"
     return f"{text} ({world_size} processes)"
 
 

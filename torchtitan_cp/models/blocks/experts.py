@@ -1,6 +1,7 @@
-"""Expert parallelism and FSDP for decoders built on torchtitan's MoE layers (Qwen3.5's MoE
-flavors, Kimi Linear): the config check, torchtitan's expert sharding configs, the modules'
-own EP sharding and FSDP with the experts over what EP leaves of dp_shard x cp."""
+"""Expert and tensor parallelism and FSDP for decoders built on torchtitan's MoE layers
+(Qwen3.5's MoE flavors, Kimi Linear): the config check, torchtitan's MoE sharding configs, the
+modules' own EP / TP sharding and FSDP with the experts over what EP leaves of
+dp_shard x cp x tp."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from torchtitan.models.deepseek_v3.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT
 from torchtitan_cp import compat
 
 __all__ = [
-    "apply_expert_parallel",
     "apply_fsdp_with_experts",
     "check_expert_parallel",
-    "shard_experts_over_ep",
+    "parallelize_moe",
+    "set_moe_sharding",
 ]
 
 
@@ -42,23 +43,36 @@ def check_expert_parallel(cfg: Any, ep: int, model_name: str) -> None:
         )
 
 
-def shard_experts_over_ep(layers: list[Any]) -> None:
-    """torchtitan's own expert sharding on every MoE layer config of ``layers`` (called from
-    the model config's ``update_from_config`` when EP > 1): the routed experts' w1/w2/w3
-    (torchtitan's ``GroupedExperts`` names) split on their expert dimension over the EP mesh,
-    its all-to-all token dispatcher, router and shared experts replicated."""
+def set_moe_sharding(layers: list[Any], *, ep: int, tp: int) -> None:
+    """torchtitan's own MoE sharding configs on every MoE layer config of ``layers`` (called
+    from the model config's ``update_from_config`` when EP or TP > 1; ``ep``, ``tp``: the
+    degrees), as upstream's Qwen3.5 sets them (``set_moe_sharding_config``):
+
+    * EP: the routed experts' w1/w2/w3 (torchtitan's ``GroupedExperts`` names) split on their
+      expert dimension over the EP mesh, its all-to-all token dispatcher; router replicated.
+    * TP without EP: the MoE gathers its sequence-parallel input, the router runs replicated,
+      each expert's hidden dimension is split (w1/w3 ``Shard(1)``, w2 ``Shard(2)``) and the
+      routed output (partial sums) is reduce-scattered back to the sequence shards.
+    * EP x TP: torchtitan's EP borrows the TP ranks (its ``efsdp x ep`` mesh spans
+      dp_shard x cp x tp): the tokens stay sequence-sharded over TP through the router and
+      the dispatch, whole experts per EP rank.
+
+    The shared experts are split over TP like a dense feed-forward (w1/w3 column-, w2
+    row-wise, reduce-scattered)."""
     for layer in layers:
         if layer.moe is not None:
             set_moe_sharding_config(
-                layer.moe, enable_ep=True, enable_sp=False,
+                layer.moe, enable_ep=ep > 1, enable_sp=tp > 1,
                 expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT,
             )  # fmt: skip
 
 
-def apply_expert_parallel(model: nn.Module, parallel_dims: Any) -> None:
+def parallelize_moe(model: nn.Module, parallel_dims: Any) -> None:
     """Shard every torchtitan ``MoE`` of ``model`` by its sharding config (set by
-    ``shard_experts_over_ep``). The CP ranks' tokens are routed like any other data-parallel
-    tokens: EP borrows its ranks from dp_shard x cp."""
+    ``set_moe_sharding``): its parameters become DTensors on the TP or EP mesh and its forward
+    redistributes on entry and exit (torchtitan's ``Module.parallelize``, which also wires the
+    all-to-all dispatcher to the EP mesh). The CP ranks' tokens are routed like any other
+    data-parallel tokens: EP borrows its ranks from dp_shard x cp (x tp)."""
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         moe.parallelize(parallel_dims)
 
@@ -73,7 +87,7 @@ def apply_fsdp_with_experts(
 ) -> None:
     """FSDP over the data-parallel mesh (dp_shard x cp, with dp_replicate when set):
     torchtitan's ``apply_fsdp_to_decoder`` (one unit per layer, embeddings and head); under EP
-    the experts shard over what EP leaves of dp_shard x cp (``efsdp``). ``encoder`` (Qwen3.5's
+    the experts shard over what EP leaves of dp_shard x cp x tp (``efsdp``). ``encoder`` (Qwen3.5's
     vision encoder) is wrapped first on the same mesh. Gloo has no average reduction: the
     gradients are summed and torchtitan's loss scaling divides (``compat``)."""
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

@@ -41,7 +41,7 @@ from torchtitan_cp.models.blocks.attention_cp import (
     AttentionCP,
     check_attention_cp,
 )
-from torchtitan_cp.models.blocks.experts import check_expert_parallel, shard_experts_over_ep
+from torchtitan_cp.models.blocks.experts import check_expert_parallel, set_moe_sharding
 from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
 from torchtitan_cp.models.blocks.heads import recurrence_flops
 from torchtitan_cp.models.blocks.init import BASE_STD
@@ -320,8 +320,8 @@ class KimiLinearModel(Decoder):
 
         def update_from_config(self, *, config, **kwargs) -> None:
             Decoder.Config.update_from_config(self, config=config, **kwargs)
-            if config.parallelism.expert_parallel_degree > 1:
-                shard_experts_over_ep(self.layers)  # torchtitan's own expert sharding
+            if config.parallelism.expert_parallel_degree > 1:  # TP is refused for kimi_linear
+                set_moe_sharding(self.layers, ep=config.parallelism.expert_parallel_degree, tp=1)
             la = getattr(config, "linear_attention", None)
             if la is not None:
                 self.linear_attention_backend = la.backend

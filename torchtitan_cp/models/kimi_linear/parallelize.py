@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from torchtitan_cp.models.blocks.experts import apply_expert_parallel, apply_fsdp_with_experts
+from torchtitan_cp.models.blocks.experts import apply_fsdp_with_experts, parallelize_moe
 
 __all__ = ["parallelize_kimi_linear"]
 
@@ -37,7 +37,7 @@ def parallelize_kimi_linear(
     if compile_config.enable and "model" in compile_config.components:
         raise NotImplementedError("compile.enable is not built for kimi_linear yet")
     if parallel_dims.ep_enabled:
-        apply_expert_parallel(model, parallel_dims)
+        parallelize_moe(model, parallel_dims)
     # Under CP nothing more to wire: KDA layers read the routing (CP driver, conv halo) and
     # MLA layers gather their compressed latent (flex and sdpa) or pass K/V themselves, so
     # torchtitan's flex K/V all-gather wrapper is not applied.

@@ -36,6 +36,7 @@ from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.qwen3_5 import qwen3_5_configs
 from torchtitan.models.qwen3_5.model import GatedDeltaNet, Qwen35Model
+from torchtitan.models.qwen3_5.sharding import _set_shared_expert_gate_sharding
 from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder
 from torchtitan.protocols.module import Module
 
@@ -44,7 +45,7 @@ from torchtitan_cp.models.blocks.attention_cp import (
     AttentionCP,
     check_attention_cp,
 )
-from torchtitan_cp.models.blocks.experts import check_expert_parallel, shard_experts_over_ep
+from torchtitan_cp.models.blocks.experts import check_expert_parallel, set_moe_sharding
 from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
 
 # Shared with models.kimi_linear, so they live in blocks/ (re-exported for existing callers).
@@ -205,11 +206,18 @@ class Qwen35TextModel(Qwen35Model):
             )
 
         def update_from_config(self, *, config, **kwargs) -> None:
-            # Decoder's checks and RoPE sizing; not Qwen35Model's, which fills tensor-parallel
-            # sharding configs (and needs the vision encoder) for TP this recipe rejects.
+            # Decoder's checks and RoPE sizing; not Qwen35Model's, which fills sharding configs
+            # for every module (and needs the vision encoder): the recipe shards the mixers
+            # and the decoder's ends with torch's plans (parallelize.py) and keeps torchtitan's
+            # configs for the MoE layers only.
             Decoder.Config.update_from_config(self, config=config, **kwargs)
-            if config.parallelism.expert_parallel_degree > 1:
-                shard_experts_over_ep(self.layers)  # torchtitan's own expert sharding
+            ep = config.parallelism.expert_parallel_degree
+            tp = config.parallelism.tensor_parallel_degree
+            if ep > 1 or tp > 1:
+                set_moe_sharding(self.layers, ep=ep, tp=tp)  # torchtitan's own MoE sharding
+                for layer in self.layers:
+                    if layer.moe is not None:  # upstream's Qwen3.5 adds its shared-expert gate
+                        _set_shared_expert_gate_sharding(layer.moe.shared_experts)
             la = getattr(config, "linear_attention", None)
             if la is not None:
                 self.linear_attention_backend = la.backend
@@ -347,21 +355,11 @@ def check_qwen35_parallelism(cfg: Any, parallelism: Any) -> None:
             "parallelism.pipeline_parallel_degree > 1 is not supported for qwen3_5 by this recipe"
         )
     tp = getattr(parallelism, "tensor_parallel_degree", 1)
-    if tp > 1:
-        check_qwen35_tensor_parallel(cfg, tp)
     ep = getattr(parallelism, "expert_parallel_degree", 1)
-    if ep > 1:
-        check_qwen35_expert_parallel(cfg, ep, tp)
-
-
-def check_qwen35_expert_parallel(cfg: Any, ep: int, tp: int) -> None:
-    """A ValueError naming the key where Qwen3.5 cannot split its experts over ``ep`` ranks."""
-    check_expert_parallel(cfg, ep, "qwen3_5")
     if tp > 1:
-        raise ValueError(
-            f"parallelism.expert_parallel_degree = {ep} with tensor_parallel_degree = {tp}: "
-            "EP x TP for Qwen3.5 is not done in this recipe; use one of them"
-        )
+        check_qwen35_tensor_parallel(cfg, tp, ep)
+    if ep > 1:  # under EP x TP torchtitan's EP borrows the TP ranks (trainer/validate.py)
+        check_expert_parallel(cfg, ep, "qwen3_5")
 
 
 def qwen35_head_counts(cfg: Any) -> list[tuple[str, int]]:
@@ -378,14 +376,25 @@ def qwen35_head_counts(cfg: Any) -> list[tuple[str, int]]:
     return list(counts.items())
 
 
-def check_qwen35_tensor_parallel(cfg: Any, tp: int) -> None:
-    """A ValueError naming the key where Qwen3.5 cannot shard its heads over ``tp`` ranks."""
+def qwen35_moe_widths(cfg: Any, ep: int) -> list[tuple[str, int]]:
+    """(what, width) of the MoE layers' hidden widths that TP splits: each routed expert's
+    when EP is off (``ep`` 1; under EP the experts stay whole), the shared expert's; empty
+    for the dense flavors."""
+    moe = next((layer.moe for layer in cfg.layers if layer.moe is not None), None)
+    if moe is None:
+        return []
+    widths = []
+    if ep == 1:
+        widths.append(("routed expert hidden units", moe.routed_experts.inner_experts.hidden_dim))
+    if moe.shared_experts is not None:
+        widths.append(("shared expert hidden units", moe.shared_experts.w1.out_features))
+    return widths
+
+
+def check_qwen35_tensor_parallel(cfg: Any, tp: int, ep: int = 1) -> None:
+    """A ValueError naming the key where Qwen3.5 cannot shard its heads (and its MoE layers'
+    hidden units; ``ep``: the EP degree) over ``tp`` ranks."""
     key = f"parallelism.tensor_parallel_degree = {tp}"
-    if any(layer.moe is not None for layer in cfg.layers):
-        raise ValueError(
-            f"{key}: tensor parallelism of Qwen3.5's MoE layers is not done in this recipe "
-            "(dense flavors only); use tensor_parallel_degree 1"
-        )
     if cfg.vision_encoder is not None:
         raise ValueError(f"{key}: train text-only (model.vision = false) under TP")
     if cfg.enable_weight_tying:
@@ -399,4 +408,11 @@ def check_qwen35_tensor_parallel(cfg: Any, tp: int) -> None:
             raise ValueError(
                 f"{key} does not divide the {heads} {what} of qwen3_5: heads are split whole "
                 f"across TP ranks; use a degree in {fits}"
+            )
+    for what, width in qwen35_moe_widths(cfg, ep):
+        if width % tp:
+            fits = [d for d in range(1, width + 1) if width % d == 0]
+            raise ValueError(
+                f"{key} does not divide the {width} {what} of qwen3_5: TP splits each "
+                f"expert's hidden units evenly; use a degree in {fits}"
             )

@@ -1,5 +1,5 @@
-"""Tensor parallelism (dense flavors), context parallelism, activation checkpointing, compile
-and FSDP for ``Qwen35TextModel``."""
+"""Tensor, expert and context parallelism, activation checkpointing, compile and FSDP for
+``Qwen35TextModel``."""
 
 from __future__ import annotations
 
@@ -8,11 +8,16 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.models.qwen3_5.model import Qwen35TransformerBlock
 
-from torchtitan_cp.models.blocks.experts import apply_expert_parallel, apply_fsdp_with_experts
+from torchtitan_cp.models.blocks.experts import apply_fsdp_with_experts, parallelize_moe
 from torchtitan_cp.models.blocks.flex import apply_flex_context_parallel
 from torchtitan_cp.models.blocks.tensor_parallel import (
     check_all_on_tp_mesh,
@@ -26,26 +31,38 @@ from torchtitan_cp.models.qwen35.model import RoutedInnerAttention, check_qwen35
 __all__ = ["apply_tensor_parallel_qwen35", "parallelize_qwen35"]
 
 
-def apply_tensor_parallel_qwen35(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Tensor parallelism over heads with sequence parallelism for the dense text model, on
-    torch's plans as for the hybrid decoder (``blocks/tensor_parallel.py``), not upstream's
-    ``model.parallelize``: upstream's sharding configs are written for its spmd_types backend
-    and its own kernel, conv and attention, which this recipe swaps.
+def apply_tensor_parallel_qwen35(model: nn.Module, tp_mesh: DeviceMesh, ep: int = 1) -> None:
+    """Tensor parallelism over heads with sequence parallelism, on torch's plans as for the
+    hybrid decoder (``blocks/tensor_parallel.py``), not upstream's ``model.parallelize``:
+    upstream's sharding configs are written for its spmd_types backend and its own kernel,
+    conv and attention, which this recipe swaps. ``ep``: the EP degree (for the config check).
 
     GatedDeltaNet: the six input projections column-wise (GQA: a rank's key heads serve its
     value heads, both counts dividing by TP), each short conv with its channels (``Shard(0)``,
     read by the swapped conv), ``A_log`` / ``dt_bias`` with their heads, the gated norm's
     weight replicated, ``out_proj`` row-wise. Gated attention: wq (query + gate) / wk / wv
     column-wise, the q/k norms' weights replicated, wo row-wise. Upstream's forwards read those
-    parameters directly on local tensors, so ``read_locally`` hands them the local values."""
-    check_qwen35_tensor_parallel(model.config, tp_mesh.size())  # pyrefly: ignore [bad-argument-type]
+    parameters directly on local tensors, so ``read_locally`` hands them the local values.
+
+    MoE layers are upstream's own (torchtitan's sharding configs, set by the model config and
+    applied by ``parallelize_moe`` after this): here only their boundary with the block, whose
+    residual stream is local tensors ``[B, L / TP, D]``; the caller then runs
+    ``check_all_on_tp_mesh``."""
+    check_qwen35_tensor_parallel(model.config, tp_mesh.size(), ep)  # pyrefly: ignore [bad-argument-type]
     parallelize_decoder_ends(model, tp_mesh)
     layers = model.get_submodule("layers")
     for block in layers.children():
         assert isinstance(block, Qwen35TransformerBlock)
         attn: Any = block.attn
         # GatedDeltaNet is called with (x, masks), the gated attention with (x, masks, positions)
-        sequence_parallel_block(block, tp_mesh, "attn", 3 if block.full_attn else 2, "feed_forward")
+        ffn = None if block.moe_enabled else "feed_forward"
+        sequence_parallel_block(block, tp_mesh, "attn", 3 if block.full_attn else 2, ffn)
+        if block.moe_enabled:
+            # torchtitan's MoE takes ffn_norm's sequence-parallel DTensor as it is and returns
+            # one (its config's out_dst, Shard(1)); the residual add needs the local shard.
+            parallelize_module(block, tp_mesh, {"moe": PrepareModuleOutput(
+                output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True,
+            )})  # fmt: skip
         if block.full_attn:
             columns, row = ("wq", "wk", "wv"), "wo"
             read_locally(attn.q_norm, ["weight"], tp_mesh, shard=False)
@@ -60,7 +77,6 @@ def apply_tensor_parallel_qwen35(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         plan: dict = {name: ColwiseParallel() for name in columns}
         plan[row] = RowwiseParallel(output_layouts=Shard(1))
         parallelize_module(attn, tp_mesh, plan)
-    check_all_on_tp_mesh(model)
 
 
 def parallelize_qwen35(
@@ -73,7 +89,8 @@ def parallelize_qwen35(
     ac_config: Any,
     dump_folder: str,
 ) -> nn.Module:
-    """Context parallelism, activation checkpointing, compile and FSDP for ``Qwen35TextModel``.
+    """Tensor, expert and context parallelism, activation checkpointing, compile and FSDP for
+    ``Qwen35TextModel``.
 
     The GatedDeltaNet kernels and convs already read the microbatch's routing (swapped at
     construction), so CP only adds torchtitan's K/V all-gather to flex attention layers (before
@@ -84,9 +101,11 @@ def parallelize_qwen35(
             "parallelism.pipeline_parallel_degree > 1 is not supported for qwen3_5"
         )
     if parallel_dims.tp_enabled:
-        apply_tensor_parallel_qwen35(model, parallel_dims.get_mesh("tp"))
-    if parallel_dims.ep_enabled:
-        apply_expert_parallel(model, parallel_dims)
+        apply_tensor_parallel_qwen35(model, parallel_dims.get_mesh("tp"), parallel_dims.ep)
+    if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
+        parallelize_moe(model, parallel_dims)  # torchtitan's MoE sharding: TP, EP, EP x TP
+    if parallel_dims.tp_enabled:
+        check_all_on_tp_mesh(model)
     vision = getattr(model, "vision_encoder", None)
     if parallel_dims.cp_enabled:
         if vision is not None:
