@@ -8,6 +8,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from torchtitan_cp.models.blocks.attention_cp import check_attention_cp
 from torchtitan_cp.models.blocks.flex import resolve_attention_backend
+from torchtitan_cp.models.blocks.spec import recipe_spec
 from torchtitan_cp.models.hybrid.decoder import HybridDecoder, parse_layer_pattern
 from torchtitan_cp.models.hybrid.layers import LAYERS, check_backend
 
@@ -63,12 +64,4 @@ def model_spec(flavor: str, **overrides) -> ModelSpec:
     torchtitan's FSDP module (torch >= 2.14), and the model itself runs on torch >= 2.11."""
     from torchtitan_cp.models.hybrid.parallelize import parallelize_hybrid
 
-    return ModelSpec(
-        name="hybrid",
-        flavor=flavor,
-        model=model_config(flavor, **overrides),
-        parallelize_fn=parallelize_hybrid,
-        pipelining_fn=None,
-        post_optimizer_build_fn=None,
-        state_dict_adapter=None,
-    )
+    return recipe_spec("hybrid", flavor, model_config(flavor, **overrides), parallelize_hybrid)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.protocols.model_spec import ModelSpec
 
+from torchtitan_cp.models.blocks.spec import recipe_spec
 from torchtitan_cp.models.kimi_linear.hf import KimiLinearStateDictAdapter
 from torchtitan_cp.models.kimi_linear.model import kimi_linear_config
 from torchtitan_cp.models.kimi_linear.parallelize import parallelize_kimi_linear
@@ -19,14 +19,7 @@ def kimi_linear_model_spec(flavor: str, **kwargs: Any) -> ModelSpec:
     recipe's ``KimiLinearStateDictAdapter`` for HF checkpoints (published dense-layer names;
     the config check swaps in the HF folder's own, ``hf.folder_dense_prefix``) and torchtitan's
     MoE load-balancing hook (the expert bias update)."""
-    return ModelSpec(
-        name="kimi_linear",
-        flavor=flavor,
-        model=kimi_linear_config(flavor, **kwargs),
-        parallelize_fn=parallelize_kimi_linear,
-        pipelining_fn=None,
-        # the routers' aux-free expert bias (HF's e_score_correction_bias) is trained as
-        # DeepSeek-V3's: a step pre-hook moves it by the sign of each expert's load
-        post_optimizer_build_fn=register_moe_load_balancing_hook,
-        state_dict_adapter=KimiLinearStateDictAdapter,
-    )
+    return recipe_spec(
+        "kimi_linear", flavor, kimi_linear_config(flavor, **kwargs), parallelize_kimi_linear,
+        moe=True, state_dict_adapter=KimiLinearStateDictAdapter,
+    )  # fmt: skip
