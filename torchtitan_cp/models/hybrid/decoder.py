@@ -18,7 +18,8 @@ from torchtitan.protocols.module import Module, ModuleDict
 from torchtitan_cp.models.blocks.attention_cp import DEFAULT_ATTENTION_CP, AttentionCP
 from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
 from torchtitan_cp.models.blocks.init import linear, linear_config
-from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
+from torchtitan_cp.models.blocks.routed_decoder import RoutedDecoder
+from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.models.hybrid.layers import (
     LAYERS,
     LayerOptions,
@@ -63,7 +64,7 @@ class HybridBlock(Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class HybridDecoder(BaseModel):
+class HybridDecoder(RoutedDecoder, BaseModel):
     """Token embedding, hybrid blocks, final norm, LM head.
 
     ``forward(tokens [B, L_local], positions [B, L_local] | None, seq_ctx)`` returns logits
@@ -149,18 +150,9 @@ class HybridDecoder(BaseModel):
     # Set by torchtitan's trainer when its chunked loss applies the LM head itself.
     _skip_lm_head: bool = False
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        seq_ctx: SequenceContext | None = None,
+    def routed_forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None, seq_ctx: SequenceContext
     ) -> torch.Tensor:
-        if seq_ctx is None:
-            # A direct call (custom loader, evaluation script) without host metadata: derive
-            # the documents from the device positions, which costs a device->host copy.
-            seq_ctx = context_from_device_positions(
-                tokens, positions, flex_mask=self.config.uses_flex_attention(tokens.device)
-            )
         if positions is None:  # each row is one document: RoPE positions restart per row
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         h = self.tok_embeddings(tokens)

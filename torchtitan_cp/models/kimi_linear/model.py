@@ -39,7 +39,6 @@ from torchtitan.models.deepseek_v3.model import Attention
 from torchtitan_cp.models.blocks.attention_cp import (
     DEFAULT_ATTENTION_CP,
     AttentionCP,
-    check_attention_cp,
 )
 from torchtitan_cp.models.blocks.experts import check_expert_parallel, set_moe_sharding
 from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
@@ -50,7 +49,13 @@ from torchtitan_cp.models.blocks.routed_attention import (
     RoutedVarlenMetadata,
     routed_varlen_metadata,
 )
-from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
+from torchtitan_cp.models.blocks.routed_decoder import (
+    LinearAttentionBackend,
+    RoutedDecoder,
+    RoutedDecoderConfig,
+    routed_decoder_options,
+)
+from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.models.mixers.delta_net import KDAMixer
 from torchtitan_cp.ops import context_parallel_attention
 from torchtitan_cp.ops.cp.collectives import all_gather_autograd
@@ -292,7 +297,7 @@ class KimiLinearBlock(TransformerBlock):
         return x + ffn(self.ffn_norm(x))
 
 
-class KimiLinearModel(Decoder):
+class KimiLinearModel(RoutedDecoder, Decoder):  # pyrefly: ignore[inconsistent-inheritance]
     """Kimi Linear's text model on torchtitan's ``Decoder``.
 
     ``forward(tokens [B, L_local], positions [B, L_local] | None, seq_ctx)`` returns logits
@@ -300,34 +305,24 @@ class KimiLinearModel(Decoder):
     """
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Decoder.Config):
-        linear_attention_backend: Literal["auto", "torch", "fla"] = "auto"
-        attention_backend: AttentionBackend = "auto"
-        attention_cp: AttentionCP = DEFAULT_ATTENTION_CP
-
+    class Config(RoutedDecoderConfig, Decoder.Config):
         @property
         def conv_width(self) -> int:
             """Short-convolution width of the KDA layers (the CP halo is width - 1)."""
             kda = next((lay.kda for lay in self.layers if lay.kda is not None), None)
             return kda.conv_width if kda is not None else 1
 
-        def uses_flex_attention(self, device_type: str | torch.device) -> bool:
-            """Whether the MLA layers run flex on ``device_type`` (then every microbatch needs
-            a document ``BlockMask``)."""
-            return self.first_attention is not None and (
-                resolve_attention_backend(self.attention_backend, device_type) == "flex"
-            )
+        def set_linear_attention_backend(self, backend: LinearAttentionBackend) -> None:
+            """The KDA layers' configs hold their own backend."""
+            self.linear_attention_backend = backend
+            for lay in self.layers:
+                if lay.kda is not None:
+                    lay.kda.backend = backend
 
-        def update_from_config(self, *, config, **kwargs) -> None:
-            Decoder.Config.update_from_config(self, config=config, **kwargs)
-            if config.parallelism.expert_parallel_degree > 1:  # TP is refused for kimi_linear
-                set_moe_sharding(self.layers, ep=config.parallelism.expert_parallel_degree, tp=1)
-            la = getattr(config, "linear_attention", None)
-            if la is not None:
-                self.linear_attention_backend = la.backend
-                for lay in self.layers:
-                    if lay.kda is not None:
-                        lay.kda.backend = la.backend
+        def shard_moe(self, ep: int, tp: int) -> None:
+            """torchtitan's expert sharding under EP only: TP is refused for kimi_linear."""
+            if ep > 1:
+                set_moe_sharding(self.layers, ep=ep, tp=1)
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
             """(parameters, training FLOPs per token): 6 x the parameters a token passes
@@ -357,24 +352,11 @@ class KimiLinearModel(Decoder):
             moe = next((lay.moe for lay in self.layers if lay.moe is not None), None)
             return moe.router.top_k if moe is not None else 0
 
-    def __init__(self, config: Config):
-        super().__init__(config)
-
-    def forward(  # pyrefly: ignore[bad-override]
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        seq_ctx: SequenceContext | None = None,
+    def routed_forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None, seq_ctx: SequenceContext
     ) -> torch.Tensor:
-        cfg = self.config
-        assert isinstance(cfg, KimiLinearModel.Config)
-        if seq_ctx is None:
-            # A direct call without host metadata: documents from the device positions
-            # (a device->host copy per forward, warned once).
-            seq_ctx = context_from_device_positions(
-                tokens, positions, flex_mask=cfg.uses_flex_attention(tokens.device)
-            )
-        return super().forward(tokens, positions, routed_varlen_metadata(seq_ctx))  # pyrefly: ignore[bad-argument-type]
+        # pyrefly: ignore[bad-argument-type]  (the MLA and KDA blocks take the routed metadata)
+        return Decoder.forward(self, tokens, positions, routed_varlen_metadata(seq_ctx))
 
 
 def _kda_config(s: KimiLinearSizes, layer_id: int, backend: Any) -> KDAMixer.Config:
@@ -421,8 +403,7 @@ def kimi_linear_config(
         if vocab_size < 1:
             raise ValueError(f"model.vocab_size must be >= 1, got {vocab_size}")
         s = dataclasses.replace(s, vocab_size=vocab_size)
-    resolve_attention_backend(attention_backend, "cpu")
-    check_attention_cp(attention_cp)
+    options = routed_decoder_options(attention_backend, attention_cp, linear_attention_backend)
     init = {"weight": lambda w: nn.init.trunc_normal_(w, std=BASE_STD, a=-3 * BASE_STD, b=3 * BASE_STD)}  # fmt: skip
     norm_init = {"weight": nn.init.ones_}
     blocks = build_mla_moe_layers(
@@ -494,9 +475,7 @@ def kimi_linear_config(
         norm=RMSNorm.Config(normalized_shape=s.dim, eps=s.norm_eps, param_init=norm_init),
         lm_head=Linear.Config(in_features=s.dim, out_features=s.vocab_size, param_init=init),
         layers=layers,
-        attention_backend=attention_backend,
-        attention_cp=attention_cp,
-        linear_attention_backend=linear_attention_backend,
+        **options,
     )
 
 

@@ -43,10 +43,9 @@ from torchtitan.protocols.module import Module
 from torchtitan_cp.models.blocks.attention_cp import (
     DEFAULT_ATTENTION_CP,
     AttentionCP,
-    check_attention_cp,
 )
-from torchtitan_cp.models.blocks.experts import check_expert_parallel, set_moe_sharding
-from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
+from torchtitan_cp.models.blocks.experts import check_expert_parallel
+from torchtitan_cp.models.blocks.flex import AttentionBackend
 
 # Shared with models.kimi_linear, so they live in blocks/ (re-exported for existing callers).
 from torchtitan_cp.models.blocks.norm import L2NORM_EPS as L2NORM_EPS
@@ -59,8 +58,13 @@ from torchtitan_cp.models.blocks.routed_attention import (
 from torchtitan_cp.models.blocks.routed_attention import (
     RoutedVarlenMetadata as RoutedVarlenMetadata,
 )
+from torchtitan_cp.models.blocks.routed_decoder import (
+    RoutedDecoder,
+    RoutedDecoderConfig,
+    routed_decoder_options,
+)
 from torchtitan_cp.models.blocks.tensor_parallel import local
-from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
+from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.ops import (
     causal_conv1d,
     chunk_delta_rule,
@@ -178,7 +182,7 @@ def route_delta_nets(model: nn.Module, backend: Literal["auto", "torch", "fla"])
     return n
 
 
-class Qwen35TextModel(Qwen35Model):
+class Qwen35TextModel(RoutedDecoder, Qwen35Model):  # pyrefly: ignore[inconsistent-inheritance]
     """torchtitan's ``Qwen35Model`` (text path) taking this recipe's ``SequenceContext``.
 
     ``forward(tokens [B, L_local], positions [B, L_local] | None, seq_ctx)`` returns logits
@@ -186,11 +190,8 @@ class Qwen35TextModel(Qwen35Model):
     """
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Qwen35Model.Config):
+    class Config(RoutedDecoderConfig, Qwen35Model.Config):
         vision_encoder: Qwen35VisionEncoder.Config | None = None  # pyrefly: ignore[bad-override]
-        linear_attention_backend: Literal["auto", "torch", "fla"] = "auto"
-        attention_backend: AttentionBackend = "auto"
-        attention_cp: AttentionCP = DEFAULT_ATTENTION_CP
 
         @property
         def conv_width(self) -> int:
@@ -198,29 +199,14 @@ class Qwen35TextModel(Qwen35Model):
             dn = next((lay.delta_net for lay in self.layers if lay.delta_net is not None), None)
             return dn.conv_kernel_size if dn is not None else 1
 
-        def uses_flex_attention(self, device_type: str | torch.device) -> bool:
-            """Whether the gated attention layers run flex on ``device_type`` (then every
-            microbatch needs a document ``BlockMask``)."""
-            return self.first_attention is not None and (
-                resolve_attention_backend(self.attention_backend, device_type) == "flex"
-            )
-
-        def update_from_config(self, *, config, **kwargs) -> None:
-            # Decoder's checks and RoPE sizing; not Qwen35Model's, which fills sharding configs
-            # for every module (and needs the vision encoder): the recipe shards the mixers
-            # and the decoder's ends with torch's plans (parallelize.py) and keeps torchtitan's
-            # configs for the MoE layers only.
-            Decoder.Config.update_from_config(self, config=config, **kwargs)
-            ep = config.parallelism.expert_parallel_degree
-            tp = config.parallelism.tensor_parallel_degree
+        def shard_moe(self, ep: int, tp: int) -> None:
+            """torchtitan's own MoE sharding configs (``set_moe_sharding``) and, as upstream's
+            Qwen3.5 adds, its shared-expert gate's."""
+            RoutedDecoderConfig.shard_moe(self, ep, tp)
             if ep > 1 or tp > 1:
-                set_moe_sharding(self.layers, ep=ep, tp=tp)  # torchtitan's own MoE sharding
                 for layer in self.layers:
-                    if layer.moe is not None:  # upstream's Qwen3.5 adds its shared-expert gate
+                    if layer.moe is not None:
                         _set_shared_expert_gate_sharding(layer.moe.shared_experts)
-            la = getattr(config, "linear_attention", None)
-            if la is not None:
-                self.linear_attention_backend = la.backend
 
     def __init__(self, config: Config):
         Decoder.__init__(self, config)  # Qwen35Model.__init__ minus the mandatory vision encoder
@@ -234,20 +220,9 @@ class Qwen35TextModel(Qwen35Model):
         # fla refuses GatedDeltaNet's backward on some GPU + Triton pairs: auto runs torch there.
         route_delta_nets(self, gdn_backend(config.linear_attention_backend))  # type: ignore[arg-type]
 
-    def forward(  # pyrefly: ignore[bad-override]
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        seq_ctx: SequenceContext | None = None,
+    def routed_forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None, seq_ctx: SequenceContext
     ) -> torch.Tensor:
-        cfg = self.config
-        assert isinstance(cfg, Qwen35TextModel.Config)
-        if seq_ctx is None:
-            # A direct call without host metadata: documents from the device positions
-            # (a device->host copy per forward, warned once).
-            seq_ctx = context_from_device_positions(
-                tokens, positions, flex_mask=cfg.uses_flex_attention(tokens.device)
-            )
         if positions is None:  # each row is one document
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         if get_spmd_backend() == "spmd_types":
@@ -257,8 +232,8 @@ class Qwen35TextModel(Qwen35Model):
             )
         meta = routed_varlen_metadata(seq_ctx)
         masks = {"deltanet": meta, "quadratic_attention": meta}
-        return super().forward(
-            tokens, attention_masks=masks, positions=positions,  # pyrefly: ignore[bad-argument-type]
+        return Qwen35Model.forward(
+            self, tokens, attention_masks=masks, positions=positions,  # pyrefly: ignore[bad-argument-type]
             special_tokens=_TEXT_ONLY_TOKENS,  # text batches: no image/video placeholders
         )  # fmt: skip
 
@@ -298,8 +273,7 @@ def qwen35_config(
                 f"model.n_layers must be in [1, {len(layers)}] for qwen3_5 {flavor}, got {n_layers}"
             )
         layers = layers[:n_layers]
-    resolve_attention_backend(attention_backend, "cpu")
-    check_attention_cp(attention_cp)
+    options = routed_decoder_options(attention_backend, attention_cp, linear_attention_backend)
     inner = RoutedInnerAttention.Config(backend=attention_backend, cp_mode=attention_cp)
     layers = [
         dataclasses.replace(
@@ -321,12 +295,7 @@ def qwen35_config(
         fields["lm_head"] = dataclasses.replace(base.lm_head, out_features=vocab_size)
     if enable_weight_tying is not None:
         fields["enable_weight_tying"] = enable_weight_tying
-    return Qwen35TextModel.Config(
-        **fields,
-        attention_backend=attention_backend,
-        attention_cp=attention_cp,
-        linear_attention_backend=linear_attention_backend,
-    )
+    return Qwen35TextModel.Config(**fields, **options)
 
 
 def layer_types(cfg: Qwen35Model.Config) -> list[str]:

@@ -1,0 +1,123 @@
+"""What the recipe's decoders share: ``forward(tokens, positions, seq_ctx)`` taking the
+microbatch's ``SequenceContext`` (``RoutedDecoder``: the hybrid decoder, Qwen3.5, Kimi Linear),
+and what a torchtitan decoder run through this recipe (``models.qwen35``,
+``models.kimi_linear``) adds to its config: the kernel and attention options its layers read and
+the trainer's options applied to them (``RoutedDecoderConfig``).
+
+Both are mixins placed before the base class: ``class Model(RoutedDecoder, Decoder)`` and
+``class Config(RoutedDecoderConfig, Decoder.Config)``; the model writes ``routed_forward``, its
+forward once the context is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torchtitan.models.common.decoder import Decoder
+
+from torchtitan_cp.models.blocks.attention_cp import (
+    DEFAULT_ATTENTION_CP,
+    AttentionCP,
+    check_attention_cp,
+)
+from torchtitan_cp.models.blocks.experts import set_moe_sharding
+from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
+from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
+
+__all__ = ["RoutedDecoder", "RoutedDecoderConfig", "routed_decoder_options"]
+
+LinearAttentionBackend = Literal["auto", "torch", "fla"]
+
+
+@dataclass(kw_only=True)
+class RoutedDecoderConfig:
+    """The recipe's options of a torchtitan decoder's ``Config``: the linear-attention kernels'
+    backend (``[linear_attention] backend``), the softmax attention's backend and its CP mode
+    (``[model] attention_backend``, ``attention_cp``).
+
+    No ``slots``: torchtitan's Config bases have slots, and two bases with slots cannot be
+    combined (the subclass's own ``slots=True`` still gives these fields slots)."""
+
+    linear_attention_backend: LinearAttentionBackend = "auto"
+    attention_backend: AttentionBackend = "auto"
+    attention_cp: AttentionCP = DEFAULT_ATTENTION_CP
+
+    def uses_flex_attention(self, device_type: str | torch.device) -> bool:
+        """Whether the softmax attention layers run flex on ``device_type`` (then every
+        microbatch needs a document ``BlockMask``)."""
+        first_attention = self.first_attention  # pyrefly: ignore[missing-attribute]
+        return first_attention is not None and (
+            resolve_attention_backend(self.attention_backend, device_type) == "flex"
+        )
+
+    def update_from_config(self, *, config: Any, **kwargs: Any) -> None:
+        """torchtitan's hook with the trainer's config: ``Decoder``'s checks and RoPE sizing
+        (not a subclass's own: Qwen35Model's fills sharding configs for every module and needs
+        the vision encoder; the recipe shards the mixers and the decoder's ends with torch's
+        plans and keeps torchtitan's configs for the MoE layers only, ``shard_moe``), and
+        ``[linear_attention] backend`` (``set_linear_attention_backend``)."""
+        Decoder.Config.update_from_config(self, config=config, **kwargs)  # pyrefly: ignore[bad-argument-type]
+        par = config.parallelism
+        self.shard_moe(par.expert_parallel_degree, getattr(par, "tensor_parallel_degree", 1))
+        la = getattr(config, "linear_attention", None)
+        if la is not None:
+            self.set_linear_attention_backend(la.backend)
+
+    def shard_moe(self, ep: int, tp: int) -> None:
+        """torchtitan's own MoE sharding configs on the MoE layers when expert (``ep``) or
+        tensor (``tp``) parallelism is on (``blocks.experts.set_moe_sharding``)."""
+        if ep > 1 or tp > 1:
+            set_moe_sharding(self.layers, ep=ep, tp=tp)  # pyrefly: ignore[missing-attribute]
+
+    def set_linear_attention_backend(self, backend: LinearAttentionBackend) -> None:
+        """Where the model's linear-attention layers read their backend (this field unless a
+        model's layers hold their own)."""
+        self.linear_attention_backend = backend
+
+
+def routed_decoder_options(
+    attention_backend: AttentionBackend,
+    attention_cp: AttentionCP,
+    linear_attention_backend: LinearAttentionBackend,
+) -> dict[str, Any]:
+    """``RoutedDecoderConfig``'s fields, checked: a ValueError naming ``model.attention_backend``
+    or ``model.attention_cp`` for a value the recipe does not have."""
+    resolve_attention_backend(attention_backend, "cpu")
+    check_attention_cp(attention_cp)
+    return dict(
+        attention_backend=attention_backend,
+        attention_cp=attention_cp,
+        linear_attention_backend=linear_attention_backend,
+    )
+
+
+class RoutedDecoder:
+    """``forward(tokens [B, L_local], positions [B, L_local] | None, seq_ctx)`` of a decoder
+    whose layers read the microbatch's ``SequenceContext``: returns ``routed_forward``'s logits
+    ``[B, L_local, vocab]`` (hidden states when the trainer's chunked loss applies the head)."""
+
+    config: Any
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        seq_ctx: SequenceContext | None = None,
+    ) -> torch.Tensor:
+        if seq_ctx is None:
+            # A direct call (custom loader, evaluation script) without host metadata: the
+            # documents from the device positions (a device->host copy per forward, warned
+            # once).
+            seq_ctx = context_from_device_positions(
+                tokens, positions, flex_mask=self.config.uses_flex_attention(tokens.device)
+            )
+        return self.routed_forward(tokens, positions, seq_ctx)
+
+    def routed_forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None, seq_ctx: SequenceContext
+    ) -> torch.Tensor:
+        """The model's forward over ``seq_ctx`` (the microbatch's, or one built from
+        ``positions``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no routed_forward")
