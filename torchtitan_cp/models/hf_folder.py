@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "INDEX",
+    "checked_weight_files",
+    "folder_config",
     "json_kind",
     "read_index",
     "read_json_object",
@@ -19,6 +22,8 @@ __all__ = [
     "tensor_names",
     "write_hf_files",
 ]
+
+INDEX = "model.safetensors.index.json"
 
 
 def json_kind(value: Any) -> str:
@@ -65,6 +70,49 @@ def read_index(index: Path) -> dict[str, str]:
                 "safetensors file in the folder"
             )
     return weight_map
+
+
+def folder_config(path: str | Path, model: str) -> tuple[Path, Path, dict[str, Any]]:
+    """``(root, config.json's path, its object)`` of the HF folder ``path`` of ``model`` (for
+    messages); a one-line ValueError when the folder or its config.json is missing or not a
+    JSON object."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"HF folder not found: {root}")
+    cfg_file = root / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{cfg_file}: missing (an HF {model} folder needs its config.json)")
+    return root, cfg_file, read_json_object(cfg_file, "of model settings")
+
+
+def checked_weight_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of the HF folder ``root`` (the shards its index lists, else every
+    ``*.safetensors``) and the index's weight map (None without an index). A one-line
+    ValueError for a shard the index lists that is missing, a folder without weights, or a file
+    cut short (each is checked as a resume checks a checkpoint, so it is named here, not deep
+    inside the loader)."""
+    index = root / INDEX
+    weight_map = None
+    if index.is_file():
+        weight_map = read_index(index)
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (root / s).is_file()]
+        if missing:
+            raise ValueError(
+                f"{root}: missing safetensors shard(s) {', '.join(missing)} listed in {INDEX}"
+            )
+        files = [root / s for s in shards]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{root}: no *.safetensors weights (and no {INDEX})")
+    from torchtitan_cp.run.checkpoint import safetensors_problem  # checkpoint files' own check
+
+    for file in files:
+        problem = safetensors_problem(file)
+        if problem:
+            raise ValueError(problem)
+    return files, weight_map
 
 
 def same_value(have: Any, want: Any) -> bool:

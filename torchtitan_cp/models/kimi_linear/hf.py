@@ -26,8 +26,10 @@ import torch
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from torchtitan_cp.models.hf_folder import (
+    INDEX,
+    checked_weight_files,
+    folder_config,
     read_index,
-    read_json_object,
     same_value,
     tensor_names,
     write_hf_files,
@@ -331,7 +333,7 @@ def config_mismatch(hf: dict[str, Any], cfg: Any) -> str | None:
 
 def _tensor_names(root: Path) -> list[str]:
     """Every tensor name of the folder ``root`` (from its index, else its files' headers)."""
-    index = root / "model.safetensors.index.json"
+    index = root / INDEX
     if index.is_file():
         return list(read_index(index))
     return [n for file in sorted(root.glob("*.safetensors")) for n in tensor_names(file)]
@@ -348,33 +350,11 @@ def check_hf_folder(path: str | Path, cfg: Any) -> DensePrefix:
     """A one-line ValueError when ``path`` cannot hold weights for ``cfg``: no config.json, a
     field that builds a different model (``config_mismatch``: the first one), safetensors
     missing or cut short. Returns the folder's dense prefix (``folder_dense_prefix``)."""
-    from torchtitan_cp.run.checkpoint import safetensors_problem
-
-    root = Path(path)
-    if not root.is_dir():
-        raise ValueError(f"HF folder not found: {root}")
-    cfg_file = root / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"{cfg_file}: missing (an HF Kimi Linear folder needs its config.json)")
-    hf = read_json_object(cfg_file, "of model settings")
+    root, cfg_file, hf = folder_config(path, "Kimi Linear")
     problem = config_mismatch(hf, cfg)
     if problem is not None:
         raise ValueError(f"{cfg_file}: {problem}")
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(read_index(index).values()))
-        missing = [s for s in shards if not (root / s).is_file()]
-        if missing:
-            raise ValueError(f"{root}: missing safetensors shard(s) {', '.join(missing)}")
-        files = [root / s for s in shards]
-    else:
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{root}: no *.safetensors weights")
-    for file in files:
-        problem = safetensors_problem(file)
-        if problem:
-            raise ValueError(problem)
+    checked_weight_files(root)
     return folder_dense_prefix(root)
 
 

@@ -24,14 +24,12 @@ from typing import Any
 import torch
 
 from torchtitan_cp.models.hf_folder import (
-    json_kind as _kind,
-)
-from torchtitan_cp.models.hf_folder import (
-    read_index,
+    checked_weight_files,
+    folder_config,
     write_hf_files,
 )
 from torchtitan_cp.models.hf_folder import (
-    read_json_object as _read_json_object,
+    json_kind as _kind,
 )
 from torchtitan_cp.models.hf_folder import (
     same_value as _same,
@@ -40,7 +38,6 @@ from torchtitan_cp.models.hf_folder import (
     tensor_names as _tensor_names,
 )
 
-INDEX = "model.safetensors.index.json"
 LANGUAGE_MODEL = "model.language_model."  # the weights' prefix in the published layout
 
 # transformers 5.23.0's Qwen3_5TextConfig / Qwen3_5MoeTextConfig defaults for fields a
@@ -325,40 +322,12 @@ def check_hf_folder(path: str | Path, cfg: Any) -> None:
     """A one-line ValueError when ``path`` cannot hold weights for ``cfg``: no config.json, a
     field that builds a different model (``config_mismatch``: the first one), or safetensors
     shards that are missing or cut short."""
-    root = Path(path)
-    if not root.is_dir():
-        raise ValueError(f"HF folder not found: {root}")
-    cfg_file = root / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"{cfg_file}: missing (an HF Qwen3.5 folder needs its config.json)")
-    hf = _read_json_object(cfg_file, "of model settings")
+    root, cfg_file, hf = folder_config(path, "Qwen3.5")
     problem = shape_problem(hf) or config_mismatch(hf, cfg)
     if problem is not None:
         raise ValueError(f"{cfg_file}: {problem}")
-    index = root / INDEX
-    if index.is_file():
-        weight_map = read_index(index)
-        shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not (root / s).is_file()]
-        if missing:
-            raise ValueError(
-                f"{root}: missing safetensors shard(s) {', '.join(missing)} listed in {INDEX}"
-            )
-        names = list(weight_map)
-        files = [root / s for s in shards]
-    else:
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{root}: no *.safetensors weights (and no {INDEX})")
-        names = None
-    from torchtitan_cp.run.checkpoint import safetensors_problem  # checkpoint files' own check
-
-    for file in files:  # a file cut short is named here, not deep inside the loader
-        problem = safetensors_problem(file)
-        if problem:
-            raise ValueError(problem)
-    if names is None:
-        names = _tensor_names(files[0])
+    files, weight_map = checked_weight_files(root)
+    names = list(weight_map) if weight_map is not None else _tensor_names(files[0])
     if any(n.startswith(("model.layers.", "model.embed_tokens.")) for n in names) and not any(
         n.startswith(LANGUAGE_MODEL) for n in names
     ):
