@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -109,3 +112,20 @@ def row_aligned_corpus(split: Path, interleaved: Path, *, seq_len: int, rows: in
 
     write(split, [*a, *b])
     write(interleaved, [r for pair in zip(a, b, strict=True) for r in pair])
+
+
+@contextlib.contextmanager
+def unwrapped(module: ModuleType, names: tuple[str, ...]) -> Iterator[None]:
+    """``module``'s functions ``names`` replaced by what their decorators wrap, restored on exit.
+
+    transformers' modeling modules route their recurrences and convs through decorators that
+    pick fla-core's Triton kernels when fla is installed (it is, for the recipe), which need a
+    GPU; unwrapped, they are transformers' own PyTorch implementations."""
+    saved = {n: getattr(module, n) for n in names}
+    try:
+        for name, fn in saved.items():
+            setattr(module, name, inspect.unwrap(fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)

@@ -12,7 +12,6 @@ its module-level kernels back at transformers' own PyTorch implementations.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from safetensors.torch import load_file  # noqa: E402
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
+from tests.helpers import unwrapped  # noqa: E402
 from torchtitan_cp.models.kimi_linear import hf  # noqa: E402
 from torchtitan_cp.models.kimi_linear.model import KimiLinearModel, kimi_linear_config  # noqa: E402
 
@@ -49,19 +49,11 @@ DEBUG = dict(
 LOGITS_ATOL = 5e-6
 
 
-@contextlib.contextmanager
-def torch_reference_kernels():
+def torch_reference_kernels() -> contextlib.AbstractContextManager[None]:
     """transformers' PyTorch KDA and conv instead of fla's Triton kernels (GPU only)."""
     names = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
              "causal_conv1d_fn", "causal_conv1d_update")  # fmt: skip
-    saved = {n: getattr(hf_modeling, n) for n in names}
-    try:
-        for name, fn in saved.items():
-            setattr(hf_modeling, name, inspect.unwrap(fn))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(hf_modeling, name, fn)
+    return unwrapped(hf_modeling, names)
 
 
 def _hf_model(seed: int = 0) -> KimiLinearForCausalLM:

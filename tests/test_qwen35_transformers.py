@@ -10,7 +10,6 @@ point its module-level kernels back at transformers' own PyTorch reference imple
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import math
 from pathlib import Path
@@ -35,6 +34,7 @@ from transformers import (  # noqa: E402
     Qwen3_5VisionConfig,
 )
 
+from tests.helpers import unwrapped  # noqa: E402
 from tests.test_qwen35_hf import _load_through_torchtitan  # noqa: E402
 from torchtitan_cp.models.qwen35 import hf  # noqa: E402
 from torchtitan_cp.models.qwen35.model import qwen35_config  # noqa: E402
@@ -56,19 +56,11 @@ TINY_VISION = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, 
 LOGITS_ATOL = 5e-5
 
 
-@contextlib.contextmanager
-def torch_reference_kernels():
+def torch_reference_kernels() -> contextlib.AbstractContextManager[None]:
     """transformers' PyTorch delta rule and conv instead of fla's Triton kernels (GPU only)."""
     names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
              "causal_conv1d_fn", "causal_conv1d_update")  # fmt: skip
-    saved = {n: getattr(hf_modeling, n) for n in names}
-    try:
-        for name, fn in saved.items():
-            setattr(hf_modeling, name, inspect.unwrap(fn))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(hf_modeling, name, fn)
+    return unwrapped(hf_modeling, names)
 
 
 @pytest.fixture(autouse=True)
