@@ -31,7 +31,6 @@ from torchtitan_cp.ops.conv import custom_ops as conv_ops
 from torchtitan_cp.ops.conv.torch_kernel import causal_conv1d_torch
 from torchtitan_cp.ops.cp.recurrence import SequenceTables, recurrence, run_local
 from torchtitan_cp.ops.delta_rule import custom_ops as delta_ops
-from torchtitan_cp.ops.ssd import custom_ops as ssd_ops
 from torchtitan_cp.ops.ssd.local import chunk_ssd
 from torchtitan_cp.routing import RoutingPlan, host_layout
 from torchtitan_cp.trainer.compile import CAP_KEYS, check_compile, routing_caps
@@ -248,27 +247,27 @@ def test_conv_fla_fake_impl_gives_fla_shapes():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's Triton kernels need CUDA")
-@pytest.mark.parametrize("kind", ["kda", "gdn"])
-def test_fla_ops_opcheck_cuda(kind):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_fla_ops_opcheck_cuda(case: RecurrenceCase):
+    """Every registered recurrence's fla op under ``opcheck`` against the real Triton kernels,
+    called as its local kernel calls it (its case's fla op call: SSD's q/k repeated to the value
+    heads), float32 inputs, fla building its own chunk tables."""
     from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
 
-    refused = fla_gdn_backward_refusal() if kind == "gdn" else None
+    refused = fla_gdn_backward_refusal() if case.name == "gdn" else None
     if refused is not None:  # opcheck runs the backward, which fla raises in here (fla #640)
         pytest.skip(f"GDN's fla backward is refused here: {refused}")
-    ins = [x.detach().cuda().float().requires_grad_(True) for x in _delta_inputs(kind, 3)]
+    ins = [x.detach().cuda().float().requires_grad_(True) for x in _case_inputs(case)]
+    torch.library.opcheck(*case.fla_op(ins[:-1], ins[-1], CU.cuda(), CU, None, None, 0.4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's Triton kernels need CUDA")
+def test_fla_conv_op_opcheck_cuda():
     cu = CU.cuda()
-    torch.library.opcheck(
-        delta_ops.delta_rule_fla_op, (*ins[:5], ins[5], cu, CU, None, kind, 0.4, True)
-    )
     x = torch.randn(1, T, 64, device="cuda", requires_grad=True)
     w = torch.randn(64, 4, device="cuda", requires_grad=True)
     h = torch.randn(3, 64, 4, device="cuda", requires_grad=True)
     torch.library.opcheck(conv_ops.causal_conv1d_fla_op, (x, w, None, h, cu, CU, None, "silu"))
-    if kind == "gdn":  # SSD: q/k repeated to the value heads
-        qs, ks = (x.detach().repeat_interleave(HV // H, 2).requires_grad_(True) for x in ins[:2])
-        torch.library.opcheck(
-            ssd_ops.ssd_fla_op, (qs, ks, ins[2], ins[3], ins[5], cu, CU, None, None, 0.4, True)
-        )
 
 
 def _layer(q, k, v, g, beta, w, cu_cpu):

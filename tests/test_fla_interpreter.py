@@ -29,10 +29,9 @@ import torch.nn.functional as F
 from tests import fla_interpreter
 from tests.recurrences import CASES, RecurrenceCase
 from tests.reference import rel_err
-from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule
+from torchtitan_cp.ops import causal_conv1d
 from torchtitan_cp.ops.cp.recurrence import SequenceTables, run_local
 from torchtitan_cp.ops.cp.recurrence import recurrence as registered
-from torchtitan_cp.ops.ssd.local import chunk_ssd
 from torchtitan_cp.routing import chunk_indices, chunk_offsets
 
 pytestmark = [
@@ -287,36 +286,37 @@ def test_fla_conv_op_opcheck():
     torch.library.opcheck(custom_ops.causal_conv1d_fla_op, (x, w, b, h, cu, cu, None, "silu"))
 
 
-def _block(x, w, g_kda, g_gdn, beta, h0, cu, ci, co, backend="fla"):
-    """A KDA + GDN + SSD block as models/mixers/ feeds the kernels: the routing's chunk tables
-    (eager KDA and SSD go through ``fla_compat``'s shims), conv over [q|k|v], q/k/v split
-    views of its output (v non-contiguous), final states requested."""
+def _block(recs, x, w, h0, cu, ci, co, *gates):
+    """Every case of tests/recurrences.py in one block as models/mixers/ feeds the kernels: the
+    routing's chunk tables (eager fla through ``fla_compat``'s shims), conv over [q|k|v], q/k/v
+    split views of its output (v non-contiguous), then each case's recurrence (``recs``, built
+    from the registry, one per case) on those q, k, v, its own gates and a shared ``h0``, final
+    states requested. ``gates``: every case's inputs after (q, k, v), in case order."""
     T = x.shape[1]
-    kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu, chunk_indices=ci, backend=backend)
-    y = causal_conv1d(x, w, **kw)
+    y = causal_conv1d(x, w, cu_seqlens=cu, cu_seqlens_cpu=cu, chunk_indices=ci,
+                      backend=recs[0].backend)  # fmt: skip
     q, k, v = y.split([H * K, H * K, HV * V], dim=-1)
     q = F.normalize(q.view(1, T, H, K), dim=-1)
     k = F.normalize(k.view(1, T, H, K), dim=-1)
     v = v.unflatten(-1, (HV, V))  # a view with the row stride of y
-    outs = []
-    for kind, g in (("kda", g_kda), ("gdn", g_gdn)):
-        o, fin = chunk_delta_rule(q, k, v, g, beta, kind=kind, initial_state=h0,
-                                  output_final_state=True, chunk_offsets=co, **kw)  # fmt: skip
+    tables = SequenceTables(cu, cu, ci, co)
+    outs, rest = [], list(gates)
+    for case, rec in zip(CASES, recs, strict=True):
+        own = [rest.pop(0) for _ in case.names[3:]]
+        o, fin = run_local(rec, (q, k, v, *own), tables, h0, True)
         outs += [o, fin]
-    o, fin = chunk_ssd(q, k, v, g_gdn, scale=1.0, initial_state=h0, output_final_state=True,
-                       chunk_offsets=co, **kw)  # fmt: skip
-    return outs + [o, fin]
+    return outs
 
 
-def _block_leaves():
+def _block_leaves() -> list[torch.Tensor]:
+    """x, the conv weight, h0, then every case's gates (its inputs after q, k, v)."""
     gen = torch.Generator().manual_seed(13)
     T, N = CU_OP[-1], len(CU_OP) - 1
     D = 2 * H * K + HV * V
-    shapes = [(1, T, D), (D, 4), (1, T, HV, K), (1, T, HV), (1, T, HV), (N, HV, K, V)]
-    xs = [torch.randn(*s, generator=gen) for s in shapes]
-    xs[1] = xs[1] * 0.5
-    xs[2], xs[3] = -F.softplus(xs[2]), -F.softplus(xs[3])
-    xs[4], xs[5] = torch.sigmoid(xs[4]), xs[5] * 0.1
+    xs = [torch.randn(1, T, D, generator=gen), torch.randn(D, 4, generator=gen) * 0.5,
+          torch.randn(N, HV, K, V, generator=gen) * 0.1]  # fmt: skip
+    for case in CASES:
+        xs += case.inputs(T, 13, torch.float32, K=K, V=V)[3:]
     return [x.requires_grad_(True) for x in xs]
 
 
@@ -325,7 +325,8 @@ def _block_grads(fn, backend="fla") -> list[torch.Tensor]:
     0 over sequences, K and V; one value per head) for the final states, as a reduction gives."""
     leaves = _block_leaves()
     cu = torch.tensor(CU_OP, dtype=torch.int32)
-    outs = fn(*leaves, cu, chunk_indices(cu, 64), chunk_offsets(cu, 64), backend)
+    recs = [registered(c.name, backend=backend, **c.options) for c in CASES]
+    outs = fn(recs, *leaves[:3], cu, chunk_indices(cu, 64), chunk_offsets(cu, 64), *leaves[3:])
     gen = torch.Generator().manual_seed(14)
     do, c = torch.randn(outs[0].shape, generator=gen), torch.randn(HV, generator=gen)
     loss = sum((o * do).sum() + (f.sum((0, 2, 3)) * c).sum() for o, f in zip(outs[::2], outs[1::2]))
@@ -333,8 +334,11 @@ def _block_grads(fn, backend="fla") -> list[torch.Tensor]:
     return [*(x.detach() for x in outs), *torch.autograd.grad(loss, leaves)]
 
 
-BLOCK_NAMES = ["o_kda", "final_kda", "o_gdn", "final_gdn", "o_ssd", "final_ssd", "dx", "dw",
-               "dg_kda", "dg_gdn", "dbeta", "dh0"]  # fmt: skip
+BLOCK_NAMES = [
+    *(f"{out}_{c.id}" for c in CASES for out in ("o", "final")),
+    "dx", "dw", "dh0",
+    *(f"d{name}_{c.id}" for c in CASES for name in c.names[3:]),
+]  # fmt: skip
 
 
 @functools.cache
@@ -344,8 +348,10 @@ def _eager_block() -> list[torch.Tensor]:
 
 def test_eager_block_matches_torch_backend():
     """The eager fla path (adapters and the chunk-table shim) with a split view for v and
-    expanded final-state cotangents against the PyTorch kernels."""
-    for name, a, b in zip(BLOCK_NAMES, _eager_block(), _block_grads(_block, "torch")):
+    expanded final-state cotangents against the PyTorch kernels, every registered recurrence."""
+    got, ref = _eager_block(), _block_grads(_block, "torch")
+    assert len(got) == len(ref) == len(BLOCK_NAMES)
+    for name, a, b in zip(BLOCK_NAMES, got, ref, strict=True):
         report(f"eager block fla vs torch {name}", rel_err(a, b), TOL)
 
 
@@ -356,8 +362,9 @@ def test_compiled_block_matches_eager(compiler):
     torch._dynamo.reset()
     compiled = torch.compile(_block, backend=compiler, fullgraph=True)
     got, ref = _block_grads(compiled), _eager_block()
+    assert len(got) == len(ref) == len(BLOCK_NAMES)
     errs = {n: rel_err(a, b) if torch.isfinite(a).all() else float("inf")
-            for n, a, b in zip(BLOCK_NAMES, got, ref)}  # fmt: skip
+            for n, a, b in zip(BLOCK_NAMES, got, ref, strict=True)}  # fmt: skip
     for name, err in errs.items():  # every error first, then the verdict
         print(f"[fla_interpreter] compiled ({compiler}) vs eager {name}: {err:.2e}")
     report(f"compiled ({compiler}) vs eager, worst", max(errs.values()), COMPILE_TOL)
