@@ -419,6 +419,33 @@ def test_checkpoint_that_does_not_fit_names_the_first_parameter(tmp_path):
     assert "layer_pattern" in str(fit_error(str(tmp_path), "x"))
 
 
+def test_mamba2_checkpoint_with_the_packed_in_proj_is_refused_naming_it(tmp_path):
+    """A checkpoint saved before Mamba2's in_proj was split into one weight per segment
+    (2026-12-03) has the same number of values under another name: refused in one line that
+    names the old parameter and the split, not loaded around it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_cp.models import model_config
+
+    model = model_config("debug", layer_pattern="MA", vocab_size=97).build()
+    mixer = model.layers["0"].mixer
+    now = {k: v.detach() for k, v in model.state_dict().items()}
+    split = {f"layers.0.mixer.{name}.weight" for name in mixer.in_projections}
+    old = {k: v for k, v in now.items() if k not in split}
+    old["layers.0.mixer.in_proj.weight"] = torch.cat(
+        [now[f"layers.0.mixer.{name}.weight"] for name in mixer.in_projections]
+    )
+    dcp.save(old, checkpoint_id=str(tmp_path))
+    problem = fit_problem(now, str(tmp_path))
+    assert problem is not None and problem.startswith(
+        "its parameter layers.0.mixer.in_proj.weight is Mamba2's packed [z | x | B | C | dt] "
+        "projection, split into z_proj, x_proj, B_proj, C_proj and dt_proj"
+    ), problem
+    line = str(fit_error(str(tmp_path), problem))
+    assert "no longer reads it" in line and "new --dump_folder" in line and "\n" not in line
+
+
 def test_lock_of_another_host_or_a_live_process_is_refused(tmp_path):
     """Before: taken over "because that process is gone" without checking."""
     lock = tmp_path / "run.lock"

@@ -110,7 +110,9 @@ def test_bad_mamba2_sizes_fail_the_prelaunch_check() -> None:
 def _reference_layer(m: Mamba2Mixer, x: torch.Tensor, cu: list[int]) -> torch.Tensor:
     """The Mamba2 layer in float64, token by token per document (x ``[1, T, D]``)."""
     h, p, n, ng, di = m.n_heads, m.head_dim, m.state_dim, m.n_groups, m.d_inner
-    proj = x @ m.in_proj.weight.double().T
+    # the reference's packed in_proj: the five projections' rows in its order
+    in_proj = torch.cat([m.get_submodule(name).weight for name in m.in_projections])
+    proj = x @ in_proj.double().T
     z, xbc, dt = proj.split([di, di + 2 * ng * n, h], -1)
     w = m.conv.weight.double()  # [C, W], column W-1 on the current token
     conv = torch.zeros_like(xbc)
@@ -158,7 +160,8 @@ def test_mamba2_mixer_matches_reference(n_groups: int) -> None:
         if hasattr(mod, "reset_parameters"):
             mod.reset_parameters()
     with torch.no_grad():
-        mixer.in_proj.weight.normal_(0, 0.3)
+        for name in mixer.in_projections:
+            mixer.get_submodule(name).weight.normal_(0, 0.3)
         mixer.out_proj.weight.normal_(0, 0.3)
         mixer.norm.weight.uniform_(0.5, 1.5)
     _check_on_documents(mixer, 16, lambda m, x, cu, pos: _reference_layer(m, x, cu))

@@ -1,9 +1,9 @@
 """Tensor and expert parallelism, alone and composed with CP: the parity table (slow;
 docs/parallelism.md has the numbers).
 
-The model: the float64 hybrid debug model with one layer of each kind that shards over TP
-(``KGRA``; Mamba2 is refused, see ``Mamba2Mixer.tensor_parallel_heads``) under tp2 and
-cp2 x tp2 equals the unsharded model (loss and gradients, 1e-10). The trainer: every run starts
+The model: the float64 hybrid debug model with one layer of each kind (``KGMRA``; Mamba2 with
+4 heads in 2 B/C groups, so each TP rank holds a group of 2 heads) under tp2 and cp2 x tp2
+equals the unsharded model (loss and gradients, 1e-10). The trainer: every run starts
 from one seed checkpoint, float32 on gloo, 10 AdamW steps. Hybrid: fsdp2, tp2, cp2 and
 cp2 x tp2 give dp1's loss and grad norm within 1e-5 relative, host and device-readback routing
 train bit for bit the same under cp2 x tp2 (one routing per CP rank, shared by its TP ranks),
@@ -32,8 +32,12 @@ from tests.test_train import DEFAULT
 
 pytestmark = pytest.mark.slow
 
-PATTERN = "KGRA"
-HYBRID = [*DEFAULT, "--model.layer_pattern", PATTERN]
+PATTERN = "KGMRA"
+# Mamba2 sizes at dim 64: 4 heads of 32 channels in 2 B/C groups (TP 2 holds one group of 2
+# heads per rank), state 32 (the reference's 128 would only cost CPU here).
+MAMBA2 = {"head_dim": 32, "state_dim": 32, "n_groups": 2}
+HYBRID = [*DEFAULT, "--model.layer_pattern", PATTERN,
+          *(a for k, v in MAMBA2.items() for a in (f"--model.layer_options.mamba2.{k}", str(v)))]  # fmt: skip
 QWEN35 = ["--config_file", "configs/qwen35_debug_cpu.toml"]
 QWEN35_MOE = [*QWEN35, "--model.flavor", "debugmodel_moe"]
 STEPS = 10
@@ -55,13 +59,18 @@ def _tp_model(rank: int, world: int, pattern: str) -> dict[str, dict[str, float]
     from tests.helpers import random_batch
     from tests.test_model_cp import loss_and_grads
     from torchtitan_cp.models import model_config
+    from torchtitan_cp.models.hybrid.layers import LayerOptions
     from torchtitan_cp.models.hybrid.parallelize import apply_tensor_parallel
+    from torchtitan_cp.models.mixers.mamba2 import Mamba2Options
     from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("cp", "tp"))
     torch.manual_seed(0)
+    options = LayerOptions(mamba2=Mamba2Options(**MAMBA2))
     with torch.device("cpu"):
-        model = model_config("debug", layer_pattern=pattern, vocab_size=97).build()
+        model = model_config(
+            "debug", layer_pattern=pattern, vocab_size=97, layer_options=options
+        ).build()
     model.init_states()
     model = model.double()
     tokens, positions, labels = random_batch(1, 2, 64, 97)
@@ -87,8 +96,8 @@ def _tp_model(rank: int, world: int, pattern: str) -> dict[str, dict[str, float]
 
 
 def test_model_tp_equals_unsharded():
-    """Every kind that shards (K, G, R, A) in one model, float64: loss and gradients under tp2
-    and cp2 x tp2 equal the unsharded model's to 1e-10."""
+    """Every kind (K, G, M, R, A) in one model, float64: loss and gradients under tp2 and
+    cp2 x tp2 equal the unsharded model's to 1e-10."""
     for per_layout in run_distributed(_tp_model, 4, PATTERN):
         for layout, worst in per_layout.items():
             bad = {k: v for k, v in worst.items() if v > 1e-10}

@@ -90,8 +90,16 @@ BAD_VALUES = [
     # issue 22: the mesh (TP heads, TP x CP inside a node, EP, PP) before any rank starts
     (["--parallelism.tensor_parallel_degree", "4"], "4",
      ["tensor_parallel_degree = 4 does not divide model.n_heads = 2 (layer K", "[1, 2]"]),
+    # Mamba2: TP holds whole B/C groups (Megatron-Core's rule); the default has one group
     (["--model.layer_pattern", "KMA", "--parallelism.tensor_parallel_degree", "2"], "2",
-     ["layer M (Mamba2) cannot run under parallelism.tensor_parallel_degree > 1"]),
+     ["tensor_parallel_degree = 2 does not divide model.layer_options.mamba2.n_groups = 1 "
+      "(layer M, Mamba2", "whole B/C groups", "use a degree in [1]"]),
+    # 8 heads in 2 groups: TP 4 divides the heads, not the groups
+    (["--model.layer_pattern", "M", "--model.layer_options.mamba2.head_dim", "16",
+      "--model.layer_options.mamba2.n_groups", "2", "--parallelism.tensor_parallel_degree",
+      "4"], "4",
+     ["tensor_parallel_degree = 4 does not divide model.layer_options.mamba2.n_groups = 2 "
+      "(layer M", "[1, 2]"]),
     (["--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
       "--nnodes", "2"], "2",
      ["tensor_parallel_degree (2) x context_parallel_degree (2) = 4 ranks do not fit inside "

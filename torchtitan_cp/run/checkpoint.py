@@ -46,6 +46,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_cp.run.errors import CheckpointError, RunError
 from torchtitan_cp.run.lock import new_run_id
+from torchtitan_cp.run.retired import retired_problem
 
 MANIFEST = "manifest.sha256.json"
 MANIFEST_FORMAT = "torchtitan_cp.checkpoint-manifest/1"
@@ -529,12 +530,17 @@ def fit_problem(
 ) -> str | None:
     """None when the DCP checkpoint at ``checkpoint_id`` can load into ``state_dict`` (the
     flattened states torchtitan loads: model parameters at the top level), else what does not
-    fit, naming the first parameter: one the checkpoint lacks, one of another shape, one only
-    the checkpoint has, or a data loader saved by another number of data-parallel ranks
-    (torchtitan cannot reshard its position). Reads ``.metadata`` only."""
+    fit, naming the first parameter: one a layer no longer has (``run.retired``), one the
+    checkpoint lacks, one of another shape, one only the checkpoint has, or a data loader saved
+    by another number of data-parallel ranks (torchtitan cannot reshard its position). Reads ``.metadata`` only."""
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    # First a parameter a layer no longer has (its replacements are missing too): the change
+    # that retired it says more than the replacement's absence.
+    retired = retired_problem(k for k in saved if k not in state_dict)
+    if retired is not None:
+        return retired
     for key, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             continue
@@ -572,6 +578,8 @@ def fit_error(checkpoint_id: str, problem: str) -> CheckpointError:
             f"--dump_folder from its weights: --checkpoint.initial_load_path {checkpoint_id} "
             "--checkpoint.initial_load_model_only"
         )
+    elif "no longer reads it" in problem:
+        fix = "convert it (that parameter split as said) or start a new --dump_folder"
     else:
         fix = (
             "it was saved with other [model] settings (layer_pattern, flavor, n_layers or a "

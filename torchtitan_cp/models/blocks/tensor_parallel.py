@@ -15,6 +15,9 @@ heads with the routing of its CP rank unchanged. Two things the plans cannot exp
 * ``head_rows``: the rows of a channel-concatenated parameter (``[q | k | v]`` of the short
   conv) that hold this rank's heads of every segment; a contiguous ``Shard(0)`` would give a
   rank whole segments instead.
+* ``column_input``: the input of a column-parallel matmul written by hand (Mamba2's input
+  projections, read as one matrix): its gradient, each rank's part from its own columns, is
+  summed over TP, as ``ColwiseParallel``'s input hook does.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from torchtitan.models.common.embedding import Embedding
 __all__ = [
     "distribute_parameter",
     "check_all_on_tp_mesh",
+    "column_input",
     "head_rows",
     "parallelize_decoder_ends",
     "local",
@@ -80,6 +84,15 @@ def local(p: torch.Tensor) -> torch.Tensor:
     if all(isinstance(pl, Replicate) for pl in p.placements):
         return _AllReduceGrad.apply(p.to_local(), p.device_mesh.get_group())
     return p.to_local()
+
+
+def column_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` (a plain tensor, the same on every TP rank) as the input of a matmul with the
+    column-sharded ``weight``: itself, but under TP its gradient (each rank's part, from the
+    rank's columns) is summed over the TP group (Megatron's copy-to-region); off TP ``x``."""
+    if isinstance(weight, DTensor) and any(isinstance(p, Shard) for p in weight.placements):
+        return _AllReduceGrad.apply(x, weight.device_mesh.get_group())
+    return x
 
 
 def distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, shard: bool) -> None:

@@ -50,9 +50,9 @@ class Mixer(Protocol):
         ...
 
     def tensor_parallel_heads(self, cfg: Any, /) -> list[tuple[str, int]]:
-        """(config key, count) of each head count a TP degree must divide; a ValueError
-        saying why when the kind cannot shard over TP. The mixer's ``parallelize_heads(mesh)``
-        then shards it."""
+        """(config key, count) of each count a TP degree must divide: head counts (Mamba2:
+        its B/C groups, each rank holding whole groups with their heads). The mixer's
+        ``parallelize_heads(mesh)`` then shards it."""
         ...
 
 
@@ -151,8 +151,8 @@ def check_backend(pattern: str, backend: str) -> None:
 
 def check_tensor_parallel(cfg: Any, tp: int) -> None:
     """A ValueError (one line: the key, the letter, what would work) when the decoder config
-    ``cfg`` cannot shard its heads over ``tp`` ranks: a kind that cannot shard, or a head count
-    the degree does not divide."""
+    ``cfg`` cannot shard its heads over ``tp`` ranks: a head (or Mamba2 group) count the degree
+    does not divide."""
     if tp == 1:
         return
     for c in dict.fromkeys(cfg.layer_pattern):
@@ -161,6 +161,6 @@ def check_tensor_parallel(cfg: Any, tp: int) -> None:
                 fits = [d for d in range(1, heads + 1) if heads % d == 0]
                 raise ValueError(
                     f"parallelism.tensor_parallel_degree = {tp} does not divide {key} = {heads} "
-                    f"(layer {c}, {LAYERS[c].description}): heads are split whole across TP "
-                    f"ranks; use a degree in {fits}"
+                    f"(layer {c}, {LAYERS[c].description}): TP ranks hold whole heads (Mamba2: "
+                    f"whole B/C groups with their heads); use a degree in {fits}"
                 )
