@@ -22,7 +22,6 @@ from torchtitan_cp.models.blocks.attention_cp import (
     AttentionCP,
     check_attention_cp,
 )
-from torchtitan_cp.models.blocks.experts import set_moe_sharding
 from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
 from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
 
@@ -69,6 +68,10 @@ class RoutedDecoderConfig:
         """torchtitan's own MoE sharding configs on the MoE layers when expert (``ep``) or
         tensor (``tp``) parallelism is on (``blocks.experts.set_moe_sharding``)."""
         if ep > 1 or tp > 1:
+            # Imported here: blocks.experts loads torchtitan's FSDP (torch >= 2.14), which the
+            # model layer must not need below the trainer (tests/test_compat.py).
+            from torchtitan_cp.models.blocks.experts import set_moe_sharding
+
             set_moe_sharding(self.layers, ep=ep, tp=tp)  # pyrefly: ignore[missing-attribute]
 
     def set_linear_attention_backend(self, backend: LinearAttentionBackend) -> None:
