@@ -4,7 +4,7 @@
 # Extra arguments go to pytest, e.g. ./scripts/test.sh tests/test_routing_plan.py -x
 # The fast loop: ./scripts/test.sh -m "not slow" (only tests that start no process).
 # fla's Triton kernels on CPU (Triton's interpreter): ./scripts/test.sh -m fla_interpreter;
-# -m "not fla_interpreter" skips that tier (about 4 minutes of CPU time).
+# -m "not fla_interpreter" skips that tier (about 4.5 minutes).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
