@@ -51,3 +51,31 @@ def test_any_other_root_cause_keeps_torchruns_report(tmp_path):
     assert one_line_failure(mixed) is None
     assert one_line_failure({0: failure(tmp_path, 0, -9, None, now)}) is None  # killed, no file
     assert one_line_failure({}) is None
+
+
+def test_a_rank_stopped_while_writing_its_error_file_leaves_a_readable_one(tmp_path, monkeypatch):
+    """torchrun SIGTERMs the other ranks when one fails; a rank stopped while the trainer
+    rewrites its error file must leave a file torchrun can read (before: truncated first, so an
+    empty file, and torchrun's own report died on it with a JSONDecodeError, losing the root
+    cause; seen once in CI's test_direct_torchrun_runs_the_same_validation)."""
+    from torchtitan_cp import train
+
+    path = tmp_path / "error.json"
+    before = {"message": {"message": "traceback of @record", "extraInfo": {"timestamp": "1"}}}
+    path.write_text(json.dumps(before))
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    def stopped_midway(data, f):
+        f.write('{"message": ')
+        raise SystemExit(143)  # the SIGTERM, as the process sees it
+
+    monkeypatch.setattr(json, "dump", stopped_midway)
+    try:
+        train._record_for_torchrun("torchtitan_cp.train: error: x")
+    except SystemExit:
+        pass
+    assert json.loads(path.read_text()) == before  # still whole: torchrun reads the old one
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    train._record_for_torchrun("torchtitan_cp.train: error: x")
+    assert json.loads(path.read_text())["message"]["message"] == "torchtitan_cp.train: error: x"

@@ -203,9 +203,14 @@ def _record_for_torchrun(line: str) -> None:
         return
     data = {"message": {"message": line, "extraInfo": {"py_callstack": line,
                                                        "timestamp": str(int(time.time()))}}}  # fmt: skip
+    # Written aside, then renamed over the file: torchrun stops the other ranks (SIGTERM) when
+    # one fails, and a rank stopped between truncating and writing its error file left it empty,
+    # which torchrun's failure report then failed to parse (JSONDecodeError: no root cause).
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(path, "w") as f:
+        with open(tmp, "w") as f:
             json.dump(data, f)
+        os.replace(tmp, path)
     except OSError:
         pass
 
