@@ -79,8 +79,10 @@ def torchrun_train(
     cmd, env = torchrun_cmd([*args, "--dump_folder", str(dump_folder)], nproc=nproc, module=module)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
+        # stderr's last 20000 characters: a crashed rank's faulthandler stacks come before
+        # torchrun's report, which repeats each other rank's traceback (several KiB each)
         raise AssertionError(
-            f"training failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+            f"training failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-20000:]}"
         )
     return proc
 

@@ -5,11 +5,12 @@ test_runs.py (a refusal inside the ranks, a stopped rank)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from torchtitan_cp.launch import one_line_failure
+from torchtitan_cp.launch import one_line_failure, silent_failures, stderr_tail
 
 
 def failure(tmp_path, rank: int, exitcode: int, message: str | None, at: int) -> ProcessFailure:
@@ -79,3 +80,64 @@ def test_a_rank_stopped_while_writing_its_error_file_leaves_a_readable_one(tmp_p
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
     train._record_for_torchrun("torchtitan_cp.train: error: x")
     assert json.loads(path.read_text())["message"]["message"] == "torchtitan_cp.train: error: x"
+
+
+def test_ranks_that_failed_without_an_error_of_their_own(tmp_path):
+    """A crash in C++ (a signal) or an exit status without a Python exception leaves torchrun
+    no error file; torchrun's own SIGTERM to the survivors is a consequence, not named."""
+    now = int(time.time())
+    failures = {
+        0: failure(tmp_path, 0, -15, None, now),  # torchrun stopped it after the first failure
+        1: failure(tmp_path, 1, -11, None, now),  # a segfault
+        2: failure(tmp_path, 2, 1, None, now),  # exit status 1 and no error file
+        3: failure(tmp_path, 3, 1, "Traceback (most recent call last): ...", now),
+    }
+    assert silent_failures(failures) == [1, 2]
+
+
+DUMP = """\
+[rank1]: a log line before the crash
+Fatal Python error: Segmentation fault
+
+Thread 0x00007f01 (most recent call first):
+  <no Python frame>
+
+Thread 0x00007f02 (most recent call first):
+  File "queue.py", line 171 in get
+
+Current thread 0x00007f03 (most recent call first):
+  File "torchtitan_cp/trainer/trainer.py", line 381 in train
+  File "torchtitan_cp/train.py", line 298 in main
+
+Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)
+"""
+
+
+def test_stderr_tail_starts_at_the_crash_and_names_only_python_frames(tmp_path):
+    """The end of a crashed rank's stderr as torchrun kept it (``--tee``): from faulthandler's
+    first line, without the C++ threads' empty stacks and the extension module list, from the
+    newest attempt; a long dump keeps its head and the end (the main thread is listed last)."""
+    old = tmp_path / "run_x" / "attempt_0" / "1" / "stderr.log"
+    new = tmp_path / "run_x" / "attempt_1" / "1" / "stderr.log"
+    for path, text in ((old, "an older attempt\n"), (new, DUMP)):
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+    os.utime(old, (1, 1))
+    found, text = stderr_tail(str(tmp_path), 1)
+    assert found == str(new)
+    assert text.splitlines() == [
+        "Fatal Python error: Segmentation fault",
+        "",
+        "Thread 0x00007f02 (most recent call first):",
+        '  File "queue.py", line 171 in get',
+        "",
+        "Current thread 0x00007f03 (most recent call first):",
+        '  File "torchtitan_cp/trainer/trainer.py", line 381 in train',
+        '  File "torchtitan_cp/train.py", line 298 in main',
+    ]
+    assert stderr_tail(str(tmp_path), 0) is None  # torchrun kept no file of local rank 0
+    frames = [f'  File "f.py", line {i} in f{i}' for i in range(300)]
+    new.write_text("\n".join(["Fatal Python error: Aborted", "", *frames]))
+    lines = stderr_tail(str(tmp_path), 1, lines=40)[1].splitlines()
+    assert len(lines) == 40 and lines[0] == "Fatal Python error: Aborted"
+    assert lines[10] == "... (263 lines left out)" and lines[-1] == frames[-1]

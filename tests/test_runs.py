@@ -369,23 +369,11 @@ def test_stopped_rank_is_named_in_one_line(tmp_path):
     checkpoint control group kept it during saves, and a loaded machine, which makes the stop
     land in the step-2 save more often, broke the old 60 s bound), never on CPU contention."""
     dump = tmp_path / "run"
-    cmd, env = torchrun_cmd(
-        [*ARGS, "--training.steps", "1000", "--comm.train_timeout_seconds", "5",
-         "--dump_folder", str(dump)], nproc=2, launcher="torchtitan_cp.launch",
-    )  # fmt: skip
-    # train.sh's console options: rank 0's output only, each line prefixed with its rank
-    at = cmd.index("--nproc_per_node=2")
-    cmd[at:at] = ["--local-ranks-filter", "0", "--tee", "3",
-                  "--log-line-prefix-template", "[rank${rank}]:"]  # fmt: skip
-    out, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    with out.open("w") as o, err_file.open("w") as e:  # files: pipes could fill and block
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=o, stderr=e)
+    proc, out, err_file = _launch_as_train_sh(
+        tmp_path, [*ARGS, "--training.steps", "1000", "--comm.train_timeout_seconds", "5"], dump
+    )
     try:
-        deadline = time.monotonic() + 240
-        while len(read_rows(str(dump / "metrics.jsonl")) if (dump / "metrics.jsonl").exists()
-                   else []) < 2:  # fmt: skip
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.5)
+        _wait_for_steps(proc, dump, 2)
         ranks = rank_pids(str(dump))
         os.kill(ranks[1], signal.SIGSTOP)
         stopped = time.monotonic()
@@ -413,6 +401,62 @@ def test_stopped_rank_is_named_in_one_line(tmp_path):
     before = [x for x in out.read_text().splitlines() if x.strip()][-3:]
     print(f"rank 0 gave up {waited:.1f} s after rank 1 stopped, the launch ended after "
           f"{launch:.1f} s; rank 0's last lines: {before}")  # fmt: skip
+
+
+def _launch_as_train_sh(tmp_path: Path, args: list[str], dump: Path):
+    """``args`` on 2 ranks through the launcher train.sh runs, with its console options (rank
+    0's output only, each line prefixed with its rank; without train.sh's pre-launch check):
+    (process, stdout file, stderr file)."""
+    cmd, env = torchrun_cmd([*args, "--dump_folder", str(dump)], nproc=2,
+                            launcher="torchtitan_cp.launch")  # fmt: skip
+    at = cmd.index("--nproc_per_node=2")
+    cmd[at:at] = ["--local-ranks-filter", "0", "--tee", "3",
+                  "--log-line-prefix-template", "[rank${rank}]:"]  # fmt: skip
+    out, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with out.open("w") as o, err_file.open("w") as e:  # files: pipes could fill and block
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=o, stderr=e)
+    return proc, out, err_file
+
+
+def _wait_for_steps(proc: subprocess.Popen, dump: Path, steps: int, timeout: float = 240) -> None:
+    """Until ``steps`` training rows are in the run's metrics.jsonl."""
+    deadline = time.monotonic() + timeout
+    while len(read_rows(str(dump / "metrics.jsonl")) if (dump / "metrics.jsonl").exists()
+               else []) < steps:  # fmt: skip
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.5)
+
+
+def test_crashed_rank_shows_its_stacks_on_the_console(tmp_path):
+    """Rank 1 killed by a segfault (SIGSEGV, as a crash in C++ ends it: gloo, a compiled
+    kernel) after step 2, launched as train.sh launches, which shows rank 0's output only.
+    Such a rank writes no torchrun error file, so torchrun's report says no more than
+    "Signal 11 (SIGSEGV) received by PID"; before, that was all the console had (issue 25
+    point 8: a flaky compiled run failed that way, its rank's own error not kept). Now the
+    rank's faulthandler writes every thread's Python stack to its stderr, and the launcher
+    prints the end of that file for the rank that died without an error of its own."""
+    dump = tmp_path / "run"
+    proc, _, err_file = _launch_as_train_sh(tmp_path, [*ARGS, "--training.steps", "1000"], dump)
+    try:
+        _wait_for_steps(proc, dump, 2)
+        os.kill(rank_pids(str(dump))[1], signal.SIGSEGV)
+        proc.wait(timeout=120)
+    finally:
+        for pid in rank_pids(str(dump)).values():
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    err = err_file.read_text()
+    assert proc.returncode == 1, err[-3000:]
+    said = "rank 1 was killed by SIGSEGV without an error of its own; the end of its stderr ("
+    assert said in err, err[-6000:]
+    tail = err.split(said, 1)[1]
+    path = tail.split("):", 1)[0]
+    assert path.endswith("/attempt_0/1/stderr.log") and Path(path).is_file(), path
+    shown = tail.split("\n", 1)[1]
+    assert shown.startswith("    Fatal Python error: Segmentation fault"), shown[:500]
+    # the main thread's stack, last in faulthandler's dump, reaches the trainer's entry point
+    assert 'torchtitan_cp/train.py", line' in shown, shown[-3000:]
+    assert "Signal 11 (SIGSEGV) received by PID" in err  # torchrun's own report follows
 
 
 def _running(pid: int) -> bool:

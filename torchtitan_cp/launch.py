@@ -6,7 +6,10 @@ rank stops with one of the recipe's one-line errors (a configuration or data pro
 the ranks, a busy dump folder, an unusable checkpoint, a loss spike, a rank that stopped
 answering), the first failing rank's line is printed once and the launch exits with that rank's
 status (2 for configuration and data problems), instead of torchrun's ``ChildFailedError`` block
-and status 1. Any other failure (a traceback) is reported by torchrun as usual.
+and status 1. Any other failure (a traceback) is reported by torchrun as usual; before that
+report, a rank that failed without an error of its own (killed by a signal: a crash in C++) has
+the end of its stderr printed, its Python stacks from faulthandler, also when
+``--local-ranks-filter`` keeps its output off the console.
 
 Multi-node (``--rdzv-backend=static``, ``--nnodes`` > 1): the rendezvous wait is bounded by
 ``RDZV_TIMEOUT`` seconds (default 300, the ``timeout`` of torchrun's static rendezvous, which
@@ -18,10 +21,13 @@ ends with one line naming the endpoint and the fix, exit 2.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from typing import IO, Any
@@ -30,6 +36,7 @@ PREFIX = "torchtitan_cp.train: error: "
 LAUNCH_PREFIX = "torchtitan_cp.launch: error: "
 RDZV_TIMEOUT_DEFAULT = 300
 REPORT_EVERY = 10.0  # seconds between a waiting node's lines
+SILENT_TAIL = 120  # lines of a silent rank's stderr shown (faulthandler's stacks fit)
 
 
 class LaunchError(Exception):
@@ -174,6 +181,77 @@ def one_line_failure(failures: dict[int, Any]) -> tuple[str, int] | None:
     return message, failure.exitcode
 
 
+def silent_failures(failures: dict[int, Any]) -> list[int]:
+    """Ranks that failed without an error of their own in torchrun's record: no error file
+    (killed by a fatal signal, a segfault or an abort in C++, or an exit status without a
+    Python exception), torchrun's own SIGTERM to the survivors excepted. ``failures``: rank ->
+    torchrun's ProcessFailure."""
+    return sorted(
+        rank
+        for rank, failure in failures.items()
+        if not os.path.isfile(str(failure.error_file)) and failure.exitcode != -signal.SIGTERM
+    )
+
+
+def stderr_tail(log_dir: str, local_rank: int, lines: int = SILENT_TAIL) -> tuple[str, str] | None:
+    """``(path, text)``: the end of local rank ``local_rank``'s stderr as torchrun kept it under
+    ``log_dir`` (``--tee``/``--redirects``; its newest attempt), from faulthandler's "Fatal
+    Python error" line when there is one; None when torchrun kept no file of it."""
+    found = sorted(
+        glob.glob(
+            os.path.join(glob.escape(log_dir), "*", "attempt_*", str(local_rank), "stderr.log")
+        ),
+        key=os.path.getmtime,
+    )
+    if not found:
+        return None
+    try:
+        with open(found[-1], errors="replace") as f:
+            text = f.read().splitlines()
+    except OSError:
+        return None
+    marks = [i for i, line in enumerate(text) if line.startswith("Fatal Python error")]
+    shown = _without_threads_of_no_python(text[marks[-1] :]) if marks else text
+    if len(shown) > lines:  # the crash's first lines, then the stacks' ends (the main thread last)
+        head = 10 if marks else 0
+        shown = [*shown[:head], f"... ({len(shown) - lines + 1} lines left out)",
+                 *shown[len(shown) - (lines - head - 1) :]]  # fmt: skip
+    return found[-1], "\n".join(shown)
+
+
+def _without_threads_of_no_python(dump: list[str]) -> list[str]:
+    """faulthandler's dump without what names nothing: the C++ threads (gloo's, autograd's)
+    listed with ``<no Python frame>``, and the one long line of loaded extension modules."""
+    kept: list[str] = []
+    for i, line in enumerate(dump):
+        no_frame = i + 1 < len(dump) and dump[i + 1].strip() == "<no Python frame>"
+        if (line.startswith("Thread 0x") and no_frame) or line.strip() == "<no Python frame>":
+            continue
+        if line.startswith("Extension modules:") or (not line.strip() and kept and not kept[-1]):
+            continue
+        kept.append(line)
+    return kept
+
+
+def report_silent_failures(failures: dict[int, Any], log_dir: str, out: IO[str]) -> None:
+    """Print, for every rank that failed without an error of its own, how it ended and the end
+    of its stderr: under ``--local-ranks-filter`` (train.sh shows rank 0 only) a crashed rank's
+    last words, its Python stacks from faulthandler, reach no console otherwise."""
+    for rank in silent_failures(failures):
+        failure = failures[rank]
+        how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+               else f"exited with status {failure.exitcode}")  # fmt: skip
+        tail = stderr_tail(log_dir, failure.local_rank)
+        if tail is None:
+            print(f"rank {rank} {how} without an error of its own; torchrun kept no log of it "
+                  "(run with --tee 3 or --redirects 3)", file=out)  # fmt: skip
+            continue
+        path, text = tail
+        print(f"rank {rank} {how} without an error of its own; the end of its stderr ({path}):",
+              file=out)  # fmt: skip
+        print("\n".join(f"    {line}" for line in text.splitlines()), file=out, flush=True)
+
+
 class _HeldLogs(logging.Handler):
     """Holds the records of torchrun's own loggers while the ranks run: its agent logs each
     worker's failure and the SIGTERMs it sends (a few lines per rank) before it raises, which a
@@ -236,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as e:
         print(f"{LAUNCH_PREFIX}{e}", file=sys.stderr)
         return 2
+    if args.log_dir is None:  # torchrun's own default, made here so that its path is known
+        args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
     held = _HeldLogs()
     try:
         torchrun.run(args)
@@ -250,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         found = one_line_failure(e.failures)
         held.restore(replay=found is None)
         if found is None:
+            report_silent_failures(e.failures, args.log_dir, sys.stderr)
             error = e
 
             @record

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import io
 import logging
 import os
@@ -277,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    # A rank killed by a fatal signal (a segfault or an abort in C++: gloo, NCCL, a compiled
+    # kernel) leaves no traceback and no torchrun error file; its Python stacks, every
+    # thread's, on its stderr are then all that names where it died (launch.py shows them).
+    faulthandler.enable(all_threads=True)
     _single_process_defaults()
 
     from torchtitan_cp.run import rank_timeout
