@@ -10,10 +10,10 @@ train bit for bit the same under cp2 x tp2 (one routing per CP rank, shared by i
 and a DCP checkpoint of one layout resumes under the other. Qwen3.5 dense: fsdp2, cp2, tp2 and
 cp2 x tp2 against dp1, routing bitwise, and the HF export of a cp2 x tp2 checkpoint bitwise
 equal to the unsharded export of the same weights. Qwen3.5 MoE: fsdp2, cp2, tp2, cp2 x tp2,
-ep2, cp2 x ep2 and tp2 x ep2 against dp1 (1e-5 through step 2, after which its routes start to
-flip; see MOE_EXACT_STEPS), the HF export of an ep2 and of a cp2 x tp2 checkpoint bitwise
-equal to the unsharded one. fsdp2 runs read a corpus made
-so that two data-parallel ranks see dp1's global batches (``_fsdp_data``). Cost: each test's
+ep2, cp2 x ep2 and tp2 x ep2 against dp1 over 5 steps (1e-5 through step 2, after which its
+routes start to flip; see MOE_EXACT_STEPS), the HF export of an ep2 and of a cp2 x tp2
+checkpoint bitwise equal to the unsharded one. fsdp2 runs read a corpus made so that two
+data-parallel ranks see dp1's global batches (``_fsdp_data``). Cost: each test's
 runs are forked from one launcher that imported the trainer once (tests/fork_launch.py), since
 process start-ups (about 5 s of CPU per rank, 3 s per torchrun agent), not steps, were most of
 it; the totals are in docs/parallelism.md."""
@@ -248,11 +248,14 @@ def test_qwen35_tensor_parallel_parity(tmp_path):
 # step 1).
 MOE_EXACT_STEPS = 2
 MOE_LATE = 1e-2
+# Steps of the MoE rows: the exact ones and three for the guard (a run that goes wrong parts by
+# far more than MOE_LATE within a step or two; 10 steps cost 30 % more of this test's CPU)
+MOE_STEPS = 5
 
 
 def test_qwen35_moe_parallel_parity(tmp_path):
     """Qwen3.5's debugmodel_moe through torchtitan's MoE modules, its TP sharding and its
-    all-to-all dispatcher, 10 steps: cp2, tp2 (each expert's hidden units split), cp2 x tp2,
+    all-to-all dispatcher, MOE_STEPS steps: cp2, tp2 (each expert's hidden units split), cp2 x tp2,
     cp2 x ep2 (EP borrowed from CP) and tp2 x ep2 (EP borrowed from TP, the tokens
     sequence-sharded) against dp1, fsdp2 and ep2 (EP borrowed from FSDP) against dp1 on the
     same global batches, ep2 against fsdp2; the HF export of an ep2 and of a cp2 x tp2
@@ -264,29 +267,29 @@ def test_qwen35_moe_parallel_parity(tmp_path):
     one_rank, two_ranks = _fsdp_data(tmp_path)
     _run_all(tmp_path, [
         _seed_launch(QWEN35_MOE),
-        _launch("dp1", 1, QWEN35_MOE, *common),
-        _launch("cp2", 2, QWEN35_MOE, *common, *CP),
-        _launch("tp2", 2, QWEN35_MOE, *common, *TP),
-        _launch("cp2xtp2", 4, QWEN35_MOE, *common, *CP, *TP),
-        _launch("cp2xep2", 2, QWEN35_MOE, *common, *CP, *ep),
-        _launch("tp2xep2", 2, QWEN35_MOE, *common, *TP, *ep),
-        _launch("dp1-aligned", 1, QWEN35_MOE, *common, *one_rank),
-        _launch("fsdp2", 2, QWEN35_MOE, *common, *two_ranks),
-        _launch("ep2", 2, QWEN35_MOE, *common, *ep, *two_ranks),
+        _launch("dp1", 1, QWEN35_MOE, *common, steps=MOE_STEPS),
+        _launch("cp2", 2, QWEN35_MOE, *common, *CP, steps=MOE_STEPS),
+        _launch("tp2", 2, QWEN35_MOE, *common, *TP, steps=MOE_STEPS),
+        _launch("cp2xtp2", 4, QWEN35_MOE, *common, *CP, *TP, steps=MOE_STEPS),
+        _launch("cp2xep2", 2, QWEN35_MOE, *common, *CP, *ep, steps=MOE_STEPS),
+        _launch("tp2xep2", 2, QWEN35_MOE, *common, *TP, *ep, steps=MOE_STEPS),
+        _launch("dp1-aligned", 1, QWEN35_MOE, *common, *one_rank, steps=MOE_STEPS),
+        _launch("fsdp2", 2, QWEN35_MOE, *common, *two_ranks, steps=MOE_STEPS),
+        _launch("ep2", 2, QWEN35_MOE, *common, *ep, *two_ranks, steps=MOE_STEPS),
         # HF export below: an ep2 step (experts sharded over EP) and a cp2 x tp2 step (experts
         # FSDP x TP) run at learning rate 0
         _launch("ep2-lr0", 2, QWEN35_MOE, *common, *ep, *FROZEN, steps=1),
         _launch("cp2xtp2-lr0", 4, QWEN35_MOE, *common, *CP, *TP, *FROZEN, steps=1),
     ])  # fmt: skip
-    dp1, aligned, fsdp2 = (_rows(tmp_path, n) for n in ("dp1", "dp1-aligned", "fsdp2"))
+    dp1, aligned, fsdp2 = (_rows(tmp_path, n, MOE_STEPS) for n in ("dp1", "dp1-aligned", "fsdp2"))
     per_step = {
-        name: _per_step(dp1, _rows(tmp_path, name))
+        name: _per_step(dp1, _rows(tmp_path, name, MOE_STEPS))
         for name in ("cp2", "tp2", "cp2xtp2", "cp2xep2", "tp2xep2")
     }
     per_step |= {
         "fsdp2": _per_step(aligned, fsdp2),
-        "ep2": _per_step(aligned, _rows(tmp_path, "ep2")),
-        "ep2 (vs fsdp2)": _per_step(fsdp2, _rows(tmp_path, "ep2")),
+        "ep2": _per_step(aligned, _rows(tmp_path, "ep2", MOE_STEPS)),
+        "ep2 (vs fsdp2)": _per_step(fsdp2, _rows(tmp_path, "ep2", MOE_STEPS)),
     }
     print(
         "qwen3_5 MoE: relative error per step:",
