@@ -26,7 +26,9 @@ run() {  # run NAME [trainer args...]: exit status of torchrun, logs under OUT/N
   local name="$1"; shift
   rm -rf "${OUT:?}/$name"
   mkdir -p "$OUT/$name"
-  timeout 900 python -m torch.distributed.run --standalone --nproc_per_node 2 \
+  # the recipe's torchrun (train.sh's): a rank killed by a signal gets its faulthandler
+  # stacks printed in torchrun.out, not only in its log
+  timeout 900 python -m torchtitan_cp.launch --standalone --nproc_per_node 2 \
     --log-dir "$OUT/$name/logs" --redirects 3 \
     -m torchtitan_cp.train "${ARGS[@]}" "$@" --dump_folder "$OUT/$name/dump" \
     > "$OUT/$name/torchrun.out" 2>&1 || return $?
