@@ -191,11 +191,11 @@ def _dump_folder(argv: list[str]) -> str:
 
 if __name__ == "__main__":
     from torchtitan_cp.run.process_exit import exit_process
-    from torchtitan_cp.train import main
+    from torchtitan_cp.train import run_worker
 
     argv = sys.argv[1:]
     with Tracker() as tracker:
-        code = main(argv)
+        code = run_worker(argv)
     rank = int(os.environ.get("RANK", "0"))
     path = os.path.join(_dump_folder(argv), f"collective_devices_rank{rank}.json")
     with open(path, "w") as f:

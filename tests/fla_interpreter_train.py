@@ -2,7 +2,7 @@
 CPU under Triton's interpreter (the ``fla_interpreter`` tier's trainer run).
 
 Each rank installs the interpreter (tests/fla_interpreter.py) before anything imports fla, then
-runs ``torchtitan_cp.train.main`` with ARGS; production code never imports tests/. Exit status
+runs the trainer (``torchtitan_cp.train.run_worker``) with ARGS; production code never imports tests/. Exit status
 2 with one line when the interpreter cannot run here.
 """
 
@@ -18,6 +18,6 @@ if __name__ == "__main__":
         print(f"tests.fla_interpreter_train: error: {why}", file=sys.stderr)
         sys.exit(2)
     from torchtitan_cp.run.process_exit import exit_process
-    from torchtitan_cp.train import main
+    from torchtitan_cp.train import run_worker
 
-    exit_process(main())
+    exit_process(run_worker())

@@ -141,3 +141,24 @@ def test_stderr_tail_starts_at_the_crash_and_names_only_python_frames(tmp_path):
     lines = stderr_tail(str(tmp_path), 1, lines=40)[1].splitlines()
     assert len(lines) == 40 and lines[0] == "Fatal Python error: Aborted"
     assert lines[10] == "... (263 lines left out)" and lines[-1] == frames[-1]
+
+
+def test_run_worker_records_an_escaping_error_for_torchrun(tmp_path, monkeypatch, capsys):
+    """An exception that escapes the trainer's main (outside torchtitan's ``@record``-ed
+    ``train``) is printed, written to torchrun's error file with its traceback, and status 1."""
+    from torchtitan_cp import train
+
+    def main(argv):
+        raise RuntimeError(f"closing failed: {argv}")
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    monkeypatch.setattr(train, "main", main)
+    assert train.run_worker(["x"]) == 1
+    record = json.loads(path.read_text())["message"]
+    assert record["message"] == "RuntimeError: closing failed: ['x']"
+    stack = record["extraInfo"]["py_callstack"]
+    assert stack.startswith("Traceback (most recent call last):") and "in main" in stack
+    assert stack in capsys.readouterr().err
+    monkeypatch.setattr(train, "main", lambda argv: 2)  # a status passes through
+    assert train.run_worker([]) == 2

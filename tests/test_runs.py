@@ -459,6 +459,22 @@ def test_crashed_rank_shows_its_stacks_on_the_console(tmp_path):
     assert "Signal 11 (SIGSEGV) received by PID" in err  # torchrun's own report follows
 
 
+def test_an_error_outside_training_is_torchruns_root_cause(tmp_path):
+    """Rank 1 raises once its trainer is built, outside torchtitan's ``@record``-ed ``train``
+    (as an error building, closing or tearing down would): torchrun's report shows its
+    traceback as the root cause, and the rank exits 1. Before, nothing recorded it, so the
+    report said only "To enable traceback see: ..." for that rank."""
+    from tests.rank_fault import MESSAGE
+
+    proc = torchrun_train(ARGS, nproc=2, dump_folder=tmp_path / "run", module="tests.rank_fault",
+                          check=False)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    report = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert "rank      : 1 (local_rank: 1)" in report and "exitcode  : 1 " in report, report
+    assert f"RuntimeError: {MESSAGE}" in report and "tests/rank_fault.py" in report, report
+    assert "To enable traceback" not in report, report
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 from typing import Any
 
 from torchtitan_cp.data.jsonl import DataError
@@ -193,16 +194,17 @@ def _single_process_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
-def _record_for_torchrun(line: str) -> None:
-    """Under torchrun, replace the traceback torchtitan's ``@record`` left in this worker's
-    error file with the one-line message, which torchrun then shows as the root cause."""
+def _record_for_torchrun(line: str, callstack: str | None = None) -> None:
+    """Under torchrun, write this worker's error file, which torchrun then shows as the root
+    cause: the one-line message (replacing the traceback torchtitan's ``@record`` may have left
+    there), or with ``callstack`` a traceback, as ``@record`` writes it."""
     import json
     import time
 
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": callstack or line,
                                                        "timestamp": str(int(time.time()))}}}  # fmt: skip
     # Written aside, then renamed over the file: torchrun stops the other ranks (SIGTERM) when
     # one fails, and a rank stopped between truncating and writing its error file left it empty,
@@ -329,7 +331,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_worker(argv: list[str] | None = None) -> int:
+    """``main`` as a launched process runs it: an exception that escapes it, outside torchtitan's
+    ``@record``-ed ``train`` (building the trainer, closing it, the process group's teardown),
+    is printed and written to torchrun's error file as ``@record`` writes it, and the status is
+    1. Without this, torchrun's report named no error for that rank ("To enable traceback
+    see ..."), and ``train.sh``, which shows rank 0's output only, showed none at all; and the
+    rank would leave through interpreter finalization, where gloo's threads can abort it."""
+    try:
+        return main(argv)
+    except Exception as e:
+        callstack = traceback.format_exc()
+        print(callstack, file=sys.stderr, end="", flush=True)
+        _record_for_torchrun(f"{type(e).__name__}: {e}", callstack)
+        return 1
+
+
 if __name__ == "__main__":
     from torchtitan_cp.run.process_exit import exit_process
 
-    exit_process(main())
+    exit_process(run_worker())
