@@ -10,7 +10,12 @@ import time
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from torchtitan_cp.launch import one_line_failure, silent_failures, stderr_tail
+from torchtitan_cp.launch import (
+    one_line_failure,
+    report_silent_failures,
+    silent_failures,
+    stderr_tail,
+)
 
 
 def failure(tmp_path, rank: int, exitcode: int, message: str | None, at: int) -> ProcessFailure:
@@ -114,8 +119,8 @@ Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)
 
 
 def test_stderr_tail_starts_at_the_crash_and_names_only_python_frames(tmp_path):
-    """The end of a crashed rank's stderr as torchrun kept it (``--tee``): from faulthandler's
-    first line, without the C++ threads' empty stacks and the extension module list, from the
+    """The end of a crashed rank's stderr as torchrun kept it (``--tee``): from a few lines
+    before faulthandler's first line, without the C++ threads' empty stacks and the extension module list, from the
     newest attempt; a long dump keeps its head and the end (the main thread is listed last)."""
     old = tmp_path / "run_x" / "attempt_0" / "1" / "stderr.log"
     new = tmp_path / "run_x" / "attempt_1" / "1" / "stderr.log"
@@ -126,6 +131,7 @@ def test_stderr_tail_starts_at_the_crash_and_names_only_python_frames(tmp_path):
     found, text = stderr_tail(str(tmp_path), 1)
     assert found == str(new)
     assert text.splitlines() == [
+        "[rank1]: a log line before the crash",  # up to CRASH_CONTEXT lines before the dump
         "Fatal Python error: Segmentation fault",
         "",
         "Thread 0x00007f02 (most recent call first):",
@@ -162,3 +168,30 @@ def test_run_worker_records_an_escaping_error_for_torchrun(tmp_path, monkeypatch
     assert stack in capsys.readouterr().err
     monkeypatch.setattr(train, "main", lambda argv: 2)  # a status passes through
     assert train.run_worker([]) == 2
+
+
+def test_report_names_each_silent_rank_and_where_its_stderr_is(tmp_path):
+    """What the launcher prints above torchrun's report: each silent rank, how it ended, and
+    the end of its stderr file, or where its stderr went when torchrun kept no file."""
+    import io
+
+    now = int(time.time())
+    failures = {0: failure(tmp_path, 0, 1, "Traceback ...", now),
+                1: failure(tmp_path, 1, -6, None, now)}  # fmt: skip
+    logs = tmp_path / "logs"
+    out = io.StringIO()
+    report_silent_failures(failures, str(logs), out)
+    assert out.getvalue() == (
+        "rank 1 was killed by SIGABRT without an error of its own; its stderr, if not filtered "
+        "out, is above (torchrun kept no file of it: --tee 3 keeps one)\n"
+    )
+    path = logs / "run_x" / "attempt_0" / "1" / "stderr.log"
+    path.parent.mkdir(parents=True)
+    path.write_text("terminate called without an active exception\nFatal Python error: Aborted\n")
+    out = io.StringIO()
+    report_silent_failures(failures, str(logs), out)
+    assert out.getvalue() == (
+        f"rank 1 was killed by SIGABRT without an error of its own; the end of its stderr "
+        f"({path}):\n    terminate called without an active exception\n"
+        "    Fatal Python error: Aborted\n"
+    )

@@ -37,6 +37,7 @@ LAUNCH_PREFIX = "torchtitan_cp.launch: error: "
 RDZV_TIMEOUT_DEFAULT = 300
 REPORT_EVERY = 10.0  # seconds between a waiting node's lines
 SILENT_TAIL = 120  # lines of a silent rank's stderr shown (faulthandler's stacks fit)
+CRASH_CONTEXT = 5  # of them, lines before faulthandler's dump
 
 
 class LaunchError(Exception):
@@ -195,8 +196,9 @@ def silent_failures(failures: dict[int, Any]) -> list[int]:
 
 def stderr_tail(log_dir: str, local_rank: int, lines: int = SILENT_TAIL) -> tuple[str, str] | None:
     """``(path, text)``: the end of local rank ``local_rank``'s stderr as torchrun kept it under
-    ``log_dir`` (``--tee``/``--redirects``; its newest attempt), from faulthandler's "Fatal
-    Python error" line when there is one; None when torchrun kept no file of it."""
+    ``log_dir`` (``--tee``/``--redirects``; its newest attempt), from ``CRASH_CONTEXT`` lines
+    before faulthandler's "Fatal Python error" line when there is one (C++ says there why it
+    aborted: "terminate called after throwing ..."); None when torchrun kept no file of it."""
     found = sorted(
         glob.glob(
             os.path.join(glob.escape(log_dir), "*", "attempt_*", str(local_rank), "stderr.log")
@@ -211,9 +213,12 @@ def stderr_tail(log_dir: str, local_rank: int, lines: int = SILENT_TAIL) -> tupl
     except OSError:
         return None
     marks = [i for i, line in enumerate(text) if line.startswith("Fatal Python error")]
-    shown = _without_threads_of_no_python(text[marks[-1] :]) if marks else text
+    shown, head = text, 0
+    if marks:
+        before = text[max(0, marks[-1] - CRASH_CONTEXT) : marks[-1]]
+        shown = [*before, *_without_threads_of_no_python(text[marks[-1] :])]
+        head = len(before) + 10
     if len(shown) > lines:  # the crash's first lines, then the stacks' ends (the main thread last)
-        head = 10 if marks else 0
         shown = [*shown[:head], f"... ({len(shown) - lines + 1} lines left out)",
                  *shown[len(shown) - (lines - head - 1) :]]  # fmt: skip
     return found[-1], "\n".join(shown)
@@ -243,8 +248,9 @@ def report_silent_failures(failures: dict[int, Any], log_dir: str, out: IO[str])
                else f"exited with status {failure.exitcode}")  # fmt: skip
         tail = stderr_tail(log_dir, failure.local_rank)
         if tail is None:
-            print(f"rank {rank} {how} without an error of its own; torchrun kept no log of it "
-                  "(run with --tee 3 or --redirects 3)", file=out)  # fmt: skip
+            print(f"rank {rank} {how} without an error of its own; its stderr, if not filtered "
+                  "out, is above (torchrun kept no file of it: --tee 3 keeps one)",
+                  file=out)  # fmt: skip
             continue
         path, text = tail
         print(f"rank {rank} {how} without an error of its own; the end of its stderr ({path}):",
