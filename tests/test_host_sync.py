@@ -72,3 +72,70 @@ def test_events_name_the_calling_line():
     (event,) = rec.events
     assert event.site.startswith("tests/test_host_sync.py:") and "test_events_name" in event.site
     assert str(event).startswith("readback aten._local_scalar_dense at tests/test_host_sync.py:")
+
+
+def test_blocking_copies_to_a_device_tensors_device_are_recorded():
+    # On CPU a device tensor's .device is plain "cpu", the host's own name, so such a copy is
+    # only known for one when its result meets device tensors; it is then recorded at the line
+    # that copied (what CUDA's sync debug mode reported at ops/conv/torch_kernel.py:71).
+    host = torch.arange(8)
+
+    def copy_then_use(w):
+        idx = host.to(w.device)  # the copy: blocking on a GPU
+        return w[idx[:4]] + w[idx[4:]]  # met by a device tensor twice: one copy, one event
+
+    rec = HostSyncRecorder(DEVICE)
+    w = torch.randn(8)
+    rec.mark_device(w)
+    with rec:
+        copy_then_use(w)
+    (event,) = rec.events
+    assert (event.kind, event.op) == ("blocking-h2d", "Tensor.to")
+    assert event.site.endswith("copy_then_use") and "idx = host.to" in _line(event.site)
+    assert _events(lambda w: w * torch.tensor([2.0], device=w.device)) == [
+        ("blocking-h2d", "torch.tensor")
+    ]
+    assert _events(lambda w: w + host.to(w)) == [("blocking-h2d", "Tensor.to")]
+    assert _events(lambda w: w.new_tensor([1.0, 2.0]).sum()) == [
+        ("blocking-h2d", "Tensor.new_tensor")
+    ]
+    # The same copies non-blocking, and host work that never meets the device: nothing.
+    assert _events(lambda w: w + host.to(w.device, non_blocking=True)) == []
+    assert _events(lambda w: host.to(w.device).tolist() and host.to("cpu").sum()) == []
+    # Once met, the copy is a device tensor: reading it back is a readback.
+    assert _events(lambda w: (w + (c := host.to(w.device))) is None or c.tolist()) == [
+        ("blocking-h2d", "Tensor.to"),
+        ("readback", "Tensor.tolist"),
+    ]
+
+
+def _line(site: str) -> str:
+    """The source line of a ``path:line function`` site of this test file."""
+    lineno = int(site.split(":")[1].split(" ")[0])
+    with open(__file__) as f:
+        return f.read().splitlines()[lineno - 1]
+
+
+class _CopiesInBackward(torch.autograd.Function):
+    """A backward that copies a host index to its gradient's device and reads a value."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        idx = torch.arange(grad.shape[0]).to(grad.device)
+        grad.tolist()
+        return grad[idx] * 2
+
+
+def test_a_custom_functions_backward_is_watched_too():
+    # The autograd engine runs a custom Function's backward without the Python function-mode
+    # stack: the recorder's own hook puts its function level back there.
+    before = torch.autograd.function.BackwardCFunction.apply
+    assert _events(lambda w: _CopiesInBackward.apply(w).sum().backward()) == [
+        ("readback", "Tensor.tolist"),
+        ("blocking-h2d", "Tensor.to"),
+    ]
+    assert torch.autograd.function.BackwardCFunction.apply is before  # the hook is gone
