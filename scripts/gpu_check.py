@@ -41,7 +41,6 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -308,17 +307,13 @@ def trainer_sync_check(device: str, source: str, *, control: bool = False) -> di
 
     @contextlib.contextmanager
     def watch_cpu(trainer, step):
-        from torchtitan_cp.trainer.host_sync import HostSyncRecorder
+        from torchtitan_cp.trainer.host_sync import event_lines, recorded
 
-        rec = HostSyncRecorder(trainer.device)
-        rec.mark_modules(trainer.model_parts)
-        rec.mark_optimizer_state(trainer.optimizers)
-        try:
-            with rec:
+        with recorded(trainer) as rec:
+            try:
                 yield
-        finally:
-            counts = Counter(str(e) for e in rec.events)  # first-seen order
-            steps[step] = [f"{n}x {e}" if n > 1 else e for e, n in counts.items()]
+            finally:
+                steps[step] = event_lines(rec.events)
 
     @contextlib.contextmanager
     def watch_cuda(trainer, step):

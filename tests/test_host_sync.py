@@ -7,6 +7,7 @@ the same operations on host tensors are not.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from torchtitan_cp.trainer.host_sync import HostSyncRecorder
@@ -139,3 +140,57 @@ def test_a_custom_functions_backward_is_watched_too():
         ("blocking-h2d", "Tensor.to"),
     ]
     assert torch.autograd.function.BackwardCFunction.apply is before  # the hook is gone
+
+
+# The trainer's whole step, every layer kind and layout (issue 34): the real trainer forked per
+# launch (tests/fork_launch.py) with each rank's step 2 under the recorder (tests/host_syncs.py).
+_COMMON = ("--training.steps", "2", "--metrics.log_freq", "10", "--metrics.no-enable_wandb",
+           "--validator.no-enable", "--checkpoint.no-enable", "--linear_attention.backend",
+           "torch")  # fmt: skip
+
+
+def _launches():
+    from tests.launch import Launch
+    from torchtitan_cp.models.hybrid.layers import LAYERS
+    from torchtitan_cp.routing.balancers import balancer_names
+
+    every_kind = ("--config_file", "configs/debug_cpu.toml", "--model.layer_pattern",
+                  "".join(LAYERS))  # fmt: skip
+    models = {"hybrid": every_kind, "qwen35": ("--config_file", "configs/qwen35_debug_cpu.toml"),
+              "kimi_linear": ("--config_file", "configs/kimi_linear_debug_cpu.toml")}  # fmt: skip
+    runs = [(name, args, 1, ()) for name, args in models.items()]
+    for i, balancer in enumerate(balancer_names()):
+        # The first layout passes K/V between ranks in the attention layers, the others gather.
+        cp = ("--parallelism.context_parallel_degree", "2",
+              "--parallelism.context_parallel_load_balancer", balancer,
+              *(("--model.attention_cp", "pass_kv") if i == 0 else ()))  # fmt: skip
+        runs.append((f"hybrid_cp2_{balancer}", every_kind, 2, cp))
+    head_tail = ("--parallelism.context_parallel_degree", "2")  # the configs' head-tail
+    runs += [(f"{name}_cp2", models[name], 2, head_tail) for name in ("qwen35", "kimi_linear")]
+    return [
+        Launch(name, nproc, [*args, *cp, *_COMMON], entry="tests.host_syncs:main")
+        for name, args, nproc, cp in runs
+    ]
+
+
+@pytest.mark.slow
+def test_trainer_steps_wait_for_nothing_for_every_layer_kind_and_layout(tmp_path):
+    # Every layer kind of the registry in one hybrid model, Qwen3.5 and Kimi Linear, at CP=1
+    # and CP=2 (the hybrid with every registered load balancer), the torch kernels: the whole
+    # step 2 of every rank records nothing. Before issue 34 the recorder could not see the
+    # blocking copies of the torch kernels' host-built index tables (conv, chunk packing, CP
+    # summaries), which the GPU found; with it, every kind with a conv or a chunked kernel
+    # recorded them here. About 80 s of CPU (8 launches, 13 ranks, the trainer imported once).
+    import json
+
+    from tests.launch import fork_train
+
+    launches = _launches()
+    fork_train(launches, folder=tmp_path)
+    seen = {}
+    for launch in launches:
+        for rank in range(launch.nproc):
+            path = tmp_path / launch.name / f"host_syncs_rank{rank}.json"
+            seen[f"{launch.name}/rank{rank}"] = json.loads(path.read_text())["steps"]
+    assert {k: v for k, v in seen.items() if v != {"2": []}} == {}
+    assert len(seen) == 13

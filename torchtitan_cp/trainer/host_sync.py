@@ -29,15 +29,22 @@ device tensor (``.to(other)``) is a device copy at once. Not seen: pinned memory
 cannot be pinned without an accelerator), and a host tensor that meets device tensors without
 any copy (on a GPU an error, or a hidden copy where it indexes), and Python hooks of the
 backward other than custom ``autograd.Function``s' (the autograd engine runs them without the
-function-level mode; every aten op they dispatch is seen).
+function-level mode; every aten op they dispatch is seen). What a collective does inside the
+process group (its dispatch and ``Work.wait()``: gloo's reduce-scatter copies its result on the
+host, NCCL does not) is the backend's, not the program's, and is not recorded.
+
+``recorded(trainer)`` watches one trainer step (what ``scripts/gpu_check.py``'s dry run and the
+test suite's trainer launches, ``tests/host_syncs.py``, wrap around ``train_step``).
 Only torch is imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +67,7 @@ _DATA_DEPENDENT = {
     aten.unique_consecutive.default,
     aten._local_scalar_dense.default,
 }
+_COLLECTIVES = ("c10d", "_c10d_functional")
 _READBACK_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -104,6 +112,7 @@ class _State:
         self.tainted: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.pending: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> _Pending
         self.events: list[SyncEvent] = []
+        self.in_collective = False
 
     def is_device(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and t in self.tainted
@@ -112,6 +121,7 @@ class _State:
         for t in tree_leaves(tree):
             if isinstance(t, torch.Tensor):
                 self.tainted[t] = True
+                self.pending.pop(t, None)  # a device tensor now, whatever it was computed from
 
     def record(self, kind: str, op: str, site: str | None = None) -> None:
         self.events.append(SyncEvent(kind, op, site or _caller_site()))
@@ -208,6 +218,19 @@ class _DispatchLevel(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args: tuple[Any, ...] = (), kwargs=None):
         kwargs = kwargs or {}
         s = self.s
+        if s.in_collective:
+            # The process group's own work inside a collective (gloo's reduce-scatter splits
+            # and copies on the host; NCCL none of it): not the program's.
+            return func(*args, **kwargs)
+        if func.namespace in _COLLECTIVES:
+            s.in_collective = True
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                s.in_collective = False  # (not nested: the flag was off to get here)
+            if any(s.is_device(t) for t in tree_leaves((args, kwargs))):
+                s.mark(out)
+            return out
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         on_device = any(s.is_device(t) for t in inputs)
         pending = [t for t in inputs if t in s.pending]
@@ -241,6 +264,32 @@ class _DispatchLevel(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     s.pending[t] = p
         return out
+
+
+def _collective_work_wait(state: _State) -> Callable[[], None] | None:
+    """Count what a collective's ``Work.wait()`` does as the collective's own work (gloo's
+    reduce-scatter copies its result into the output there, on the host: NCCL does not).
+    Returns the undo, or None without torch.distributed."""
+    try:
+        from torch._C._distributed_c10d import Work
+    except ImportError:
+        return None
+    original = Work.wait
+
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = state.in_collective
+        state.in_collective = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            state.in_collective = outer
+
+    Work.wait = wait  # type: ignore[method-assign]
+
+    def undo() -> None:
+        Work.wait = original  # type: ignore[method-assign]
+
+    return undo
 
 
 class HostSyncRecorder:
@@ -293,10 +342,31 @@ class HostSyncRecorder:
                 return original(ctx, *args)
 
         _BackwardCFunction.apply = apply  # type: ignore[method-assign]
+        self._work_wait = _collective_work_wait(self._state)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         _BackwardCFunction.apply = self._backward_apply  # type: ignore[method-assign]
+        if self._work_wait is not None:
+            self._work_wait()
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
         self._modes = []
+
+
+@contextlib.contextmanager
+def recorded(trainer: Any) -> Iterator[HostSyncRecorder]:
+    """A trainer step (``with recorded(trainer): trainer.train_step(...)``) under a recorder on
+    the trainer's device, its parameters, buffers and optimizer state marked as device tensors
+    (the CPU dry run of a step under ``set_sync_debug_mode``)."""
+    rec = HostSyncRecorder(trainer.device)
+    rec.mark_modules(trainer.model_parts)
+    rec.mark_optimizer_state(trainer.optimizers)
+    with rec:
+        yield rec
+
+
+def event_lines(events: Iterable[SyncEvent]) -> list[str]:
+    """One line per distinct event, first-seen order, ``"Nx ..."`` where it repeats."""
+    counts = Counter(str(e) for e in events)
+    return [f"{n}x {e}" if n > 1 else e for e, n in counts.items()]
