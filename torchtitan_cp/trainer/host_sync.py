@@ -44,7 +44,7 @@ import contextlib
 import os
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -355,7 +355,7 @@ class HostSyncRecorder:
 
 
 @contextlib.contextmanager
-def recorded(trainer: Any) -> Iterator[HostSyncRecorder]:
+def recorded(trainer: Any) -> Generator[HostSyncRecorder]:
     """A trainer step (``with recorded(trainer): trainer.train_step(...)``) under a recorder on
     the trainer's device, its parameters, buffers and optimizer state marked as device tensors
     (the CPU dry run of a step under ``set_sync_debug_mode``)."""

@@ -460,7 +460,7 @@ class HybridTrainer(Trainer):
 
         The loss, gradient norm and (with data parallelism) the global token count are still read
         at log steps (every ``metrics.log_freq`` steps), as torchtitan does; see
-        docs/PERFORMANCE.md. ``scripts/gpu_check.py --stage path`` checks whole steps.
+        docs/PERFORMANCE.md. ``scripts/gpu_check.sh --all`` (``trainer_sync``) checks whole steps.
         """
         self.sequence.stats.take()  # counters cover this step only (not validation before it)
         self._step_loss = None
