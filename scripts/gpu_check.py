@@ -262,15 +262,18 @@ def sync_warnings() -> Iterator[list[str]]:
 @contextlib.contextmanager
 def cuda_syncs() -> Iterator[list[str]]:
     """Every synchronisation inside under ``set_sync_debug_mode("warn")`` (``sync_warnings``):
-    all of them, where ``"error"`` mode gives only the first."""
+    all of them, where ``"error"`` mode gives only the first. A synchronisation inside a C++
+    backward formula is replayed by the autograd engine when ``backward()`` returns (its
+    ``DelayWarningHandler``), so its frame is the backward call; Python backward code (custom
+    Functions, the custom ops' bodies) keeps its own frame."""
     torch.cuda.synchronize()
     with sync_warnings() as found:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield found
-            torch.cuda.synchronize()  # the step's own work, not the next one's
         finally:
             torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()  # outside the mode: the step's own work, not the next one's
 
 
 def _counted(lines: list[str]) -> list[str]:
@@ -634,8 +637,6 @@ def cp_op_timing(device: str, T: int, *, heads: int, head_dim: int, dtype: torch
     leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta)]
     n_sub = routing.cu_seqlens.numel() - 1
     h0 = torch.zeros(n_sub, H, K, K, device=dev)  # the entry states a rank would receive
-    cu = torch.tensor([0, T], dtype=torch.int32)
-    cu_dev = cu.to(dev)
     ones = None
 
     def local() -> torch.Tensor:
@@ -649,9 +650,13 @@ def cp_op_timing(device: str, T: int, *, heads: int, head_dim: int, dtype: torch
         return context_parallel_delta_rule(*leaves, kind="kda", routing=routing, group=None,
                                            backend=backend)[0]  # fmt: skip
 
+    whole = RoutingPlan.build([0, T], [[(0, T)]], 0).to_device(dev)  # its chunk tables
+
     def unsharded() -> torch.Tensor:
-        return chunk_delta_rule(*leaves, kind="kda", cu_seqlens=cu_dev, cu_seqlens_cpu=cu,
-                                backend=backend)[0]  # fmt: skip
+        return chunk_delta_rule(
+            *leaves, kind="kda", cu_seqlens=whole.cu_seqlens, cu_seqlens_cpu=whole.cu_seqlens_cpu,
+            chunk_indices=whole.chunk_indices, chunk_offsets=whole.chunk_offsets, backend=backend,
+        )[0]  # fmt: skip
 
     out: dict[str, Any] = {"tokens": T, "world": world, "heads": H, "head_dim": K,
                            "dtype": str(dtype).split(".")[-1], "backend": backend}  # fmt: skip

@@ -99,9 +99,9 @@ def test_cp_gradient_check_fails_on_wrong_non_last_rank_gradients(case):
     assert grad[-1] <= res["tol"], grad  # the last rank publishes nothing
 
 
-def _local(case, inputs, backend, cu):
+def _local(case, inputs, backend, cu, backward: bool = True):
     """(o, final, every input's gradient) of the local kernel through the registry, on the
-    routing's chunk tables (``routing.chunks``), forward and backward."""
+    routing's chunk tables (``routing.chunks``), forward and (``backward``) backward."""
     cu_cpu = torch.tensor(cu, dtype=torch.int32)
     tables = SequenceTables(cu_cpu.to(DEVICE), cu_cpu, chunk_indices(cu_cpu, 64).to(DEVICE),
                             chunk_offsets(cu_cpu, 64).to(DEVICE))  # fmt: skip
@@ -109,6 +109,8 @@ def _local(case, inputs, backend, cu):
     rec = recurrence(case.name, backend=backend, **case.options)
     o, final = run_local(rec, tuple(leaves[:-1]), tables, leaves[-1], output_final_state=True)
     assert final is not None
+    if not backward:
+        return [o, final]
     gen = torch.Generator().manual_seed(7)
     do = torch.randn(o.shape, generator=gen).to(DEVICE, o.dtype)
     dfinal = torch.randn(final.shape, generator=gen).to(DEVICE, final.dtype)
@@ -133,11 +135,12 @@ def test_fla_matches_torch(case, dtype, record_property):
     # Token inputs in dtype, except the gates (fla keeps log gates in float32), h0 float32.
     inputs = [x if n == "g" else x.to(dtype) for x, n in zip(inputs, case.names)]
     inputs.append(h0.to(DEVICE))
+    # Where fla refuses GDN's backward (fla #640) its forward is still checked, and says so.
     refused = _gdn_backward_refused(case)
     if refused is not None:
-        pytest.skip(f"fla refuses GDN's backward here: {refused}")
-    fla = _local(case, inputs, "fla", CU)
-    ref = _local(case, inputs, "torch", CU)
+        record_property("note", f"forward only: {refused}")
+    fla = _local(case, inputs, "fla", CU, backward=refused is None)
+    ref = _local(case, inputs, "torch", CU, backward=refused is None)
     names = ("o", "final", *(f"d{n}" for n in (*case.names, "h0")))
     errs = {n: rel_err(a.float(), b.float()) for n, a, b in zip(names, fla, ref)}
     record_property("max_rel_err", errs)
