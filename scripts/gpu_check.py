@@ -1,30 +1,42 @@
-"""GPU evidence for the host routing path, in stages (scripts/gpu_check.sh runs one per call).
+"""GPU evidence for the recipe in one call: ``scripts/gpu_check.sh --all`` (docs/gpu.md).
 
-Every stage appends one JSON line per finished part to each ``--results`` file, so a stage cut
-short by a timeout keeps what it finished. Stages (estimates for an H200 in docs/gpu.md):
+The parts run in priority order under one deadline (``--budget`` seconds from the call's start,
+``--started-at``), each in its own process with a time box (``PARTS``: the box, the deadline's
+remainder, whichever is smaller; a part that runs out is killed and recorded as such, and the
+next part starts). Every finished measurement appends one JSON line to each ``--results`` file
+at once, so a part cut short keeps what it finished. Every line records the fla autotune rule
+its process ran under (``fla_autotune``): fla's autotune never decides whether the call
+finishes, because the correctness parts keep each fla kernel's smallest config and the timing
+parts fla's first (``scripts/gpu_autotune.py``); only ``autotune_reuse`` autotunes fully.
 
-* ``path``: the first stage, enough alone to prove the path. The imports of the CUDA path; fla
-  against the pure-PyTorch backend at the shapes of the trainer's model (KDA, GDN, conv, forward
-  and backward, float32) and the CP gradients of every simulated rank against the unsharded
-  computation (KDA, GDN; ``cp_gradient_check``), each in its own process at the same time
-  (their Triton compiles and the flex compile fill the on-disk caches the trainer then reads;
-  fla's autotune keeps one config per kernel in this stage, ``scripts/gpu_autotune.py``,
-  recorded with each part); then the real trainer
-  (``configs/debug_cpu.toml``, head_dim 64, 4 steps, one process) with its whole steps 2 and 3
-  under ``torch.cuda.set_sync_debug_mode("error")``: the host routing path must not
-  synchronise, the readback path and torchtitan 0.3.0's own ``train_step`` must. The log step
-  (4) runs in ``"warn"`` mode and lists its synchronisations. A trainer that cannot run on this
-  torch says why in one line, and the stage checks the model step instead.
-* ``tests``: the CUDA-only tests (pytest).
-* ``timing``: fla against torch at the 150M model's shapes in bfloat16, then one step of that
-  model at CP=1 on packed documents, host vs readback routing, a new packing every step.
-* ``compile``: the same steps with every block ``torch.compile``d (``fullgraph=True``, routing
-  padded to fixed caps) against eager: compile time and frames compiled after warm-up (0).
+Parts (``PARTS``, in order):
 
-Flex attention is compiled without ``max_autotune`` throughout (torchtitan's default autotunes
-for minutes). ``--device cpu`` is the dry run the test suite executes: the same code, the
-trainer's steps watched by ``torchtitan_cp.trainer.host_sync.HostSyncRecorder`` instead of CUDA's sync
-debug mode, no fla kernels (CUDA only), small shapes.
+* ``environment`` and ``imports``: versions (torch, CUDA, triton, ptxas, driver, device, fla,
+  tilelang, nvcc), which kernels run GDN's backward and why (one line), the CUDA path's imports.
+* ``correctness``: ``pytest -m gpu_check`` (tests/test_gpu_parity.py): fla against the torch
+  kernels and the CP gradients of every simulated rank, for every registered recurrence and the
+  conv; one line per test with its measured errors (scripts/gpu_check_pytest.py).
+* ``trainer_sync``: the real trainer (``configs/debug_cpu.toml``, head_dim 64, 4 steps, one
+  process) on the host routing with the configured backend (``auto``: fla where it runs) and
+  with ``backend = "torch"``, then the readback routing and torchtitan 0.3.0's own
+  ``train_step``: steps 2-3 under ``torch.cuda.set_sync_debug_mode("warn")``, every
+  synchronisation listed with the project, fla or torchtitan frame that made it; the host path
+  must list none, the other two must list some. The log step (4) is listed too.
+* ``timing``: host vs readback step time of the 150M model (KKKA x 3) at 16k tokens.
+* ``cp_op_ms``: the delta-rule CP op in milliseconds (KDA, bfloat16, H 16, K = V = 128, T = 32k
+  and 128k, W = 4 ranks simulated on the world-1 path with the spans in reverse order): the
+  local kernel alone on the same tokens with entry states, the CP op, the unsharded kernel.
+* ``compile``: the same model with every block compiled against eager (frames after warm-up: 0).
+* ``autotune_reuse``: fla's full autotune kept across processes
+  (``torchtitan_cp.ops.common.fla_autotune``): two fresh processes run the same kernels; the
+  second must tune nothing.
+* ``cuda_tests``: the remaining CUDA-only tests (``CUDA_TESTS``), with what time is left.
+
+``--part NAME`` runs one part (what ``--all`` starts per part). ``--device cpu`` is the dry run
+the test suite executes: the same parts, the trainer's steps watched by
+``torchtitan_cp.trainer.host_sync.HostSyncRecorder`` instead of CUDA's sync debug mode, fla's
+kernels skipped (CUDA only), small shapes. Flex attention is compiled without ``max_autotune``
+throughout (torchtitan's default autotunes for minutes).
 """
 
 from __future__ import annotations
@@ -41,10 +53,9 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,8 +69,8 @@ from torchtitan_cp.data.host_metadata import HostMetadata  # noqa: E402
 from torchtitan_cp.models import model_config  # noqa: E402
 from torchtitan_cp.trainer.sequence import SequencePreprocessor  # noqa: E402
 
-# The trainer run of the path stage: the debug config, head_dim 64 (the CUDA tests' fla shapes,
-# so one autotune serves both stages), a log step only at 1 (warm-up) and 4.
+# The trainer run of trainer_sync: the debug config, head_dim 64 (the parity tests' fla shapes,
+# so their compiled kernels serve it), a log step only at 1 (warm-up) and 4.
 TRAINER_ARGS = (
     "--config_file", str(ROOT / "configs/debug_cpu.toml"), "--model.head_dim", "64",
     "--training.steps", "4", "--metrics.log_freq", "4", "--metrics.no-enable_wandb",
@@ -67,6 +78,7 @@ TRAINER_ARGS = (
 )  # fmt: skip
 STRICT_STEPS = (2, 3)  # must not synchronise on the host path
 LOG_STEP = 4
+PARITY_TESTS = ("tests/test_gpu_parity.py",)
 CUDA_TESTS = (
     "tests/test_kernels_fla.py",
     "tests/test_cp_delta_rule.py::test_fla_backend_out_of_order_span",
@@ -80,25 +92,29 @@ CUDA_TESTS = (
 
 
 class Results:
-    """Appends one JSON line per finished part to every file given (created as needed)."""
+    """Appends one JSON line per finished measurement to every file given (created as
+    needed); each line names its part and the fla autotune rule of this process."""
 
-    def __init__(self, paths: list[str], stage: str, device: str) -> None:
+    def __init__(self, paths: list[str], part: str, device: str, call: float) -> None:
         self.paths = [Path(p) for p in paths]
-        self.stage = stage
+        self.part = part
+        self.call = call  # the call's start (epoch seconds): which lines are this call's
         self.device = device
         self.ok = True
         for p in self.paths:
             p.parent.mkdir(parents=True, exist_ok=True)
 
-    def add(self, part: str, ok: bool, seconds: float, **data: Any) -> None:
+    def add(self, name: str, ok: bool, seconds: float, **data: Any) -> None:
         self.ok &= ok
-        row = {"stage": self.stage, "part": part, "ok": ok, "seconds": round(seconds, 1),
-               "device": self.device, "torch": torch.__version__, **data}  # fmt: skip
+        row = {"part": self.part, "name": name, "ok": ok, "seconds": round(seconds, 1),
+               "call": self.call, "device": self.device, "torch": torch.__version__,
+               "fla_autotune": gpu_autotune.applied()["rule"], **data}  # fmt: skip
         line = json.dumps(row, default=str)
         for p in self.paths:
             with open(p, "a") as f:
                 f.write(line + "\n")
-        print(f"gpu_check: {self.stage}/{part}: {'ok' if ok else 'FAILED'} ({seconds:.0f} s)")
+        label = self.part if name == self.part else f"{self.part}/{name}"
+        print(f"gpu_check: {label}: {'ok' if ok else 'FAILED'} ({seconds:.0f} s)", flush=True)
 
 
 @contextlib.contextmanager
@@ -110,7 +126,7 @@ def timed() -> Iterator[Callable[[], float]]:
 def no_flex_max_autotune() -> None:
     """Compile torchtitan's flex attention without max_autotune and coordinate descent (the
     defaults of ``FlexAttention.inductor_configs`` cost minutes of autotuning per shape). Once
-    per process (``main``), so every trainer and model of the process shares one compile."""
+    per process, so every trainer and model of the process shares one compile."""
     from torch.nn.attention.flex_attention import flex_attention
     from torchtitan.models.common.attention import FlexAttention
 
@@ -139,6 +155,11 @@ def _dtype(args) -> torch.dtype:
     if args.dtype == "auto":
         return torch.bfloat16 if args.device == "cuda" else torch.float32
     return getattr(torch, args.dtype)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 class Step:
@@ -194,14 +215,17 @@ class Step:
         self.opt.step()
 
 
-def sync_site(exc: BaseException) -> str:
-    """``file:line function`` of the innermost project or fla frame that raised (where to look)."""
-    frames = traceback.extract_tb(exc.__traceback__)
+def _frame(frames: list[traceback.FrameSummary]) -> str:
+    """``file:line function`` of the innermost project, fla or torchtitan frame (where to look),
+    else the innermost frame."""
     ours = [
         f for f in frames
-        if any(s in f.filename for s in ("torchtitan_cp", "/fla/", "/torchtitan/"))
+        if any(s in f.filename.replace("\\", "/") for s in ("torchtitan_cp/", "/fla/", "/torchtitan/"))
     ]  # fmt: skip
-    f = (ours or frames or [None])[-1]
+    # Else the innermost frame outside the warnings machinery, this script and torch.
+    skip = (os.path.dirname(warnings.__file__) + os.sep, __file__, os.path.dirname(torch.__file__))
+    others = [f for f in frames if not f.filename.startswith(skip)]
+    f = (ours or others or frames or [None])[-1]
     if f is None:
         return "?"
     parts = f.filename.replace("\\", "/").split("/")
@@ -210,27 +234,54 @@ def sync_site(exc: BaseException) -> str:
     return f"{'/'.join(parts[-3:] if root is None else parts[root:])}:{f.lineno} {f.name}"
 
 
-def model_step_sync_check(args, gen) -> dict[str, str]:
-    """The fallback where the trainer cannot run: one model step (no trainer loop) under the
-    sync debug mode, host vs readback."""
-    out = {}
-    for source in ("host", "device_readback"):
-        step = Step(args, source)
-        batch = packed_batch(gen, args.batch, args.seq_len, step.vocab, args.mean_doc)
-        step(*(t.pin_memory() for t in batch))  # warm-up: kernel compilation, allocator
-        torch.cuda.synchronize()
-        batch = packed_batch(gen, args.batch, args.seq_len, step.vocab, args.mean_doc)
-        pinned = [t.pin_memory() for t in batch]
-        torch.cuda.set_sync_debug_mode("error")
+def sync_site(exc: BaseException) -> str:
+    """``_frame`` of the traceback of ``exc`` (an error's site, e.g. a failed part)."""
+    return _frame(traceback.extract_tb(exc.__traceback__))
+
+
+@contextlib.contextmanager
+def sync_warnings() -> Iterator[list[str]]:
+    """Collect every warning about a synchronising CUDA operation inside, in order, as
+    ``"frame: message"``: the Python stack at the moment torch warns names the frame that
+    made it (``_frame``); other warnings pass through."""
+    found: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            text = str(message)
+            if "synchroniz" not in text:
+                return shown(message, category, filename, lineno, file, line)
+            found.append(f"{_frame(traceback.extract_stack()[:-1])}: {text.splitlines()[0][:100]}")
+
+        warnings.showwarning = show
+        yield found
+
+
+@contextlib.contextmanager
+def cuda_syncs() -> Iterator[list[str]]:
+    """Every synchronisation inside under ``set_sync_debug_mode("warn")`` (``sync_warnings``):
+    all of them, where ``"error"`` mode gives only the first. A synchronisation inside a C++
+    backward formula is replayed by the autograd engine when ``backward()`` returns (its
+    ``DelayWarningHandler``), so its frame is the backward call; Python backward code (custom
+    Functions, the custom ops' bodies) keeps its own frame."""
+    torch.cuda.synchronize()
+    with sync_warnings() as found:
+        torch.cuda.set_sync_debug_mode("warn")
         try:
-            step(*pinned)
-            out[source] = "no synchronisation"
-        except RuntimeError as e:
-            out[source] = f"synchronised at {sync_site(e)}: " + str(e).splitlines()[0][:120]
+            yield found
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-    return out
+    torch.cuda.synchronize()  # outside the mode: the step's own work, not the next one's
+
+
+def _counted(lines: list[str]) -> list[str]:
+    """Distinct lines, first-seen order, ``"Nx ..."`` where one repeats."""
+    counts: dict[str, int] = {}
+    for line in lines:
+        counts[line] = counts.get(line, 0) + 1
+    return [f"{n}x {e}" if n > 1 else e for e, n in counts.items()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,401 +349,88 @@ def run_trainer(argv: list[str], watch: Callable[[Any, int], Any], control: bool
                 dist.destroy_process_group()
 
 
-def trainer_sync_check(device: str, source: str, *, control: bool = False) -> dict[str, Any]:
-    """The recipe's trainer (or, ``control``, torchtitan's own step) on ``source`` routing:
-    steps 2-3 watched for synchronisations (CUDA: ``set_sync_debug_mode("error")``, the first
-    one raises; CPU: every one recorded), the log step listed. Returns ``{"steps": {step:
-    [sync, ...]}, ...}``."""
+def trainer_sync_check(
+    device: str, source: str, *, control: bool = False, backend: str | None = None
+) -> dict[str, Any]:
+    """The recipe's trainer (or, ``control``, torchtitan's own step) on ``source`` routing, the
+    linear layers on ``backend`` (None: the config's): every synchronisation of steps 2-3 and
+    of the log step, with its frame (CUDA: ``cuda_syncs``; CPU: ``HostSyncRecorder``).
+    Returns ``{"steps": {step: [sync, ...]}, "synchronised": any in steps 2-3, ...}``."""
     argv = [*TRAINER_ARGS, "--linear_attention.routing_source", source]
+    if backend is not None:
+        argv += ["--linear_attention.backend", backend]
     steps: dict[int, list[str]] = {}
 
     @contextlib.contextmanager
     def watch_cpu(trainer, step):
-        from torchtitan_cp.trainer.host_sync import HostSyncRecorder
+        from torchtitan_cp.trainer.host_sync import event_lines, recorded
 
-        rec = HostSyncRecorder(trainer.device)
-        rec.mark_modules(trainer.model_parts)
-        rec.mark_optimizer_state(trainer.optimizers)
-        try:
-            with rec:
+        with recorded(trainer) as rec:
+            try:
                 yield
-        finally:
-            counts = Counter(str(e) for e in rec.events)  # first-seen order
-            steps[step] = [f"{n}x {e}" if n > 1 else e for e, n in counts.items()]
+            finally:
+                steps[step] = event_lines(rec.events)
 
     @contextlib.contextmanager
     def watch_cuda(trainer, step):
         if step not in (*STRICT_STEPS, LOG_STEP):
             yield
             return
-        torch.cuda.synchronize()
-        if step == LOG_STEP:  # every synchronisation of a log step, as warnings
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    yield
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-            steps[step] = [
-                f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
-                for w in caught if "synchroniz" in str(w.message)
-            ]  # fmt: skip
-            return
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-            steps[step] = []
-        except RuntimeError as e:
-            if "synchroniz" not in str(e):
-                raise
-            steps[step] = [f"synchronised at {sync_site(e)}: {str(e).splitlines()[0][:100]}"]
-            raise
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        with cuda_syncs() as found:
+            try:
+                yield
+            finally:
+                steps[step] = _counted(found)
 
     watch = watch_cuda if device == "cuda" else watch_cpu
-    error = None
-    try:
-        run_trainer(argv, watch, control)
-    except TrainerUnavailable:
-        raise
-    except RuntimeError as e:
-        if device != "cuda" or "synchroniz" not in str(e):
-            raise
-        error = str(e).splitlines()[0][:200]  # the CUDA check raised at the first sync
+    run_trainer(argv, watch, control)
     strict = {s: steps.get(s, ["(step not reached)"]) for s in STRICT_STEPS}
     return {
         "source": source,
+        "backend": backend or "config",
         "step": "torchtitan" if control else "recipe",
         "steps": {str(s): v for s, v in sorted(steps.items())},
         "synchronised": any(strict.values()),
-        "stopped_by": error,
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# fla against the torch backend
-# ---------------------------------------------------------------------------------------------
-
-
-def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.float()
-    return ((a.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
-
-
-def _cu_seqlens(gen: torch.Generator, total: int, mean_doc: int) -> torch.Tensor:
-    lengths = torch.randint(1, 2 * mean_doc, (total // mean_doc * 2 + 8,), generator=gen).tolist()
-    cu = [0]
-    for n in lengths:
-        if cu[-1] + n >= total:
-            break
-        cu.append(cu[-1] + n)
-    return torch.tensor([*cu, total], dtype=torch.int32)
-
-
-ACCURACY_TOL = {torch.float32: 5e-3, torch.bfloat16: 5e-2}
-
-
-def kernel_accuracy(
-    kind: str, heads: int, head_dim: int, value_dim: int, conv_dim: int, tokens: int,
-    dtype: torch.dtype, gen: torch.Generator, mean_doc: int,
-) -> dict[str, Any]:  # fmt: skip
-    """fla against the torch backend on the same inputs (``kind``: kda, gdn or conv), forward
-    and backward, varlen: max relative error per tensor (the torch backend computes in float32
-    from the same inputs)."""
-    import torch.nn.functional as F
-
-    from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule
-
-    dev = torch.device("cuda")
-    cu = _cu_seqlens(gen, tokens, mean_doc)
-    T, H, K, V = tokens, heads, head_dim, value_dim
+def model_step_sync_check(args, gen) -> dict[str, list[str]]:
+    """The fallback where the trainer cannot run: one model step (no trainer loop) after a
+    warm-up, every synchronisation listed, host vs readback."""
     out = {}
-    if kind == "conv":
-        x = torch.randn(1, T, conv_dim, generator=gen).to(dev, dtype)
-        w = torch.randn(conv_dim, 4, generator=gen).to(dev, dtype)
-        for backend in ("fla", "torch"):
-            xs = [x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()]
-            y = causal_conv1d(*xs, None, cu_seqlens=cu.to(dev), cu_seqlens_cpu=cu, backend=backend)
-            out[backend] = [y, *torch.autograd.grad(y.float().square().mean(), xs)]
-        names = ("o", "dx", "dweight")
-    else:
-        q = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
-        k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
-        v = torch.randn(1, T, H, V, generator=gen)
-        g = -0.1 * torch.rand(*((1, T, H, K) if kind == "kda" else (1, T, H)), generator=gen)
-        beta = torch.rand(1, T, H, generator=gen)
-        inputs = [x.to(dev, dtype) for x in (q, k, v)] + [g.to(dev), beta.to(dev, dtype)]
-        from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
-
-        # fla refuses GDN's backward on Hopper with 3.4.0 <= triton < 3.7.1 (fla #640): there
-        # GDN is checked forward only, and says so in one line (not a failure of the recipe).
-        refused = fla_gdn_backward_refusal() if kind == "gdn" else None
-        for backend in ("fla", "torch"):
-            xs = [x.detach().clone().requires_grad_(refused is None) for x in inputs]
-            o, ht = chunk_delta_rule(
-                *xs, kind=kind, output_final_state=True, cu_seqlens=cu.to(dev),
-                cu_seqlens_cpu=cu, backend=backend,
-            )  # fmt: skip
-            assert ht is not None
-            if refused is not None:
-                out[backend] = [o, ht]
-                continue
-            do = torch.ones_like(o) / o.numel() ** 0.5
-            grads = torch.autograd.grad((o * do).sum() + ht.sum() * 1e-3, xs)
-            out[backend] = [o, ht, *grads]
-        names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta")
-        if refused is not None:
-            print(f"gpu_check: GDN checked forward only here: {refused}")
-            out["note"] = [f"forward only: {refused}"]
-    errs = {n: _rel_err(a, b) for n, a, b in zip(names, out["fla"], out["torch"])}
-    return {"kernel": kind, "dtype": str(dtype).split(".")[-1], "shape": [T, H, K, V],
-            "conv_dim": conv_dim, "max_rel_err": errs, **({"note": out["note"][0]}
-            if "note" in out else {}),
-            "within_tol": max(errs.values()) <= ACCURACY_TOL[dtype]}  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# CP gradients on every rank (FLA #1115: exact forwards, wrong gradients on every non-last rank)
-# ---------------------------------------------------------------------------------------------
-
-CP_GRAD_WORLD = 4
-# Relative to the largest reference gradient of each tensor. torch: float32 CP vs float64
-# unsharded; fla: float32 with TF32 matmuls, as ACCURACY_TOL.
-CP_GRAD_TOL = {"torch": 1e-4, "fla": 5e-3}
-CP_GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
-
-
-def cp_grad_layout(
-    world: int, tokens_per_rank: int
-) -> tuple[list[int], list[list[tuple[int, int]]]]:
-    """Documents over ``world`` contiguous rank spans of ``L = tokens_per_rank`` tokens: a
-    one-token document, one over the first boundary, a 5-token one, one from rank 1 to the
-    last rank (every later boundary, pass-through ranks between), the rest on the last rank.
-    Every rank boundary falls inside a document, so every rank but the last publishes a
-    summary. Returns ``(cu_seqlens, table)``; ``table[r]`` is rank ``r``'s fragments."""
-    from torchtitan_cp.routing import contiguous_fragments
-
-    L = tokens_per_rank
-    total = world * L
-    cuts = {0, 1, L + L // 3, L + L // 3 + 5, (world - 1) * L + L // 3, total}
-    cu = sorted(cuts)
-    table = [list(f) for f in contiguous_fragments(total, 1, world)]
-    return cu, table
-
-
-def cp_gradients(
-    kind: str, backend: str, device: torch.device, *, world: int, tokens_per_rank: int,
-    heads: int, head_dim: int, gen: torch.Generator, cp_op: Callable | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    """``world`` ranks' spans simulated in one process: the CP op (``cp_op``, default
-    ``context_parallel_delta_rule``) on the world-1 path over one span that holds every
-    simulated rank's fragment in **reverse** rank order, so no fragment follows its
-    predecessor in the span and every continuation goes through a published summary, the
-    all-gather's buffer and the fold, as across ranks (world 1: the all-gather is the
-    identity, its backward no reduce-scatter). Inputs float32; the reference is the unsharded
-    torch kernel in float64 over the whole stream, same inputs and output cotangent (the loss
-    reads the outputs, as training does). Returns the comparison's inputs: per simulated rank
-    its outputs and input gradients (q, k, v, g, beta; the CP op takes no initial state) next
-    to the reference's on the same tokens, and the reference's whole gradients (the scale)."""
-    from torchtitan_cp.ops import chunk_delta_rule, context_parallel_delta_rule
-    from torchtitan_cp.routing import RoutingPlan
-
-    cp_op = cp_op or context_parallel_delta_rule
-    cu, table = cp_grad_layout(world, tokens_per_rank)
-    T, H, K = cu[-1], heads, head_dim
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    F = torch.nn.functional
-    q, k, v = rnd(1, T, H, K), F.normalize(rnd(1, T, H, K), dim=-1), rnd(1, T, H, K)
-    g = -F.softplus(rnd(1, T, H, K) if kind == "kda" else rnd(1, T, H)) * 0.3
-    beta = torch.sigmoid(rnd(1, T, H))
-    full = [x.to(device) for x in (q, k, v, g, beta)]
-    d_o = rnd(1, T, H, K).to(device)
-
-    cu_t = torch.tensor(cu, dtype=torch.int32)
-    leaves = [x.clone().requires_grad_(True) for x in full]
-    o_ref, _ = chunk_delta_rule(*leaves, kind=kind, cu_seqlens=cu_t.to(device),
-                                cu_seqlens_cpu=cu_t, backend="torch")  # fmt: skip
-    ref_grads = torch.autograd.grad((o_ref * d_o).sum(), leaves)
-
-    span_frags = [f for r in reversed(range(world)) for f in table[r]]
-    routing = RoutingPlan.build(cu, [span_frags], 0).to_device(device)
-    span = torch.tensor([t for a, b in span_frags for t in range(a, b)], device=device)
-    loc = [x.index_select(1, span).float().requires_grad_(True) for x in full]
-    o, _ = cp_op(*loc, kind=kind, routing=routing, group=None, backend=backend)
-    grads = torch.autograd.grad((o.double() * d_o.index_select(1, span)).sum(), loc)
-
-    where = {t: i for i, t in enumerate(span.tolist())}  # global token -> span position
-    ranks = []
-    for r in range(world):
-        ids = [t for a, b in table[r] for t in range(a, b)]
-        tokens = torch.tensor(ids, device=device)
-        pos = torch.tensor([where[t] for t in ids], device=device)
-        ranks.append({
-            "o": (o.index_select(1, pos), o_ref.index_select(1, tokens)),
-            **{n: (gr.index_select(1, pos), ref.index_select(1, tokens))
-               for n, gr, ref in zip(CP_GRAD_NAMES, grads, ref_grads)},
-        })  # fmt: skip
-    return {
-        "ranks": ranks,
-        "scale": {"o": o_ref.detach(), **dict(zip(CP_GRAD_NAMES, ref_grads))},
-        "published_summaries": routing.summary_cu_seqlens.numel() - 1,
-        "shape": [T, H, K, K],
-        "cu_seqlens": cu,
-    }
-
-
-def compare_cp_gradients(cmp: dict[str, Any], tol: float) -> dict[str, Any]:
-    """Worst relative error per simulated rank (``max |cp - ref| / max |ref|`` over the whole
-    tensor, worst over the input gradients; forward separately) and the verdict: every
-    rank's gradients and outputs within ``tol``."""
-
-    def rel(name: str, pair) -> float:
-        a, ref = pair
-        return ((a.double() - ref.double()).abs().max() / cmp["scale"][name].abs().max()
-                .clamp(min=1e-12)).item()  # fmt: skip
-
-    grad = [max(rel(n, rank[n]) for n in CP_GRAD_NAMES) for rank in cmp["ranks"]]
-    fwd = [rel("o", rank["o"]) for rank in cmp["ranks"]]
-    return {
-        "max_rel_grad_err_per_rank": grad,
-        "max_rel_out_err_per_rank": fwd,
-        "tol": tol,
-        "within_tol": max(grad + fwd) <= tol,
-    }
-
-
-def cp_gradient_check(kind: str, device: torch.device, backends: list[str], gen, *,
-                      world: int = CP_GRAD_WORLD, tokens_per_rank: int, heads: int,
-                      head_dim: int) -> dict[str, Any]:  # fmt: skip
-    """One record per kind: ``cp_gradients`` + ``compare_cp_gradients`` for each backend.
-    fla's GDN backward where fla refuses it (fla #640) is skipped with its one line."""
-    from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
-
-    out: dict[str, Any] = {"kind": kind, "world": world, "tokens_per_rank": tokens_per_rank,
-                           "layout": "contiguous spans, simulated in one process (world-1 "
-                           "path, spans in reverse rank order)"}  # fmt: skip
-    ok = True
-    for backend in backends:
-        refused = fla_gdn_backward_refusal() if (kind, backend) == ("gdn", "fla") else None
-        if refused is not None:
-            out[backend] = {"skipped": f"fla refuses GDN's backward here: {refused}"}
-            continue
-        cmp = cp_gradients(kind, backend, device, world=world, tokens_per_rank=tokens_per_rank,
-                           heads=heads, head_dim=head_dim, gen=gen)  # fmt: skip
-        tol = CP_GRAD_TOL[backend]
-        if backend == "torch" and torch.get_float32_matmul_precision() != "highest":
-            tol = CP_GRAD_TOL["fla"]  # TF32 matmuls turned on in this process: fla's bound
-        res = compare_cp_gradients(cmp, tol)
-        out.update(shape=cmp["shape"], cu_seqlens=cmp["cu_seqlens"],
-                   published_summaries=cmp["published_summaries"])  # fmt: skip
-        out[backend] = res
-        ok &= res["within_tol"]
-    out["within_tol"] = ok
+    for source in ("host", "device_readback"):
+        step = Step(args, source)
+        step(*(t.pin_memory() for t in packed_batch(gen, args.batch, args.seq_len, step.vocab,
+                                                   args.mean_doc)))  # fmt: skip
+        pinned = [t.pin_memory() for t in packed_batch(gen, args.batch, args.seq_len, step.vocab,
+                                                       args.mean_doc)]  # fmt: skip
+        with cuda_syncs() as found:
+            step(*pinned)
+        out[source] = _counted(found)
     return out
 
 
-def model_shapes(flavor: str, head_dim: int | None) -> dict[str, int]:
-    cfg = model_config(flavor, **({"head_dim": head_dim} if head_dim else {}))
-    v = getattr(cfg, "value_head_dim", None) or cfg.head_dim
-    h, k = cfg.n_heads, cfg.head_dim
-    return {"heads": h, "head_dim": k, "value_dim": v, "conv_dim": 2 * h * k + h * v}
+def part_trainer_sync(args, res: Results, gen) -> None:
+    import gpu_imports
 
-
-def run_parallel(cmds: list[list[str]], timeout: float) -> list[int]:
-    """Start every command at once (each its own Python: autotuning and compiling in parallel,
-    results shared through the on-disk Triton and inductor caches); their exit codes."""
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
-    procs = [subprocess.Popen(cmd, env=env) for cmd in cmds]
-    deadline = time.monotonic() + timeout
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append(-9)
-    return codes
-
-
-def warm_up_and_check_kernels(args, shapes: dict[str, int], kinds: list[str], dtype: str,
-                              tokens: int, flex: list[str],
-                              cp_kinds: tuple[str, ...] = ()) -> list[int]:  # fmt: skip
-    """fla vs torch per kind, the CP gradient check per ``cp_kinds`` kind, and one model step
-    (``flex``: its extra arguments) to compile flex attention, all at once in worker processes
-    that append their own results."""
-    me = [sys.executable, str(Path(__file__).resolve()), "--device", args.device,
-          "--fla-autotune", args.fla_autotune]  # fmt: skip
-    res = [a for p in args.results for a in ("--results", p)]
-    cmds = [
-        [*me, "--worker", f"accuracy:{kind}", "--stage", args.stage, "--dtype", dtype,
-         "--tokens", str(tokens), "--shapes", json.dumps(shapes), *res]
-        for kind in kinds
-    ]  # fmt: skip
-    cmds += [
-        [*me, "--worker", f"cp_grad:{kind}", "--stage", args.stage, "--shapes",
-         json.dumps(shapes), *res]
-        for kind in cp_kinds
-    ]  # fmt: skip
-    if flex:
-        cmds.append([*me, "--worker", "model_step", "--stage", args.stage, *flex, *res])
-    return run_parallel(cmds, timeout=args.worker_timeout)
-
-
-# ---------------------------------------------------------------------------------------------
-# Stages
-# ---------------------------------------------------------------------------------------------
-
-
-def stage_path(args, res: Results, gen) -> None:
-    with timed() as t:
-        import gpu_imports
-
-        error = gpu_imports.check()
-    res.add("imports", error is None, t(), error=error, count=len(gpu_imports.CUDA_PATH_IMPORTS))
-    if error is not None:
-        return
-    with timed() as t:
-        trainer_error = gpu_imports.check(gpu_imports.TRAINER_IMPORTS)
-    res.add("trainer_imports", trainer_error is None, t(), error=trainer_error)
-    cuda = args.device == "cuda"
-    if cuda:
-        shapes = model_shapes("debug", 64)
-        # The trainer's model at those shapes: float32 (the debug config), flex attention.
-        flex = ["--flavor", "debug", "--pattern", "A", "--head-dim", "64", "--dtype",
-                "float32", "--batch", "2", "--seq-len", "256"]  # fmt: skip
-        with timed() as t:
-            codes = warm_up_and_check_kernels(args, shapes, ["kda", "gdn", "conv"], "float32",
-                                              512, flex, cp_kinds=("kda", "gdn"))  # fmt: skip
-        res.add("kernels_and_flex_workers", not any(codes), t(), exit_codes=codes)
-    else:
-        res.add("kernel_accuracy", True, 0.0, skipped="fla's Triton kernels need CUDA")
-        # The CP gradient check's workers as on CUDA, on the torch kernels and small shapes
-        # (fla's need CUDA, or the interpreter: tests/test_gpu_check_fla.py).
-        with timed() as t:
-            codes = warm_up_and_check_kernels(args, {"heads": 2, "head_dim": 16}, [],
-                                              "float32", 0, [], cp_kinds=("kda", "gdn"))  # fmt: skip
-        res.add("cp_gradient_workers", not any(codes), t(), exit_codes=codes)
-    if trainer_error is not None:
+    error = gpu_imports.check(gpu_imports.TRAINER_IMPORTS)
+    if error is not None:  # the trainer cannot even import here: the model step instead
+        res.add("trainer_imports", False, 0.0, error=error)
         fallback_model_step(args, res, gen)
         return
-    for source, control in (("host", False), ("device_readback", False), ("host", True)):
+    runs = (("host", False, None), ("host", False, "torch"), ("device_readback", False, None),
+            ("host", True, None))  # fmt: skip
+    for source, control, backend in runs:
         with timed() as t:
             try:
-                out = trainer_sync_check(args.device, source, control=control)
+                out = trainer_sync_check(args.device, source, control=control, backend=backend)
             except TrainerUnavailable as e:  # the trainer's one line: this torch cannot run it
                 res.add("trainer", False, t(), unavailable=str(e))
                 fallback_model_step(args, res, gen)
                 return
         expect_sync = source != "host" or control
-        part = f"trainer_{'torchtitan_step' if control else source}"
-        res.add(part, out["synchronised"] == expect_sync, t(), expect_sync=expect_sync, **out)
+        name = "torchtitan_step" if control else source + ("_torch" if backend else "")
+        res.add(name, out["synchronised"] == expect_sync, t(), expect_sync=expect_sync, **out)
 
 
 def fallback_model_step(args, res: Results, gen) -> None:
@@ -704,38 +442,52 @@ def fallback_model_step(args, res: Results, gen) -> None:
                               "mean_doc": 40})  # fmt: skip
     with timed() as t:
         out = model_step_sync_check(a, gen)
-    ok = out["host"] == "no synchronisation" and out["device_readback"] != out["host"]
-    res.add("model_step_sync", ok, t(), **out)
+    res.add("model_step_sync", out["host"] == [] and out["device_readback"] != [], t(), **out)
 
 
-def stage_tests(args, res: Results, gen) -> None:
-    # pytest-xdist spreads the tests (and their autotuning) over processes where it is there.
+# ---------------------------------------------------------------------------------------------
+# pytest parts
+# ---------------------------------------------------------------------------------------------
+
+
+def _pytest(args, res: Results, targets: tuple[str, ...], extra: list[str], rule: str) -> None:
+    """Run ``targets`` with pytest in a child process; scripts/gpu_check_pytest.py appends one
+    line per test to the results files and prunes fla's autotune by ``rule`` there."""
     xdist = subprocess.run([sys.executable, "-c", "import xdist"], capture_output=True)
     par = ["-n", "8"] if xdist.returncode == 0 and args.device == "cuda" else []
-    env = dict(os.environ)
+    env = dict(os.environ, GPU_CHECK_RESULTS=os.pathsep.join(args.results),
+               GPU_CHECK_PART=res.part, GPU_CHECK_FLA_AUTOTUNE=rule,
+               GPU_CHECK_CALL=str(res.call))  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "scripts"), str(ROOT), env.get("PYTHONPATH", "")]
     )
     with timed() as t:
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-             "gpu_check_pytest", "-rs", *par, *CUDA_TESTS],
+             "gpu_check_pytest", "-rs", *par, *extra, *targets],
             cwd=ROOT, capture_output=True, text=True, env=env,
         )  # fmt: skip
     sys.stdout.write(proc.stdout[-6000:])
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
-    res.add("cuda_tests", proc.returncode == 0, t(), exit_code=proc.returncode, summary=summary)
+    res.add(res.part, proc.returncode == 0, t(), exit_code=proc.returncode, summary=summary)
 
 
-def stage_timing(args, res: Results, gen) -> None:
-    if args.device == "cuda":
-        shapes = model_shapes(args.flavor, args.head_dim)
-        flex = ["--flavor", args.flavor, "--pattern", "A", "--dtype", "bfloat16",
-                "--batch", str(args.batch), "--seq-len", str(args.seq_len)]  # fmt: skip
-        with timed() as t:
-            codes = warm_up_and_check_kernels(args, shapes, ["kda", "conv"], "bfloat16",
-                                              args.seq_len * args.batch, flex)  # fmt: skip
-        res.add("kernels_and_flex_workers", not any(codes), t(), exit_codes=codes)
+def part_correctness(args, res: Results, gen) -> None:
+    # On CPU only what the fast loop runs: fla's kernels need CUDA (or the interpreter tier).
+    extra = ["-m", "gpu_check" if args.device == "cuda" else "gpu_check and not slow"]
+    _pytest(args, res, PARITY_TESTS, extra, "smallest")
+
+
+def part_cuda_tests(args, res: Results, gen) -> None:
+    _pytest(args, res, CUDA_TESTS, [], "smallest")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+def part_timing(args, res: Results, gen) -> None:
     with timed() as t:
         out = timing(args, gen)
     ok = out["host"]["readbacks_per_step"] == 0 and out["device_readback"]["readbacks_per_step"] > 0
@@ -746,24 +498,6 @@ def stage_timing(args, res: Results, gen) -> None:
     for k, v in out.items():
         print(f"| {k} | {v['median_ms']:.2f} | {v['min_ms']:.2f} | {v['tokens_per_s']:,.0f} | "
               f"{v['readbacks_per_step']:.1f} |")  # fmt: skip
-
-
-def stage_compile(args, res: Results, gen) -> None:
-    with timed() as t:
-        out = compile_timing(args, gen)
-    ok = out["compiled"]["frames_compiled_after_warmup"] == 0
-    res.add("compile", ok, t(), backend=args.compile_backend, **out)
-    for k, v in out.items():
-        print(f"| {k} | first step {v['first_step_ms']:.0f} ms | median {v['median_ms']:.2f} ms "
-              f"| {v['tokens_per_s']:,.0f} tokens/s | {v['frames_compiled_after_warmup']} |")  # fmt: skip
-
-
-STAGES: dict[str, Callable[[Any, Results, torch.Generator], None]] = {
-    "path": stage_path,
-    "tests": stage_tests,
-    "timing": stage_timing,
-    "compile": stage_compile,
-}
 
 
 def timing(args, gen) -> dict[str, dict[str, float]]:
@@ -779,12 +513,10 @@ def timing(args, gen) -> dict[str, dict[str, float]]:
             batches = [tuple(t.pin_memory() for t in b) for b in batches]
         times = []
         for i, batch in enumerate(batches):
-            if cuda:
-                torch.cuda.synchronize()
+            _sync(args.device)
             t0 = time.perf_counter()
             step(*batch)
-            if cuda:
-                torch.cuda.synchronize()
+            _sync(args.device)
             if i >= args.warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(times)
@@ -795,6 +527,16 @@ def timing(args, gen) -> dict[str, dict[str, float]]:
             "readbacks_per_step": step.pre.stats.take()["readbacks"] / len(batches),
         }
     return out
+
+
+def part_compile(args, res: Results, gen) -> None:
+    with timed() as t:
+        out = compile_timing(args, gen)
+    ok = out["compiled"]["frames_compiled_after_warmup"] == 0
+    res.add("compile", ok, t(), backend=args.compile_backend, **out)
+    for k, v in out.items():
+        print(f"| {k} | first step {v['first_step_ms']:.0f} ms | median {v['median_ms']:.2f} ms "
+              f"| {v['tokens_per_s']:,.0f} tokens/s | {v['frames_compiled_after_warmup']} |")  # fmt: skip
 
 
 def compile_timing(args, gen) -> dict[str, dict[str, float]]:
@@ -814,13 +556,12 @@ def compile_timing(args, gen) -> dict[str, dict[str, float]]:
         for i, (tok, pos) in enumerate(zip(toks, batches)):
             if cuda:
                 tok, pos = tok.pin_memory(), pos.pin_memory()
-                torch.cuda.synchronize()
+            _sync(args.device)
             if i == args.warmup:
                 frames_after_warmup = compile_counters()["compile/frames"]
             t0 = time.perf_counter()
             step(tok, pos)
-            if cuda:
-                torch.cuda.synchronize()
+            _sync(args.device)
             times.append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(times[args.warmup :])
         out[mode] = {
@@ -831,6 +572,180 @@ def compile_timing(args, gen) -> dict[str, dict[str, float]]:
             - frames_after_warmup,
         }
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The CP op in milliseconds
+# ---------------------------------------------------------------------------------------------
+
+CP_OP_WORLD = 4
+# FLA #691 (GDN, 32k tokens, CP over 4 H800s): 5.73 ms per rank against 15.56 ms unsharded.
+FLA_691 = {"kernel": "gdn", "tokens": 32768, "world": 4, "cp_ms_per_rank": 5.73,
+           "unsharded_ms": 15.56, "gpu": "H800"}  # fmt: skip
+
+
+def _bench_ms(device: str, fn: Callable[[], Any], reps: int) -> float:
+    """Median milliseconds of ``fn`` (after two warm-up calls): CUDA events on CUDA."""
+    for _ in range(2):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def cp_op_timing(device: str, T: int, *, heads: int, head_dim: int, dtype: torch.dtype,
+                 backend: str, world: int = CP_OP_WORLD, reps: int = 5) -> dict[str, Any]:  # fmt: skip
+    """KDA over one document of ``T`` tokens cut into ``world`` contiguous rank spans, simulated
+    in one process as ``cp_gradients`` does (the spans in reverse order in one span on the
+    world-1 path, so every continuation goes through a summary and the fold): forward and
+    forward + backward milliseconds of the local kernel alone on the same tokens with given
+    entry states (what a rank runs without CP's summaries and fold), of the CP op, and of the
+    unsharded kernel over the whole document. The simulated span holds every rank's tokens,
+    so ``*_per_rank`` is a W-th of it (the all-gather, an identity here, is not counted)."""
+    import torch.nn.functional as F
+
+    from torchtitan_cp.ops import chunk_delta_rule, context_parallel_delta_rule
+    from torchtitan_cp.routing import RoutingPlan, contiguous_fragments
+
+    dev = torch.device(device)
+    H, K = heads, head_dim
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=dev)
+
+    table = [list(f) for f in contiguous_fragments(T, 1, world)]
+    span = [f for r in reversed(range(world)) for f in table[r]]
+    routing = RoutingPlan.build([0, T], [span], 0).to_device(dev)
+    q = F.normalize(rnd(1, T, H, K), dim=-1).to(dtype)
+    k = F.normalize(rnd(1, T, H, K), dim=-1).to(dtype)
+    v = rnd(1, T, H, K).to(dtype)
+    g = (-F.softplus(rnd(1, T, H, K)) * 0.1).float()  # log gates stay float32
+    beta = torch.sigmoid(rnd(1, T, H)).to(dtype)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta)]
+    n_sub = routing.cu_seqlens.numel() - 1
+    h0 = torch.zeros(n_sub, H, K, K, device=dev)  # the entry states a rank would receive
+    ones = None
+
+    def local() -> torch.Tensor:
+        return chunk_delta_rule(
+            *leaves, kind="kda", initial_state=h0, cu_seqlens=routing.cu_seqlens,
+            cu_seqlens_cpu=routing.cu_seqlens_cpu, chunk_indices=routing.chunk_indices,
+            chunk_offsets=routing.chunk_offsets, backend=backend,
+        )[0]  # fmt: skip
+
+    def cp() -> torch.Tensor:
+        return context_parallel_delta_rule(*leaves, kind="kda", routing=routing, group=None,
+                                           backend=backend)[0]  # fmt: skip
+
+    whole = RoutingPlan.build([0, T], [[(0, T)]], 0).to_device(dev)  # its chunk tables
+
+    def unsharded() -> torch.Tensor:
+        return chunk_delta_rule(
+            *leaves, kind="kda", cu_seqlens=whole.cu_seqlens, cu_seqlens_cpu=whole.cu_seqlens_cpu,
+            chunk_indices=whole.chunk_indices, chunk_offsets=whole.chunk_offsets, backend=backend,
+        )[0]  # fmt: skip
+
+    out: dict[str, Any] = {"tokens": T, "world": world, "heads": H, "head_dim": K,
+                           "dtype": str(dtype).split(".")[-1], "backend": backend}  # fmt: skip
+    for name, fn in (("local", local), ("cp", cp), ("unsharded", unsharded)):
+        with torch.no_grad():
+            out[f"{name}_fwd_ms"] = _bench_ms(device, fn, reps)
+
+        def fwd_bwd(fn=fn) -> None:
+            nonlocal ones
+            o = fn()
+            ones = torch.ones_like(o) if ones is None or ones.shape != o.shape else ones
+            torch.autograd.backward(o, ones)
+            for x in leaves:
+                x.grad = None
+
+        out[f"{name}_fwd_bwd_ms"] = _bench_ms(device, fwd_bwd, reps)
+    for kind in ("fwd", "fwd_bwd"):
+        for name in ("local", "cp"):
+            out[f"{name}_{kind}_ms_per_rank"] = out[f"{name}_{kind}_ms"] / world
+        out[f"cp_over_local_{kind}"] = out[f"cp_{kind}_ms"] / out[f"local_{kind}_ms"]
+    return out
+
+
+def part_cp_op_ms(args, res: Results, gen) -> None:
+    cuda = args.device == "cuda"
+    lengths = args.cp_tokens if cuda else [256, 512]
+    for T in lengths:
+        with timed() as t:
+            out = cp_op_timing(args.device, T, heads=16 if cuda else 2,
+                               head_dim=128 if cuda else 16,
+                               dtype=torch.bfloat16 if cuda else torch.float32,
+                               backend="fla" if cuda else "torch")  # fmt: skip
+        res.add(f"kda_{T}", True, t(), **out, reference=FLA_691)
+        print(f"| KDA {T} W={out['world']} | local {out['local_fwd_bwd_ms_per_rank']:.2f} | CP "
+              f"{out['cp_fwd_bwd_ms_per_rank']:.2f} ms/rank ({out['cp_over_local_fwd_bwd']:.2f}x) "
+              f"| unsharded {out['unsharded_fwd_bwd_ms']:.2f} ms |")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# fla's autotune across processes
+# ---------------------------------------------------------------------------------------------
+
+
+def part_autotune_reuse(args, res: Results, gen) -> None:
+    """Two fresh processes run fla's causal conv (bfloat16, the 150M model's width) forward and
+    backward with fla's full autotune kept in one new folder (``fla_autotune.persist``): the
+    first tunes, the second must tune nothing; each records its first call's seconds."""
+    if args.device != "cuda":
+        res.add("autotune_reuse", True, 0.0, skipped="Triton's autotuner benchmarks on a GPU; "
+                "on CPU tests/test_fla_autotune.py checks the mechanism")  # fmt: skip
+        return
+    me = [sys.executable, str(Path(__file__).resolve()), "--device", "cuda", "--part",
+          "autotune_probe", *(a for p in args.results for a in ("--results", p))]  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder, timed() as t:
+        codes = [subprocess.run([*me, "--autotune-dir", folder]).returncode for _ in range(2)]
+    res.add("autotune_reuse", not any(codes), t(), exit_codes=codes)
+
+
+def part_autotune_probe(args, res: Results, gen) -> None:
+    from torchtitan_cp.ops import causal_conv1d
+    from torchtitan_cp.ops.common import fla_autotune
+
+    fla_autotune.persist(args.autotune_dir)
+    shapes = model_shapes(args.flavor, args.head_dim)
+    T, D = args.seq_len, shapes["conv_dim"]
+    x = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(D, 4, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, T // 3, T], dtype=torch.int32)
+    with timed() as t:
+        y = causal_conv1d(x, w, None, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, backend="fla")
+        y.float().square().mean().backward()
+        torch.cuda.synchronize()
+    stats = fla_autotune.stats()
+    first = not stats["loaded"]
+    ok = stats["tuned"] > 0 if first else stats["tuned"] == 0
+    res.add("first_process" if first else "second_process", ok, t(), first_call_s=t(),
+            conv_dim=D, tokens=T, **stats)  # fmt: skip
+
+
+def model_shapes(flavor: str, head_dim: int | None) -> dict[str, int]:
+    cfg = model_config(flavor, **({"head_dim": head_dim} if head_dim else {}))
+    v = getattr(cfg, "value_head_dim", None) or cfg.head_dim
+    h, k = cfg.n_heads, cfg.head_dim
+    return {"heads": h, "head_dim": k, "value_dim": v, "conv_dim": 2 * h * k + h * v}
+
+
+# ---------------------------------------------------------------------------------------------
+# The environment
+# ---------------------------------------------------------------------------------------------
 
 
 def _tool_version(cmd: list[str]) -> str | None:
@@ -844,15 +759,21 @@ def _tool_version(cmd: list[str]) -> str | None:
 
 
 def environment(device: str) -> dict[str, Any]:
-    """What decides correctness on the GPU, recorded with every stage: torch, its CUDA build,
-    triton, the ptxas Triton compiles with (FLA #1262: wrong Hopper state gradients with ptxas
-    12.8.93), the driver, the device and its capability, and fla's refusal of GDN's backward
-    here (``fla_refusals``: Hopper with 3.4.0 <= triton < 3.7.1, fla #640)."""
-    from torchtitan_cp.ops.common.fla_refusals import device_facts, fla_gdn_backward_refusal
+    """What decides correctness on the GPU: torch, its CUDA build, triton, the ptxas Triton
+    compiles with (FLA #1262: wrong Hopper state gradients with ptxas 12.8.93), the driver, the
+    device and its capability, fla-core, tilelang and nvcc, and which kernels run GDN's
+    backward and why (``fla_refusals``: Hopper with 3.4.0 <= triton < 3.7.1, fla #640; fla's
+    TileLang route needs an nvcc, fla #1026)."""
+    from torchtitan_cp.ops.common.fla_refusals import (
+        device_facts,
+        fla_gdn_backward_refusal,
+        gdn_backward_path,
+    )
 
     facts = device_facts()
     env: dict[str, Any] = {"torch_version": torch.__version__, "cuda": torch.version.cuda,
-                           "triton": facts.triton, "tilelang": facts.tilelang}  # fmt: skip
+                           "triton": facts.triton, "tilelang": facts.tilelang,
+                           "nvcc": facts.nvcc}  # fmt: skip
     try:
         from importlib.metadata import version
 
@@ -873,47 +794,90 @@ def environment(device: str) -> dict[str, Any]:
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
         )
     env["fla_gdn_backward"] = fla_gdn_backward_refusal(facts) or "runs"
+    env["gdn_backward"] = gdn_backward_path(facts)
     return env
 
 
-def run_worker(args, res: Results, gen) -> None:
-    """One part of a stage in its own process (see ``warm_up_and_check_kernels``)."""
-    if args.worker.startswith("accuracy:"):
-        kind = args.worker.split(":", 1)[1]
-        shapes = json.loads(args.shapes)
+# ---------------------------------------------------------------------------------------------
+# Parts and the one call
+# ---------------------------------------------------------------------------------------------
+
+
+class Part(NamedTuple):
+    """One part of the call: its function, its time box in seconds on the H200 (docs/gpu.md:
+    measured or estimated durations with room), and the fla autotune rule of its process."""
+
+    run: Callable[[Any, Results, torch.Generator], None]
+    box_s: float
+    fla_autotune: str | None  # gpu_autotune rule, None: fla's own full autotune
+
+
+# Priority order: what proves the CUDA path first, then what measures it.
+PARTS: dict[str, Part] = {
+    "correctness": Part(part_correctness, 150, "smallest"),
+    "trainer_sync": Part(part_trainer_sync, 120, "smallest"),
+    "timing": Part(part_timing, 130, "first"),
+    "cp_op_ms": Part(part_cp_op_ms, 90, "first"),
+    "compile": Part(part_compile, 150, "first"),
+    "autotune_reuse": Part(part_autotune_reuse, 90, None),
+    "cuda_tests": Part(part_cuda_tests, 300, "smallest"),
+}
+HELPERS: dict[str, Part] = {"autotune_probe": Part(part_autotune_probe, 60, None)}
+MIN_PART_S = 15.0  # a part with less time than this left is skipped, not started
+
+
+def run_all(args, res: Results) -> None:
+    """Every part of ``PARTS`` in order, each its own process, killed at its box or the
+    deadline; one line (under the part's name) per part that did not finish by itself."""
+    deadline = args.started_at + args.budget
+    me = [sys.executable, str(Path(__file__).resolve()), "--device", args.device,
+          "--started-at", str(args.started_at), "--budget", str(args.budget)]  # fmt: skip
+    passthrough = []
+    for flag in ("flavor", "pattern", "head_dim", "dtype", "attention_backend", "batch",
+                 "seq_len", "mean_doc", "steps", "warmup", "compile_backend",
+                 "max_subsequences"):  # fmt: skip
+        passthrough += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    passthrough += ["--cp-tokens", *map(str, args.cp_tokens)]
+    results = [a for p in args.results for a in ("--results", p)]
+    for name, part in PARTS.items():
+        if args.skip and name in args.skip:
+            continue
+        mine = Results([str(p) for p in res.paths], name, args.device, res.call)
+        left = deadline - time.time()
+        if left < MIN_PART_S:
+            mine.add(name, False, 0.0, skipped=f"no time left ({left:.0f} s before the deadline)")
+            continue
+        box = min(part.box_s * args.box_scale, left)
         with timed() as t:
-            out = kernel_accuracy(kind, tokens=args.tokens, dtype=_dtype(args), gen=gen,
-                                  mean_doc=args.mean_doc, **shapes)  # fmt: skip
-        res.add(f"fla_vs_torch_{kind}_{out['dtype']}", out["within_tol"], t(), **out,
-                fla_autotune=gpu_autotune.applied())  # fmt: skip
-    elif args.worker.startswith("cp_grad:"):
-        kind = args.worker.split(":", 1)[1]
-        shapes = json.loads(args.shapes)
-        # CUDA: 4 x 128 tokens, the accuracy workers' 512 at their head sizes (fla reuses their
-        # kernels; the summary pass adds value width V + K). The dry run: torch, 4 x 32.
-        cuda = args.device == "cuda"
-        with timed() as t:
-            out = cp_gradient_check(kind, torch.device(args.device),
-                                    ["torch", "fla"] if cuda else ["torch"], gen,
-                                    tokens_per_rank=128 if cuda else 32, heads=shapes["heads"],
-                                    head_dim=shapes["head_dim"])  # fmt: skip
-        res.add(f"cp_gradients_{kind}", out["within_tol"], t(), **out,
-                fla_autotune=gpu_autotune.applied())  # fmt: skip
-    elif args.worker == "model_step":
-        with timed() as t:
-            step = Step(args, "host")
-            step(*packed_batch(gen, args.batch, args.seq_len, step.vocab, args.mean_doc))
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-        res.add(f"model_step_{args.flavor}_{args.pattern}", True, t(), dtype=args.dtype)
+            proc = subprocess.Popen([*me, "--part", name, *passthrough, *results])
+            try:
+                code = proc.wait(timeout=box)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                code = None
+        if code is None:
+            mine.add(name, False, t(), timed_out=f"killed after its {box:.0f} s box "
+                    f"({'the deadline' if box < part.box_s * args.box_scale else 'its own'})")  # fmt: skip
+        elif code != 0:
+            mine.add(name, False, t(), exit_code=code)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stage", required=True, choices=sorted(STAGES))
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--all", action="store_true", help="every part, in order (the one call)")
+    which.add_argument("--part", choices=sorted({*PARTS, *HELPERS}))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--results", action="append", default=[],
                    help="JSON-lines file to append to (repeatable)")  # fmt: skip
+    p.add_argument("--started-at", type=float, default=None,
+                   help="epoch seconds the call started (gpu_check.sh); default now")  # fmt: skip
+    p.add_argument("--budget", type=float, default=480.0,
+                   help="seconds from --started-at to the deadline of every part")  # fmt: skip
+    p.add_argument("--box-scale", type=float, default=1.0,
+                   help="scale every part's time box (the CPU dry run is slower)")  # fmt: skip
+    p.add_argument("--skip", action="append", default=[], help="a part --all leaves out")
     p.add_argument("--flavor", default="150M")
     p.add_argument("--pattern", default="KKKAKKKAKKKA")
     p.add_argument("--head-dim", type=int, default=0, help="override the flavor's head_dim")
@@ -925,42 +889,58 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--compile-backend", default="inductor",
-                   help="torch.compile backend of the compile stage")  # fmt: skip
+                   help="torch.compile backend of the compile part")  # fmt: skip
     p.add_argument("--max-subsequences", type=int, default=256,
                    help="routing cap of the compiled run (linear_attention.max_subsequences)")  # fmt: skip
-    p.add_argument("--worker-timeout", type=float, default=230.0)
-    p.add_argument("--fla-autotune", default="auto", choices=["auto", "one", "full"],
-                   help="fla-core's Triton autotune: one = one config per kernel "
-                   "(scripts/gpu_autotune.py); auto: one in the path stage, else full")  # fmt: skip
-    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
-    p.add_argument("--tokens", type=int, default=512, help=argparse.SUPPRESS)
-    p.add_argument("--shapes", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--cp-tokens", type=int, nargs="+", default=[32768, 131072],
+                   help="stream lengths of the cp_op_ms part")  # fmt: skip
+    p.add_argument("--autotune-dir", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device; use --device cpu for a dry run", file=sys.stderr)
         return 2
+    if args.started_at is None:
+        args.started_at = time.time()
     gen = torch.Generator().manual_seed(0)
-    res = Results(args.results, args.stage, args.device)
-    if args.fla_autotune == "one" or (args.fla_autotune == "auto" and args.stage == "path"):
-        # Before fla's kernel modules load (this process and its workers, which see the same
-        # stage): the cold autotune of every candidate config cannot pass the worker timeout.
-        gpu_autotune.prune()
+    if args.all:
+        res = Results(args.results, "call", args.device, args.started_at)
+        env = environment(args.device)
+        res.add("environment", True, 0.0, **env)
+        print(f"gpu_check: {env['gdn_backward']}", flush=True)
+        with timed() as t:
+            import gpu_imports
+
+            error = gpu_imports.check()
+        res.add("imports", error is None, t(), error=error,
+                count=len(gpu_imports.CUDA_PATH_IMPORTS))  # fmt: skip
+        if error is None:
+            run_all(args, res)
+        ok = _all_ok(args.results, args.started_at)
+        res.add("done", ok, time.time() - args.started_at)
+        return 0 if ok else 1
+    part = {**PARTS, **HELPERS}[args.part]
+    if part.fla_autotune is not None:
+        # Before fla's kernel modules load: one config per autotuner (scripts/gpu_autotune.py).
+        gpu_autotune.prune(part.fla_autotune)
     if args.device == "cuda":
         no_flex_max_autotune()
-    if args.worker:
-        run_worker(args, res, gen)
-        return 0 if res.ok else 1
-    res.add("environment", True, 0.0, **environment(args.device),
-            fla_autotune=gpu_autotune.applied()["rule"])  # fmt: skip
+    res = Results(args.results, args.part, args.device, args.started_at)
     with timed() as t:
         try:
-            STAGES[args.stage](args, res, gen)
-        except Exception as e:  # recorded, so the next stage still has this one's parts
+            part.run(args, res, gen)
+        except Exception as e:  # recorded, so the next part still runs
             res.add("error", False, t(), error=f"{type(e).__name__}: {str(e)[:300]}",
                     site=sync_site(e))  # fmt: skip
             traceback.print_exc()
-    res.add("done", res.ok, t())
     return 0 if res.ok else 1
+
+
+def _all_ok(paths: list[str], call: float) -> bool:
+    """Every line this call appended (its parts' own lines included) says ok."""
+    if not paths:
+        return True
+    rows = [json.loads(line) for line in Path(paths[0]).read_text().splitlines() if line]
+    return all(r["ok"] for r in rows if r.get("call") == call)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# GPU evidence for the host routing path, one stage per call, on one GPU whose Python (PYTHON,
-# default python3) already has torch (>= 2.11), Triton and numpy but maybe not torchtitan or FLA:
-#   ./scripts/gpu_check.sh --stage path|tests|timing|compile [more scripts/gpu_check.py args]
-# (docs/gpu.md gives the sequence of device calls and their timeouts; --device cpu: dry run).
+# GPU evidence for the recipe in one device call, on one GPU whose Python (PYTHON, default
+# python3) already has torch (>= 2.11), Triton and numpy but maybe not torchtitan or FLA:
+#   WHEEL_DIR=.whl ./scripts/gpu_check.sh --all        (the one call: docs/gpu.md gives its
+#                                                       timeout; --device cpu: the dry run)
+#   ./scripts/gpu_check.sh --part NAME [...]           (one part again, e.g. timing)
 # 1. Installs, with no network, the wheels listed in WHEEL_DIR/gpu_wheels.txt (fill WHEEL_DIR,
 #    default .whl beside the repo root, with scripts/gpu_wheels.sh on a machine with network)
 #    into SITE (default .gpu_site, git-ignored), when WHEEL_DIR is set or the imports of the CUDA
 #    path fail (a later call on the same machine finds them installed); a missing import after
-#    that is one line naming it (exit 2). The path stage checks the trainer's imports itself.
-# 2. Keeps Triton's and inductor's caches in GPU_CACHE (default .gpu_cache, git-ignored):
-#    compiled kernels and fla's autotuning results, so a second call (or stage) reuses them.
-# 3. Runs the stage; every finished part appends a JSON line to GPU_CACHE/gpu_check.jsonl and,
-#    when OUT is set (the device tool's output folder), to OUT/gpu_check.jsonl too.
+#    that is one line naming it (exit 2).
+# 2. Keeps Triton's and inductor's caches in GPU_CACHE (default .gpu_cache, git-ignored), so a
+#    later call on the same machine reuses compiled kernels.
+# 3. Runs scripts/gpu_check.py: every part appends JSON lines to GPU_CACHE/gpu_check.jsonl and,
+#    when OUT is set (the device tool's output folder), to OUT/gpu_check.jsonl, as it finishes.
+#    With --all the parts share one deadline: GPU_CHECK_BUDGET seconds (default 480) from this
+#    script's start, wheels included, so the call ends within BUDGET + about 20 s.
 # Exit status: 0 when every part passed, 1 when one failed, 2 when the setup failed.
 set -euo pipefail
+STARTED_AT="$(date +%s.%N)"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SITE="${SITE:-$ROOT/.gpu_site}"
 CACHE="${GPU_CACHE:-$ROOT/.gpu_cache}"
@@ -52,6 +56,7 @@ echo "$imports"
 results=(--results "$CACHE/gpu_check.jsonl")
 [[ -n "${OUT:-}" ]] && results+=(--results "$OUT/gpu_check.jsonl")
 rc=0
-"$PY" "$ROOT/scripts/gpu_check.py" "${results[@]}" "$@" || rc=$?
+"$PY" "$ROOT/scripts/gpu_check.py" "${results[@]}" --started-at "$STARTED_AT" \
+  --budget "${GPU_CHECK_BUDGET:-480}" "$@" || rc=$?
 du -sh "$CACHE" 2>/dev/null | sed 's/^/gpu_check: cache /' || true
 exit "$rc"

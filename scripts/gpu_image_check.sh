@@ -6,7 +6,7 @@
 #    once in GPU_IMAGE_DIR (default .gpu_image/, git-ignored) and reused while that list and its
 #    package set are unchanged. Python 3.12: PYTHON312, python3.12 on PATH, or pyenv.
 # 2. scripts/gpu_wheels.sh into a fresh folder (needs PyPI).
-# 3. scripts/gpu_check.sh --device cpu, every stage, with those wheels only (--no-index, a fresh
+# 3. scripts/gpu_check.sh --all --device cpu, with those wheels only (--no-index, a fresh
 #    site): the import gate (scripts/gpu_imports.py --trainer), the trainer's whole-step sync
 #    check (dry run), the CUDA-only tests (collected, skipped on CPU), the timing and compile
 #    dry runs.
@@ -67,18 +67,16 @@ WHEELS="$CACHE/wheels" SITE="$CACHE/site"
 rm -rf "$WHEELS" "$SITE"
 "$ROOT/scripts/gpu_wheels.sh" "$WHEELS" --python-version 3.12
 
-step "3. scripts/gpu_check.sh --device cpu, every stage, with only those wheels, offline"
+step "3. scripts/gpu_check.sh --all --device cpu (the one call's dry run), with only those wheels, offline"
 rm -rf "$CACHE/gpu_cache"
-for stage in path tests timing compile; do
-  log="$CACHE/stage-$stage.log"
-  if ! PYTHON="$PY" WHEEL_DIR="$WHEELS" SITE="$SITE" GPU_CACHE="$CACHE/gpu_cache" \
-      OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$ROOT/scripts/gpu_check.sh" --stage "$stage" \
-      --device cpu --flavor debug --pattern KGKA --seq-len 256 --mean-doc 40 --steps 2 \
-      --warmup 1 --compile-backend aot_eager > "$log" 2>&1; then
-    tail -30 "$log"; echo "gpu_image_check: stage $stage failed (log: $log)" >&2; exit 1
-  fi
-  grep -a -E '^(gpu_check: |gpu_imports: |\| |[0-9]+ (passed|skipped))' "$log" || true
-done
+log="$CACHE/gpu-check-all.log"
+if ! PYTHON="$PY" WHEEL_DIR="$WHEELS" SITE="$SITE" GPU_CACHE="$CACHE/gpu_cache" \
+    GPU_CHECK_BUDGET=3000 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$ROOT/scripts/gpu_check.sh" \
+    --all --device cpu --box-scale 20 --flavor debug --pattern KGKA --seq-len 256 --mean-doc 40 \
+    --steps 2 --warmup 1 --compile-backend aot_eager > "$log" 2>&1; then
+  tail -30 "$log"; echo "gpu_image_check: the dry run of gpu_check.sh --all failed (log: $log)" >&2; exit 1
+fi
+grep -a -E '^(gpu_check: |gpu_imports: |\| |[0-9]+ (passed|skipped))' "$log" || true
 
 step "4. two steps of configs/debug_cpu.toml through the trainer, torch $("$PY" -c 'import torch; print(torch.__version__)')"
 RUN="$CACHE/run"

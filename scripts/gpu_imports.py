@@ -23,6 +23,7 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "fla.ops.utils.index:prepare_chunk_indices",
     "fla.ops.kda.chunk_fwd:chunk_kda_fwd",  # fla_compat and the compiled path call the pieces
     "fla.ops.simple_gla:chunk_simple_gla",  # Mamba2 (SSD) and retention layers
+    "fla.ops.gla:chunk_gla",  # SSD with a gate per key (the registered "gla")
     "fla.ops.common.chunk_h:chunk_fwd_kernel_h",  # launched by fla_compat's chunk-table shim
     "fla.ops.common.chunk_h:chunk_bwd_kernel_dh",
     # torchtitan modules the model is built from (no torchtitan.distributed.fsdp: trainer only)
@@ -48,8 +49,11 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "torchtitan_cp.models:model_config",
     "torchtitan_cp.data.host_metadata:HostMetadata",
     "torchtitan_cp.trainer.sequence:SequencePreprocessor",
-    # the runner of gpu_check.sh's CUDA-only tests (which need nothing else)
+    "torchtitan_cp.ops.common.fla_autotune:persist",  # autotune once per machine
+    "torchtitan_cp.ops.common.fla_refusals:gdn_backward_path",
+    # the runner of the check's correctness part and CUDA-only tests (which need nothing else)
     "pytest",
+    "tests.cp_gradients:cp_gradients",
 )
 
 

@@ -10,6 +10,7 @@
   whenever the ``-m`` expression can select the tier. ``-m "not slow"`` (the fast loop) and
   ``-m "not fla_interpreter"`` leave this process untouched. Tests of a normal run's behaviour
   take the ``interpreter_off`` fixture.
+* ``gpu_check`` marks what the GPU check's one call runs on CUDA (tests/test_gpu_parity.py).
 * Shared helpers are imported one way, as ``tests.<module>`` (``tests`` is a package):
   ``tests.dist_utils`` (gloo ranks, layout cases), ``tests.launch`` (the real entry points),
   ``tests.helpers`` (batches, files), ``tests.reference`` (float64 oracles),
@@ -45,6 +46,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         f"{FLA_INTERPRETER}: fla-core's Triton kernels on CPU under Triton's interpreter "
         "(tests/fla_interpreter.py); also slow",
+    )
+    config.addinivalue_line(
+        "markers",
+        "gpu_check: run on CUDA by scripts/gpu_check.py's one call (its correctness part, "
+        "pytest -m gpu_check); the same bodies run here on the torch backend or the fla tier",
     )
     if _tier_selected(config):
         fla_interpreter.install()

@@ -19,7 +19,9 @@ around ``fork`` itself. Any other thread stops the launcher before it forks.
 
 ``JOBS.json``: a list of ``{"args": [...], "nproc": N, "dump_folder": PATH}``, optionally with
 ``"copy_from": PATH`` (copied to ``dump_folder`` first, e.g. to resume another run's
-checkpoint) and ``"remove": [PATH, ...]`` (relative to ``dump_folder``, removed after the copy).
+checkpoint) and ``"remove": [PATH, ...]`` (relative to ``dump_folder``, removed after the copy), and
+``"entry": "module:function"`` (called in each rank instead of ``torchtitan_cp.train.main``, with
+the same arguments, e.g. ``tests.host_syncs:main``).
 Rank ``r``'s output goes to ``DUMP_FOLDER.rank<r>.log``. Prints one line per launch with the
 CPU time (user + system) of its ranks; on the first failed launch it kills that launch's other
 ranks, prints their logs' tails on stderr and exits 1.
@@ -27,6 +29,7 @@ ranks, prints their logs' tails on stderr and exits 1.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -86,6 +89,9 @@ def _rank(job: dict, rank: int, port: int) -> None:
         LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )  # fmt: skip
+    if job.get("entry"):  # "module:function", called as main is (e.g. tests.host_syncs:main)
+        module, name = job["entry"].split(":")
+        main = getattr(importlib.import_module(module), name)
     try:
         status = main([*job["args"], "--dump_folder", job["dump_folder"]])
     except BaseException:

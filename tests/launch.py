@@ -97,6 +97,7 @@ class Launch:
     args: list[str]
     copy_from: str | None = None
     remove: tuple[str, ...] = ()
+    entry: str | None = None  # "module:function" each rank runs instead of train.main
 
 
 def fork_train(launches: list[Launch], *, folder: Path, timeout: float = 1200) -> str:

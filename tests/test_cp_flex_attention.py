@@ -149,7 +149,7 @@ def test_flex_matches_sdpa_on_cuda_forward_and_backward() -> None:
     tokens, positions, labels = (t.cuda() for t in random_batch(4, 2, 512, 97))
     results = []
     for backend in ("sdpa", "flex"):
-        # head_dim 64: the fla shapes of the GPU check's path stage (one autotune for both).
+        # head_dim 64: the fla shapes of the GPU check's correctness part (one compile for both).
         model = _model(backend, "KAGA", head_dim=64).cuda()
         seq = SequencePreprocessor(
             device="cuda", cp_group=None, load_balancer="contiguous",

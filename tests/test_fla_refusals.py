@@ -7,6 +7,7 @@ Qwen3.5's GatedDeltaNet) on the PyTorch kernels with one warning; KDA is untouch
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from torchtitan_cp.ops.common import fla_refusals
 from torchtitan_cp.ops.common.fla_refusals import DeviceFacts, fla_gdn_backward_refusal
 
 H200_IMAGE = DeviceFacts((9, 0), "3.6.0", False)  # docs/gpu.md: the lent machine
+NVCC = "/opt/cuda/bin/nvcc"
 
 
 def test_refusal_follows_fla_s_own_condition():
@@ -22,10 +24,13 @@ def test_refusal_follows_fla_s_own_condition():
     assert "triton 3.6.0" in reason and "capability 9.0" in reason and "#640" in reason
     assert fla_gdn_backward_refusal(DeviceFacts((9, 0), "3.4.0", False)) is not None
     for ok in (DeviceFacts((9, 0), "3.7.1", False), DeviceFacts((9, 0), "3.3.1", False),
-               DeviceFacts((9, 0), "3.6.0", True), DeviceFacts((8, 0), "3.6.0", False),
+               DeviceFacts((9, 0), "3.6.0", True, NVCC), DeviceFacts((8, 0), "3.6.0", False),
                DeviceFacts((10, 0), "3.6.0", False), DeviceFacts(None, "3.6.0", False),
                DeviceFacts((9, 0), None, False)):  # fmt: skip
         assert fla_gdn_backward_refusal(ok) is None, ok
+    # fla takes its TileLang route only with an nvcc for TileLang's JIT (fla #1026).
+    no_nvcc = fla_gdn_backward_refusal(DeviceFacts((9, 0), "3.6.0", True))
+    assert no_nvcc is not None and "finds no nvcc" in no_nvcc and "#1026" in no_nvcc
 
 
 def test_faked_h200_refuses_fla_for_gdn_and_auto_falls_back(monkeypatch, caplog):
@@ -62,3 +67,67 @@ def test_faked_h200_refuses_fla_for_gdn_and_auto_falls_back(monkeypatch, caplog)
 
     kernels = [m for m in model.modules() if isinstance(m, RoutedGatedDeltaKernel)]
     assert kernels and all(k.backend == "torch" for k in kernels)
+
+
+def _fake_tilelang_and_nvcc(tmp_path, monkeypatch, *, nvcc: bool):
+    """An importable ``tilelang`` package and (``nvcc``) an executable ``nvcc`` on ``PATH``,
+    nothing else that fla would find (no CUDA_HOME, no default toolkit)."""
+    (tmp_path / "site" / "tilelang").mkdir(parents=True)
+    (tmp_path / "site" / "tilelang" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if nvcc:
+        (bin_dir / "nvcc").write_text("#!/bin/sh\n")
+        (bin_dir / "nvcc").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    for var in ("CUDA_HOME", "CUDA_PATH", "FLA_TILELANG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(fla_refusals, "CUDA_DEFAULT", tmp_path / "no_cuda")
+    return bin_dir
+
+
+@pytest.mark.parametrize("nvcc", [True, False])
+def test_tilelang_route_needs_an_nvcc_as_fla_does(tmp_path, monkeypatch, nvcc):
+    # What device_facts reads on the H200 image with tilelang installed, with and without an
+    # nvcc on PATH: fla 0.6.0 takes its TileLang route (no refusal) only with one.
+    import importlib
+
+    bin_dir = _fake_tilelang_and_nvcc(tmp_path, monkeypatch, nvcc=nvcc)
+    importlib.invalidate_caches()
+    facts = fla_refusals.device_facts()._replace(capability=(9, 0), triton="3.6.0")
+    assert facts.tilelang
+    assert facts.nvcc == (str(bin_dir / "nvcc") if nvcc else None)
+    refusal = fla_gdn_backward_refusal(facts)
+    path = fla_refusals.gdn_backward_path(facts)
+    assert "\n" not in path
+    if nvcc:
+        assert refusal is None and path.startswith("GDN backward: fla's TileLang kernels")
+    else:
+        assert refusal is not None and "finds no nvcc" in refusal
+        assert path.startswith("GDN backward: PyTorch kernels (") and "#1026" in path
+    # FLA_TILELANG=0 turns fla's TileLang route off, nvcc or not.
+    monkeypatch.setenv("FLA_TILELANG", "0")
+    off = fla_refusals.device_facts()._replace(capability=(9, 0), triton="3.6.0")
+    assert not off.tilelang and fla_gdn_backward_refusal(off) is not None
+
+
+def test_find_nvcc_agrees_with_fla(tmp_path, monkeypatch):
+    # The same places in the same order as fla's own has_usable_nvcc (fla/utils/env.py), which
+    # caches its answer: its unwrapped body is asked under each faked environment.
+    from fla.utils.env import has_usable_nvcc
+
+    bin_dir = _fake_tilelang_and_nvcc(tmp_path, monkeypatch, nvcc=True)
+    monkeypatch.setattr(fla_refusals, "CUDA_DEFAULT", Path("/usr/local/cuda"))  # fla's own
+    assert fla_refusals.find_nvcc() == str(bin_dir / "nvcc")
+    assert has_usable_nvcc.__wrapped__()
+    (bin_dir / "nvcc").unlink()
+    home = tmp_path / "toolkit"
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "nvcc").write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    assert fla_refusals.find_nvcc() == str(home / "bin" / "nvcc")
+    assert has_usable_nvcc.__wrapped__()
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "empty"))
+    expected = has_usable_nvcc.__wrapped__()  # /usr/local/cuda decides, for both
+    assert (fla_refusals.find_nvcc() is not None) == expected

@@ -1,5 +1,6 @@
-"""The GPU check (scripts/gpu_check.sh and gpu_check.py) as a CPU dry run, so it does not rot
-between GPU sessions; its bad-input errors; scripts/gpu_imports.py and scripts/gpu_wheels.sh."""
+"""The GPU check's one call (scripts/gpu_check.sh --all and gpu_check.py) as a CPU dry run, so it
+does not rot between GPU sessions; its deadline; its bad-input errors; scripts/gpu_imports.py and
+scripts/gpu_wheels.sh."""
 
 from __future__ import annotations
 
@@ -13,91 +14,118 @@ import torch
 
 from tests.launch import REPO
 
+SMALL = ("--flavor", "debug", "--pattern", "KA", "--seq-len", "256", "--mean-doc", "40",
+         "--steps", "2", "--warmup", "1", "--compile-backend", "aot_eager")  # fmt: skip
 
-def _stage(stage: str, results, *args: str) -> subprocess.CompletedProcess:
+
+def _call(results, *args: str, budget: int = 3000) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1",
-               GPU_CACHE=str(results.parent / "cache"))  # fmt: skip
+               GPU_CACHE=str(results.parent / "cache"), GPU_CHECK_BUDGET=str(budget))  # fmt: skip
     return subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--stage", stage, "--device", "cpu", "--results",
-         str(results), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        ["bash", "scripts/gpu_check.sh", "--all", "--device", "cpu", "--results", str(results),
+         *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=budget + 300,
     )  # fmt: skip
 
 
-def _parts(results, stage: str) -> dict[str, dict]:
-    rows = [json.loads(line) for line in results.read_text().splitlines()]
-    return {r["part"]: r for r in rows if r["stage"] == stage}
+def _rows(results) -> list[dict]:
+    return [json.loads(line) for line in results.read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_gpu_check_path_stage_dry_run_watches_whole_trainer_steps(tmp_path):
-    # The first stage's CPU dry run: the real trainer (debug config, 4 steps, one process) with
-    # every step watched by HostSyncRecorder. Steps 2-3 of the host path read nothing back and
-    # wait for no copy; the readback path and torchtitan 0.3.0's own train_step (the control:
-    # what this recipe's step was before) synchronise, and the check says where.
+def test_gpu_check_one_call_dry_run(tmp_path):
+    # The one GPU call's CPU dry run (issue 34), every part in its order, each its own process:
+    # about 120 s of CPU (the four trainer runs and the compiled model most of it).
     results = tmp_path / "gpu_check.jsonl"
-    proc = _stage("path", results)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    parts = _parts(results, "path")
-    assert parts["imports"]["ok"] and parts["trainer_imports"]["ok"] and parts["done"]["ok"]
-    # What decides correctness on a GPU is recorded with the stage (issue 25): versions, and
-    # whether fla runs GDN's backward here (on CPU: no Hopper, so it does).
-    env = parts["environment"]
+    proc = _call(results, *SMALL, "--box-scale", "20")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = _rows(results)
+    parts = [r["part"] for r in rows]
+    order = ["call", "correctness", "trainer_sync", "timing", "cp_op_ms", "compile",
+             "autotune_reuse", "cuda_tests", "call"]  # fmt: skip
+    assert [p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1]] == order
+    assert len({r["call"] for r in rows}) == 1 and all(r["ok"] for r in rows)
+    by = {(r["part"], r["name"]): r for r in rows}
+    # Every line says which fla autotune rule its process ran under.
+    rules = {r["part"]: r["fla_autotune"] for r in rows}
+    assert rules["correctness"].startswith("one config per fla-core autotuner, its smallest")
+    assert (
+        rules["timing"]
+        == rules["cp_op_ms"]
+        == rules["compile"]
+        == ("one config per fla-core autotuner, fla's first (its preferred)")
+    )
+    env = by["call", "environment"]
     assert env["torch_version"] == torch.__version__ and env["fla_core"] == "0.6.0"
-    assert {"cuda", "triton", "ptxas", "tilelang"} <= env.keys() and env[
-        "fla_gdn_backward"
-    ] == "runs"
-    # The stage prunes fla's autotune to one config per kernel (scripts/gpu_autotune.py) and
-    # says so; the CP gradient check compares every simulated rank (torch kernels on CPU).
-    assert env["fla_autotune"].startswith("one config per fla-core autotuner")
-    for kind in ("kda", "gdn"):
-        cp = parts[f"cp_gradients_{kind}"]
-        assert cp["ok"] and cp["world"] == 4 and cp["published_summaries"] == 3, cp
-        assert len(cp["torch"]["max_rel_grad_err_per_rank"]) == 4 and cp["torch"]["tol"] == 1e-4
-    host = parts["trainer_host"]["steps"]
-    assert host["2"] == host["3"] == []
-    # The log step reads the loss and the gradient norm (_log_step; one rank's average loss is
-    # also the largest, so no second read), and puts the routing counters on the device for their
-    # all-reduce and reads them back (_routing_metrics); nothing else, all in the recipe's trainer.
-    assert {e.split(" at ")[1].split(":")[0] for e in host["4"]} == {"trainer/trainer.py"}
-    assert sorted((e.split(" ")[0], e.rsplit(" ", 1)[1]) for e in host["4"]) == [
-        ("blocking-h2d", "_routing_metrics"),
-        ("readback", "_log_step"),
-        ("readback", "_log_step"),
-        ("readback", "_routing_metrics"),
-    ], host["4"]
-    readback = parts["trainer_device_readback"]
+    assert {"cuda", "triton", "ptxas", "tilelang", "nvcc"} <= env.keys()
+    assert env["fla_gdn_backward"] == "runs" and env["gdn_backward"].startswith("GDN backward:")
+    assert "gpu_check: GDN backward: " in proc.stdout  # the one line
+    # correctness: the parity tests of every registered recurrence, one line each.
+    from tests.recurrences import CASES
+
+    cp = [r for r in rows if "test_cp_gradients_on_every_rank_torch" in r["name"]]
+    assert len(cp) == len(CASES) and all(len(r["cp_gradients"]["max_rel_grad_err_per_rank"]) == 4
+                                         for r in cp)  # fmt: skip
+    # trainer_sync: steps 2-3 of the host path, on the configured backend and on torch, list
+    # nothing; the log step reads the loss and the gradient norm (_log_step) and puts the
+    # routing counters on the device for their all-reduce and reads them back.
+    for name in ("host", "host_torch"):
+        steps = by["trainer_sync", name]["steps"]
+        assert steps["2"] == steps["3"] == [], (name, steps)
+        assert sorted((e.split(" ")[0], e.rsplit(" ", 1)[1]) for e in steps["4"]) == [
+            ("blocking-h2d", "_routing_metrics"),
+            ("readback", "_log_step"),
+            ("readback", "_log_step"),
+            ("readback", "_routing_metrics"),
+        ], steps["4"]
+    readback = by["trainer_sync", "device_readback"]
     assert readback["synchronised"]
     assert [e.split(":")[0] for e in readback["steps"]["2"]] == [
         "readback Tensor.cpu at routing/sources.py"
     ]
-    control = parts["trainer_torchtitan_step"]["steps"]
+    control = by["trainer_sync", "torchtitan_step"]["steps"]
     # torchtitan's step: a blocking copy of the valid-token count and of input, positions and
     # labels every step; at the log step it also reads the global valid-token count back.
     copies = [e for e in control["2"] if "blocking-h2d Tensor.to at torchtitan/trainer.py" in e]
     assert sum(int(e.split("x ")[0]) if "x " in e else 1 for e in copies) == 4, control["2"]
     log_reads = [e for e in control["4"] if e.startswith("readback") and "torchtitan/" in e]
     assert len(log_reads) == 3, control["4"]
+    timing = by["timing", "step_time"]
+    assert timing["host"]["readbacks_per_step"] == 0
+    assert timing["device_readback"]["readbacks_per_step"] >= 1
+    for T in (256, 512):
+        ms = by["cp_op_ms", f"kda_{T}"]
+        assert ms["world"] == 4 and all(
+            ms[f"{n}_fwd_bwd_ms"] > 0 for n in ("local", "cp", "unsharded")
+        )
+        assert ms["reference"]["cp_ms_per_rank"] == 5.73
+    # Compiled blocks take the second microbatch's new layout without compiling again.
+    assert by["compile", "compile"]["compiled"]["frames_compiled_after_warmup"] == 0
+    assert "skipped" in by["autotune_reuse", "autotune_reuse"]
+    tests = by["cuda_tests", "cuda_tests"]
+    assert "skipped" in tests["summary"] and "failed" not in tests["summary"]
+    assert by["call", "done"]["ok"]
 
 
 @pytest.mark.slow
-def test_gpu_check_other_stages_dry_run_on_cpu(tmp_path):
+def test_gpu_check_parts_keep_to_the_deadline(tmp_path):
+    # A part past its box is killed and says so, the next part still starts, and a part with
+    # no time left before the deadline is not started: about 15 s of CPU.
     results = tmp_path / "gpu_check.jsonl"
-    small = ("--flavor", "debug", "--pattern", "KA", "--seq-len", "256", "--mean-doc", "40",
-             "--steps", "2", "--warmup", "1", "--compile-backend", "aot_eager")  # fmt: skip
-    for stage in ("tests", "timing", "compile"):
-        proc = _stage(stage, results, *small)
-        assert proc.returncode == 0, stage + proc.stdout[-3000:] + proc.stderr[-3000:]
-    tests = _parts(results, "tests")["cuda_tests"]
-    assert tests["ok"] and "skipped" in tests["summary"] and "failed" not in tests["summary"]
-    timing = _parts(results, "timing")["step_time"]
-    assert timing["host"]["readbacks_per_step"] == 0
-    assert timing["device_readback"]["readbacks_per_step"] >= 1
-    # Compiled blocks take the second microbatch's new layout without compiling again.
-    assert _parts(results, "compile")["compile"]["compiled"]["frames_compiled_after_warmup"] == 0
-    # Each stage appended its parts as it finished, and ended with its verdict.
-    rows = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [r["stage"] for r in rows if r["part"] == "done"] == ["tests", "timing", "compile"]
+    skip = [a for p in ("correctness", "trainer_sync", "timing", "cp_op_ms", "autotune_reuse",
+                        "cuda_tests") for a in ("--skip", p)]  # fmt: skip
+    proc = _call(results, *SMALL, *skip, "--box-scale", "0.02", budget=600)  # compile: 3 s
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    by = {(r["part"], r["name"]): r for r in _rows(results)}
+    assert "killed after its 3 s box (its own)" == by["compile", "compile"]["timed_out"]
+    assert not by["call", "done"]["ok"]
+    results.unlink()
+    proc = _call(results, *SMALL, budget=0)  # the deadline is already past
+    assert proc.returncode == 1
+    rows = _rows(results)
+    skipped = [r["part"] for r in rows if str(r.get("skipped", "")).startswith("no time left")]
+    assert skipped == ["correctness", "trainer_sync", "timing", "cp_op_ms", "compile",
+                       "autotune_reuse", "cuda_tests"]  # fmt: skip
 
 
 def _gpu_check(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
@@ -247,3 +275,32 @@ def test_sync_check_names_the_synchronising_frame():
         chunk_table(None, 0, torch.zeros(1, 2), None)
     site = gpu_check.sync_site(info.value)
     assert site.startswith("torchtitan_cp/ops/common/fla.py:") and "chunk_table" in site
+
+
+def test_sync_warnings_list_every_synchronisation_with_its_frame():
+    # What the trainer_sync part collects on CUDA under set_sync_debug_mode("warn"): every
+    # synchronisation of a step, in order, each with the frame that made it (not only the
+    # first, which "error" mode stopped at). torch's warning is raised where the operation is
+    # called; here the same warning comes from two project frames.
+    import importlib.util
+    import warnings
+
+    from torchtitan_cp.ops.common import varlen
+
+    spec = importlib.util.spec_from_file_location("gpu_check", f"{REPO}/scripts/gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    text = "called a synchronizing CUDA operation"
+
+    def ship_then_warn():  # stands for a kernel that synchronises
+        varlen.ship([0, 1], torch.device("cpu"))
+        warnings.warn(text, UserWarning, stacklevel=1)
+
+    with pytest.warns(UserWarning, match="unrelated"):
+        with gpu_check.sync_warnings() as found:
+            ship_then_warn()
+            warnings.warn("unrelated", UserWarning, stacklevel=1)  # passes through
+            ship_then_warn()
+    assert len(found) == 2 and all(f.endswith(f": {text}") for f in found), found
+    assert all("test_scripts.py" in f and "ship_then_warn" in f for f in found), found

@@ -36,6 +36,10 @@ class LinearAttentionConfig:
     """Routing plans kept in the LRU cache (>= 1)."""
     ptrr_block_size: int = 128
     """Tokens per block the ptrr load balancer schedules (blocks of the causal document mask)."""
+    fla_autotune_dir: str = "auto"
+    """Where fla-core's Triton autotune results are kept across processes (CUDA only): "auto" =
+    ~/.cache/torchtitan_cp/fla_autotune/<GPU>_triton<v>_fla<v>; a folder (commit it to reuse one
+    GPU's results on machines like it); "" = off (fla autotunes in every process)."""
     max_subsequences: int = 256
     """With compile.enable: most document pieces one CP rank may hold in a microbatch (capped
     at its token count). Fixes the routing shapes so a compiled model never recompiles per

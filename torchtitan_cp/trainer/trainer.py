@@ -284,6 +284,20 @@ def _preprocess(
     return inputs, labels, {"positions": positions, "seq_ctx": ctx}
 
 
+def _persist_fla_autotune(setting: str) -> None:
+    """Before any kernel runs: fla's autotune once per machine, not once per process
+    (``[linear_attention] fla_autotune_dir``; CUDA only, where Triton autotunes)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    from torchtitan_cp.ops.common import fla_autotune
+
+    folder = fla_autotune.resolve_dir(setting)
+    if folder is not None:
+        fla_autotune.persist(folder)
+
+
 class HybridTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -304,6 +318,7 @@ class HybridTrainer(Trainer):
 
     def __init__(self, config: Config):
         compat.apply()  # torchtitan 0.3.0's shims (idempotent; the entry point applies them first)
+        _persist_fla_autotune(config.linear_attention.fla_autotune_dir)
         spec, flex = check_model(config)
         model_cfg = spec.model  # HybridDecoder.Config or Qwen35TextModel.Config
         config.model_spec = spec
@@ -445,7 +460,7 @@ class HybridTrainer(Trainer):
 
         The loss, gradient norm and (with data parallelism) the global token count are still read
         at log steps (every ``metrics.log_freq`` steps), as torchtitan does; see
-        docs/PERFORMANCE.md. ``scripts/gpu_check.py --stage path`` checks whole steps.
+        docs/PERFORMANCE.md. ``scripts/gpu_check.sh --all`` (``trainer_sync``) checks whole steps.
         """
         self.sequence.stats.take()  # counters cover this step only (not validation before it)
         self._step_loss = None

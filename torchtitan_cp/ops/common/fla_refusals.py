@@ -3,32 +3,74 @@
 fla-core 0.6.0's ``chunk_bwd_dqkwg`` (``fla/ops/common/chunk_o.py``), which GDN's backward
 (``chunk_gated_delta_rule`` with a gate; Qwen3.5's GatedDeltaNet) calls, raises RuntimeError on
 Hopper GPUs (compute capability 9.x) for 3.4.0 <= triton < 3.7.1: those Triton versions give
-wrong results there (fla issue #640). Its TileLang backend (``pip install tilelang``) takes the
-call instead. KDA's backward does not use that function. The GPU machine lent to this project
+wrong results there (fla issue #640). Its TileLang backend takes the call instead, but only
+where fla 0.6.0 can use it (``fla/backends.py``, ``TileLangBackend.is_available`` and
+``is_enabled``): ``tilelang`` importable, a usable ``nvcc`` for TileLang's JIT
+(``fla/utils/env.py:has_usable_nvcc``: ``$CUDA_HOME`` or ``$CUDA_PATH`` ``/bin/nvcc``, ``nvcc`` on
+``PATH``, the ``nvidia-cuda-nvcc`` wheel's binary, ``/usr/local/cuda/bin/nvcc``; fla #1026), and
+``FLA_TILELANG`` not ``0``. Without an nvcc fla falls back to Triton and raises. KDA's backward
+does not use that function. The GPU machine lent to this project
 (H200, triton 3.6.0) is such a machine, so the recipe asks here, before a run starts, rather
 than failing at the first GDN backward.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
+import os
+import shutil
+from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["DeviceFacts", "device_facts", "fla_gdn_backward_refusal", "gdn_backend"]
+__all__ = [
+    "DeviceFacts",
+    "device_facts",
+    "find_nvcc",
+    "fla_gdn_backward_refusal",
+    "gdn_backend",
+    "gdn_backward_path",
+]
 
 logger = logging.getLogger(__name__)
 
 _BAD_TRITON = ((3, 4, 0), (3, 7, 1))  # [low, high): fla-core 0.6.0, chunk_o.py, issue #640
+CUDA_DEFAULT = Path("/usr/local/cuda")  # the toolkit fla looks in last
 
 
 class DeviceFacts(NamedTuple):
     """What the refusal depends on: the CUDA device's compute capability (None without CUDA),
-    Triton's version (None if not installed) and whether tilelang is importable."""
+    Triton's version (None if not installed), whether fla may use tilelang (importable, and
+    ``FLA_TILELANG`` not ``0``) and the nvcc TileLang would compile with (None: none found)."""
 
     capability: tuple[int, int] | None
     triton: str | None
     tilelang: bool
+    nvcc: str | None = None
+
+
+def find_nvcc() -> str | None:
+    """The nvcc fla 0.6.0 would let TileLang use (``fla/utils/env.py:has_usable_nvcc``, same
+    order), or None."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home:
+            if (Path(home) / "bin" / "nvcc").exists():
+                return str(Path(home) / "bin" / "nvcc")
+            break  # fla reads the first of the two that is set, then moves on
+    found = shutil.which("nvcc")
+    if found is not None:
+        return found
+    try:
+        files = importlib.metadata.files("nvidia-cuda-nvcc") or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if f.name in ("nvcc", "nvcc.exe"):
+            return str(f.locate())
+    default = CUDA_DEFAULT / "bin" / "nvcc"
+    return str(default) if default.exists() else None
 
 
 def device_facts() -> DeviceFacts:
@@ -44,7 +86,9 @@ def device_facts() -> DeviceFacts:
         import triton
 
         version = triton.__version__
-    return DeviceFacts(cap, version, importlib.util.find_spec("tilelang") is not None)
+    tilelang = importlib.util.find_spec("tilelang") is not None
+    tilelang &= os.environ.get("FLA_TILELANG", "1") != "0"
+    return DeviceFacts(cap, version, tilelang, find_nvcc())
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -55,20 +99,39 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def _hopper_bad_triton(f: DeviceFacts) -> bool:
+    if f.capability is None or f.triton is None or f.capability[0] != 9:
+        return False
+    low, high = _BAD_TRITON
+    return low <= _release(f.triton) < high
+
+
 def fla_gdn_backward_refusal(facts: DeviceFacts | None = None) -> str | None:
     """One line saying why fla-core refuses GDN's backward here, or None where it runs."""
     f = facts if facts is not None else device_facts()
-    if f.capability is None or f.triton is None or f.capability[0] != 9 or f.tilelang:
+    if not _hopper_bad_triton(f) or (f.tilelang and f.nvcc is not None):
         return None
-    low, high = _BAD_TRITON
-    if not low <= _release(f.triton) < high:
-        return None
+    cap = f"{f.capability[0]}.{f.capability[1]}" if f.capability else "?"
+    tl = ("tilelang is installed but fla finds no nvcc for it (fla #1026)" if f.tilelang
+          else "no tilelang")  # fmt: skip
     return (
         f"fla-core refuses GDN's backward (gated chunk_bwd_dqkwg) on this Hopper GPU (compute "
-        f"capability {f.capability[0]}.{f.capability[1]}) with triton {f.triton}: triton "
-        ">= 3.4.0 and < 3.7.1 gives wrong gradients there (fla issue #640); install "
-        "triton >= 3.7.1 or tilelang"
+        f"capability {cap}) with triton {f.triton}: triton >= 3.4.0 and < 3.7.1 gives wrong "
+        f"gradients there (fla issue #640), and {tl}; install triton >= 3.7.1, or tilelang "
+        "with an nvcc (CUDA_HOME or PATH)"
     )
+
+
+def gdn_backward_path(facts: DeviceFacts | None = None) -> str:
+    """One line: which kernels run GDN's backward under ``backend = "auto"`` here, and why."""
+    f = facts if facts is not None else device_facts()
+    if f.capability is None:
+        return "GDN backward: PyTorch kernels (no CUDA device)"
+    if not _hopper_bad_triton(f):
+        return f"GDN backward: fla's Triton kernels (triton {f.triton}, capability {f.capability[0]}.{f.capability[1]})"
+    if f.tilelang and f.nvcc is not None:
+        return f"GDN backward: fla's TileLang kernels (triton {f.triton} is refused on Hopper, fla #640; tilelang with nvcc {f.nvcc})"
+    return f"GDN backward: PyTorch kernels ({fla_gdn_backward_refusal(f)})"
 
 
 _warned = False

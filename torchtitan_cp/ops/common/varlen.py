@@ -1,5 +1,11 @@
-"""Host-side varlen bookkeeping shared by the pure-PyTorch kernels: offsets as ints, per-token
-sequence ids, and the packing of every sequence into whole chunks."""
+"""Varlen bookkeeping shared by the pure-PyTorch kernels: offsets as host ints, per-token
+sequence ids, and the packing of every sequence into whole chunks.
+
+Sizes come from the host offsets (Python ints); every index table a kernel applies to device
+tensors is built on the device from the device copy of the same offsets (the routing's
+``cu_seqlens``, shipped once per microbatch): no host-built table is copied to the device and no
+device value is read back, so the kernels never make the host wait (docs/kernels.md, "No host
+sync in the torch kernels")."""
 
 from __future__ import annotations
 
@@ -39,22 +45,45 @@ def entry_states(q: Tensor, v: Tensor, num_seqs: int, initial_state: Tensor | No
     return torch.zeros(num_seqs, HV, q.shape[3], V, dtype=cd, device=q.device)
 
 
-def seq_ids_and_positions(cu: list[int]) -> tuple[Tensor, Tensor]:
-    """For every token of the stream: its sequence index and its position within that sequence.
+def ship(values: list[int], device: torch.device) -> Tensor:
+    """Host ints as an int64 tensor on ``device`` without making the host wait: on CUDA pinned
+    and copied ``non_blocking`` (the caching host allocator keeps the pinned block until the
+    copy has run); on the CPU the host tensor itself. For callers that bring no device copy of
+    what they index with; the routing brings its own (``DeviceRouting``, one copy per
+    microbatch)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
-    Returns two int64 CPU tensors of length ``cu[-1]``.
-    """
-    offsets = torch.tensor(cu, dtype=torch.int64)
-    lengths = offsets[1:] - offsets[:-1]
-    seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    pos = torch.arange(cu[-1], dtype=torch.int64) - offsets[:-1][seq]
-    return seq, pos
+
+def device_offsets(cu: list[int], cu_seqlens: Tensor | None, device: torch.device) -> Tensor:
+    """The offsets ``cu`` on ``device``: ``cu_seqlens`` itself when it is there already (the
+    routing's ``cu_seqlens``: no copy), else ``ship(cu)``."""
+    if cu_seqlens is not None and cu_seqlens.device == device:
+        return cu_seqlens
+    return ship(cu, device)
+
+
+def token_sequences(offsets: Tensor, num_tokens: int) -> tuple[Tensor, Tensor]:
+    """For every token of the stream: its sequence index and its position within that
+    sequence, built on ``offsets``' device from ``offsets [N+1]`` and the host count
+    ``num_tokens`` (sizes from the host: nothing is read back). Two int64 tensors ``[T]``."""
+    off = offsets.to(torch.int64)
+    tok = torch.arange(num_tokens, dtype=torch.int64, device=off.device)
+    # Sequence n holds the tokens in [off[n], off[n+1]): the ends at or before t count the
+    # sequences before t's (zero-length ones included).
+    seq = torch.searchsorted(off[1:].contiguous(), tok, right=True)
+    return seq, tok - off[seq]
 
 
 class ChunkLayout(NamedTuple):
-    """Host-side index tables that pack every sequence into whole chunks (int64 CPU tensors),
-    and the three steps every chunked torch kernel takes with them: ``pack`` its inputs, ``scan``
-    the state through each sequence's chunks, ``unpack`` its outputs.
+    """Index tables that pack every sequence into whole chunks (int64 tensors on the kernel's
+    device, built there by ``chunk_layout``), and the three steps every chunked torch kernel
+    takes with them: ``pack`` its inputs, ``scan`` the state through each sequence's chunks,
+    ``unpack`` its outputs.
 
     chunk_size: C tokens per chunk; num_chunks: NC over all sequences.
     src: ``[NC*C]`` token index of every packed slot (``T`` = the zero padding row).
@@ -64,6 +93,8 @@ class ChunkLayout(NamedTuple):
     steps: number of sequences still running at every chunk position (Python ints).
     perm: ``[NC]`` packed chunk ids in loop order (position 0 of every running sequence, then
         position 1, ...); inv_perm undoes it.
+    first: ``[N]`` packed id of every sequence's first chunk; counts: ``[N]`` its chunks.
+    chunks: ``[N]`` the same counts as Python ints (from the host offsets).
     """
 
     chunk_size: int
@@ -75,16 +106,19 @@ class ChunkLayout(NamedTuple):
     steps: list[int]
     perm: Tensor
     inv_perm: Tensor
+    first: Tensor
+    counts: Tensor
+    chunks: list[int]
 
     def pack(self, x: Tensor, dtype: torch.dtype) -> Tensor:
         """``[1, T, Hx, ...]`` -> ``[NC, Hx, C, ...]`` in ``dtype``, padding with zeros."""
         x = x[0].to(dtype)
-        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])], 0)[self.src.to(x.device)]
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])], 0)[self.src]
         return x.unflatten(0, (self.num_chunks, self.chunk_size)).movedim(1, 2)
 
     def unpack(self, y: Tensor) -> Tensor:
         """``[NC, Hx, C, ...]`` per-chunk outputs -> ``[1, T, Hx, ...]`` per token."""
-        return y.movedim(1, 2).flatten(0, 1)[self.dst.to(y.device)].unsqueeze(0)
+        return y.movedim(1, 2).flatten(0, 1)[self.dst].unsqueeze(0)
 
     def scan(
         self,
@@ -100,10 +134,8 @@ class ChunkLayout(NamedTuple):
 
         Returns ``(final [N, ...], entry [NC, ...] or None)``: every sequence's final state and,
         with ``entries``, the entry state of every packed chunk."""
-        dev = state0.device
-        perm = self.perm.to(dev)
-        Ms, Es = M[perm], E[perm]
-        S = state0[self.order.to(dev)]
+        Ms, Es = M[self.perm], E[self.perm]
+        S = state0[self.order]
         kept: list[Tensor] = []
         start = 0
         for a in self.steps:
@@ -113,24 +145,43 @@ class ChunkLayout(NamedTuple):
             S_new = apply(Ms[start : start + a], S_a) + Es[start : start + a]
             S = torch.cat([S_new, S[a:]], 0) if a < S.shape[0] else S_new
             start += a
-        final = S[self.inv_order.to(dev)]
-        return final, (torch.cat(kept, 0)[self.inv_perm.to(dev)] if entries else None)
+        final = S[self.inv_order]
+        return final, (torch.cat(kept, 0)[self.inv_perm] if entries else None)
 
 
-def chunk_layout(cu: list[int], C: int) -> ChunkLayout:
-    """The packing of the sequences of offsets ``cu`` into chunks of ``C`` tokens."""
-    T = cu[-1]
-    lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
-    nch = (lengths + C - 1) // C  # chunks per sequence (0 for an empty one)
-    first_chunk = torch.cumsum(nch, 0) - nch
-    NC = int(nch.sum())
-    seq, pos = seq_ids_and_positions(cu)
-    dst = first_chunk[seq] * C + pos
-    src = torch.full((NC * C,), T, dtype=torch.int64)
-    src[dst] = torch.arange(T)
-    order = torch.argsort(nch, descending=True, stable=True)
-    nch_sorted = nch[order]
-    steps = [int((nch_sorted > p).sum()) for p in range(int(nch.max()))]
-    perm = torch.cat([first_chunk[order[:a]] + p for p, a in enumerate(steps)] or [src[:0]])
-    inv_order, inv_perm = torch.argsort(order), torch.argsort(perm)
-    return ChunkLayout(C, NC, src, dst, order, inv_order, steps, perm, inv_perm)
+def chunk_layout(cu: list[int], C: int, offsets: Tensor) -> ChunkLayout:
+    """The packing of the sequences of host offsets ``cu`` into chunks of ``C`` tokens, its
+    tables built on ``offsets``' device from ``offsets`` (the same offsets there, e.g. the
+    routing's ``cu_seqlens``; ``device_offsets``) and host ints: sizes and the scan's steps come
+    from ``cu``, every table from ``offsets``, so nothing is copied or read back."""
+    T, N = cu[-1], len(cu) - 1
+    chunks = [(b - a + C - 1) // C for a, b in zip(cu[:-1], cu[1:])]  # 0 for an empty one
+    NC = sum(chunks)
+    # steps[p]: the sequences with more than p chunks (a prefix of ``order``).
+    ending = [0] * (max(chunks, default=0) + 1)
+    for n in chunks:
+        ending[n] += 1
+    steps, running = [], N - ending[0]
+    for p in range(len(ending) - 1):
+        steps.append(running)
+        running -= ending[p + 1]
+    off = offsets.to(torch.int64)
+    dev = off.device
+    counts = torch.div(off[1:] - off[:-1] + (C - 1), C, rounding_mode="floor")
+    ends = torch.cumsum(counts, 0)
+    first = ends - counts
+    chunk = torch.arange(NC, dtype=torch.int64, device=dev)
+    chunk_seq = torch.searchsorted(ends, chunk, right=True)  # sequence of every packed chunk
+    within = chunk - first[chunk_seq]  # its position inside that sequence
+    slot_tok = (off[chunk_seq] + within * C).unsqueeze(1) + torch.arange(C, device=dev)
+    src = torch.where(slot_tok < off[chunk_seq + 1].unsqueeze(1), slot_tok, T).reshape(-1)
+    seq, pos = token_sequences(off, T)
+    dst = first[seq] * C + pos
+    order = torch.argsort(counts, descending=True, stable=True)
+    inv_order = torch.argsort(order)
+    # Loop order: by position inside the sequence, then by the sequence's place in ``order``.
+    perm = torch.argsort(within * max(N, 1) + inv_order[chunk_seq])
+    inv_perm = torch.argsort(perm)
+    return ChunkLayout(
+        C, NC, src, dst, order, inv_order, steps, perm, inv_perm, first, counts, chunks
+    )

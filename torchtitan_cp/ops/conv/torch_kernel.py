@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..common.dtypes import compute_dtype
-from ..common.varlen import host_cu_seqlens, seq_ids_and_positions
+from ..common.varlen import device_offsets, host_cu_seqlens, token_sequences
 
 __all__ = ["causal_conv1d_torch"]
 
@@ -28,7 +28,9 @@ def causal_conv1d_torch(
         x: ``[1, T, D]``.
         weight: ``[D, W]``; column ``W-1`` multiplies the current token.
         bias: ``[D]`` or None.
-        cu_seqlens / cu_seqlens_cpu: ``[N+1]`` sequence offsets (host copy preferred).
+        cu_seqlens / cu_seqlens_cpu: ``[N+1]`` sequence offsets: the host copy gives the sizes,
+            the device copy (on x's device) the gather index; either alone works (a device
+            copy alone is read back once, a host copy alone is shipped without waiting).
         initial_state: ``[N, D, W-1]``, the W-1 tokens before each sequence, oldest first;
             zeros (no history) when None.
         activation: "silu" (alias "swish") or None.
@@ -48,7 +50,8 @@ def causal_conv1d_torch(
     N = len(cu) - 1
     # Accumulate the W taps in float32 (float64 for float64 inputs), like FLA's kernel.
     cd = compute_dtype(x.dtype)
-    seq, pos = seq_ids_and_positions(cu)
+    dev = x.device
+    seq, pos = token_sequences(device_offsets(cu, cu_seqlens, dev), T)
 
     # Source rows: the T tokens, then (if given) the N*(W-1) history tokens, then one zero row.
     parts = [x[0].to(cd)]
@@ -60,15 +63,15 @@ def causal_conv1d_torch(
     parts.append(x.new_zeros(1, D, dtype=cd))
     src = torch.cat(parts, 0)
 
-    # Gather index of the tap at distance s (s = 1..W-1) for every token, built on the host
-    # and moved to the device once.
-    shift = torch.arange(1, W)[:, None]  # [W-1, 1]
+    # Gather index of the tap at distance s (s = 1..W-1) for every token, built on the device
+    # from the offsets there (no host-built table to copy).
+    shift = torch.arange(1, W, device=dev)[:, None]  # [W-1, 1]
     back = pos[None, :] - shift  # position of the tapped token inside its sequence
     if with_hist:
         outside = T + seq[None, :] * (W - 1) + (W - 1) + back  # history column (W-1) + back
     else:
         outside = torch.full_like(back, zero_row)
-    idx = torch.where(back >= 0, torch.arange(T)[None, :] - shift, outside).to(x.device)
+    idx = torch.where(back >= 0, torch.arange(T, device=dev)[None, :] - shift, outside)
 
     w = weight.to(cd)
     y = src[:T] * w[:, W - 1]

@@ -102,7 +102,9 @@ class DeltaRule:
     def summarize(self, prepared: Any, rows: SummaryRows) -> Tensor:
         if isinstance(prepared, DeltaRuleChunks):
             # The chunk maps the local kernel uses, composed: no second recurrence.
-            return compose_chunk_maps(prepared, rows.subsequence_cpu.tolist())
+            return compose_chunk_maps(
+                prepared, rows.subsequence_cpu.tolist(), rows=rows.subsequence
+            )
         if isinstance(prepared, FlaPrepared):
             return summaries_fla(prepared, rows, kind=self.kind, scale=self.scale)
         # Under torch.compile (TokenPrepared): the states-only pass as its own custom op, no

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..common.dtypes import compute_dtype
 from ..common.scores import decay_scores
-from ..common.varlen import ChunkLayout, chunk_layout, host_cu_seqlens
+from ..common.varlen import ChunkLayout, chunk_layout, device_offsets, host_cu_seqlens, ship
 
 __all__ = [
     "DeltaRuleChunks",
@@ -100,7 +100,7 @@ def prepare_delta_rule_torch(
     C = chunk_size
     sub = sub_chunk_size if (sub_chunk_size and C % sub_chunk_size == 0) else C
     cu = host_cu_seqlens(T, cu_seqlens, cu_seqlens_cpu)
-    lay = chunk_layout(cu, C)
+    lay = chunk_layout(cu, C, device_offsets(cu, cu_seqlens, dev))
     if not lay.num_chunks:  # no tokens: nothing to prepare (the local kernel passes states on)
 
         def z(*shape: int) -> Tensor:
@@ -193,11 +193,11 @@ def _compose(M: Tensor, E: Tensor, plan: _ComposePlan) -> Tensor:
     """``S <- M_c S + [E_c | 0]`` from ``S = [E_1 | M_1]`` over the plan's chunks: ``[R', HV, K,
     V + K]`` in the plan's row order (plain ops: autograd through it takes any cotangent)."""
     V = E.shape[-1]
-    dev = M.device
-    S = torch.cat([E[plan.ids[0].to(dev)], M[plan.ids[0].to(dev)]], -1)
-    for ids in plan.ids[1:]:
+    ids0 = plan.ids(0)
+    S = torch.cat([E[ids0], M[ids0]], -1)
+    for p in range(1, len(plan.steps)):
+        ids = plan.ids(p)
         a = ids.numel()
-        ids = ids.to(dev)
         head = M[ids] @ S[:a]
         head[..., :V] += E[ids]
         S = torch.cat([head, S[a:]], 0) if a < S.shape[0] else head
@@ -230,11 +230,10 @@ class _ComposeChunkMaps(torch.autograd.Function):
             raise RuntimeError("compose_chunk_maps' backward needs the local kernel's forward")
         S0 = ctx.saved["entry"]
         V = S0.shape[-1]
-        dev = M.device
         lam = grad[..., :V]  # D, one per row (rows in the plan's order)
         ids_all, lams = [], []
-        for p in range(len(plan.ids) - 1, -1, -1):
-            ids = plan.ids[p].to(dev)
+        for p in range(len(plan.steps) - 1, -1, -1):
+            ids = plan.ids(p)
             a = ids.numel()
             ids_all.append(ids)
             lams.append(lam[:a])
@@ -242,59 +241,68 @@ class _ComposeChunkMaps(torch.autograd.Function):
                 lam = torch.cat([M[ids].transpose(-1, -2) @ lam[:a], lam[a:]], 0)
         ids = torch.cat(ids_all)
         lam_c = torch.cat(lams)  # Λ_c of every composed chunk
-        dE = torch.zeros(M.shape[0], *lam_c.shape[1:], dtype=lam_c.dtype, device=dev)
+        dE = torch.zeros(M.shape[0], *lam_c.shape[1:], dtype=lam_c.dtype, device=M.device)
         dE.index_add_(0, ids, lam_c)
         dM = torch.zeros_like(M).index_add_(0, ids, lam_c @ S0[ids].transpose(-1, -2))
         return dM, dE, None, None
 
 
 class _ComposePlan(NamedTuple):
-    """Host schedule of ``compose_chunk_maps``: rows sorted by chunk count (descending);
-    ``ids[p]`` the chunk ids at position p of the rows still running (a prefix)."""
+    """Schedule of ``compose_chunk_maps``, on the device: rows sorted by chunk count
+    (descending); ``first [R']`` the first chunk id of each sorted row, ``steps[p]`` (host
+    ints) how many rows still run at chunk position p (a prefix)."""
 
     order: Tensor  # [R'] row index of each sorted row
-    ids: list[Tensor]
+    first: Tensor
+    steps: list[int]
+
+    def ids(self, p: int) -> Tensor:
+        """The chunk ids at position p of the rows still running."""
+        return self.first[: self.steps[p]] + p
 
 
 def compose_chunk_maps(
-    chunks: DeltaRuleChunks, subsequences: list[int], *, entry_backward: bool = True
+    chunks: DeltaRuleChunks,
+    subsequences: list[int],
+    *,
+    entry_backward: bool = True,
+    rows: Tensor | None = None,
 ) -> Tensor:
     """``[R, HV, K, V + K]`` summaries ``[E | M]`` of the prepared subsequences ``subsequences``
     (indices into ``chunks.cu``; −1 or an empty subsequence: the identity map).
 
     Composes the chunk maps ``prepare_delta_rule_torch`` made (no scores, no solve, no outputs).
+    ``rows``: the same indices on the chunks' device (``SummaryRows.subsequence``; shipped from
+    ``subsequences`` when None): the schedule is built there, so nothing is copied or read back.
     ``entry_backward``: differentiable through ``_ComposeChunkMaps`` (the ``D [I | hᵀ]`` backward,
     valid for the driver's use once ``local_delta_rule_torch`` has run on the same chunks); False:
     plain autograd through the composition, any cotangent ``[dE | dM]`` (the summaries' custom op,
     ``summaries_delta_rule_torch``).
     """
     HV, K, V = chunks.state_shape
-    C = chunks.layout.chunk_size
-    cu = chunks.cu
+    lay = chunks.layout
     R = len(subsequences)
-    lengths = [cu[n + 1] - cu[n] if n >= 0 else 0 for n in subsequences]
-    nch_all = [(cu[i + 1] - cu[i] + C - 1) // C for i in range(len(cu) - 1)]
-    first = [0]
-    for n_ in nch_all:
-        first.append(first[-1] + n_)
-    nch = [(L + C - 1) // C for L in lengths]
-    rows = sorted((r for r in range(R) if nch[r]), key=lambda r: -nch[r])
+    nch = [lay.chunks[n] if n >= 0 else 0 for n in subsequences]
+    live = sum(1 for n in nch if n)
+    steps = [sum(1 for n in nch if n > p) for p in range(max(nch, default=0))]
     cd, dev = chunks.M.dtype, chunks.M.device
     out = torch.zeros(R, HV, K, V + K, dtype=cd, device=dev)
     out[..., V:] = torch.eye(K, dtype=cd, device=dev)
-    if not rows:
+    if not live:
         return out
-    ids = [
-        torch.tensor([first[subsequences[r]] + p for r in rows if nch[r] > p], dtype=torch.int64)
-        for p in range(nch[rows[0]])
-    ]
-    order = torch.tensor(rows, dtype=torch.int64)
-    plan = _ComposePlan(order, ids)
+    rows = ship(subsequences, dev) if rows is None else rows.to(torch.int64)
+    real = rows >= 0
+    safe = rows.clamp(min=0)
+    counts = torch.where(real, lay.counts[safe], 0)
+    # Rows by chunk count, descending and stable (the host's order of ``steps``): the rows with
+    # chunks are the first ``live``.
+    order = torch.argsort(counts, descending=True, stable=True)[:live]
+    plan = _ComposePlan(order, lay.first[safe[order]], steps)
     if entry_backward:
         S = _ComposeChunkMaps.apply(chunks.M, chunks.E, plan, chunks.saved)
     else:
         S = _compose(chunks.M, chunks.E, plan)
-    return out.index_copy(0, order.to(dev), S)
+    return out.index_copy(0, order, S)
 
 
 def summaries_delta_rule_torch(
@@ -353,7 +361,8 @@ def chunk_delta_rule_torch(
         beta: ``[1, T, HV]``.
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` entry state of every sequence (zeros when None).
-        cu_seqlens / cu_seqlens_cpu: ``[N+1]`` sequence offsets (host copy preferred).
+        cu_seqlens / cu_seqlens_cpu: ``[N+1]`` sequence offsets: the host copy gives the sizes,
+            the device copy the chunk tables (``common.varlen.chunk_layout``).
         chunk_size: tokens per chunk; ``sub_chunk_size`` (KDA only) must divide it, otherwise
             the whole chunk is one sub-block.
 

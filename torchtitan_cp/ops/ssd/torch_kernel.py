@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..common.dtypes import compute_dtype
 from ..common.scores import decay_scores
-from ..common.varlen import chunk_layout, entry_states, host_cu_seqlens
+from ..common.varlen import chunk_layout, device_offsets, entry_states, host_cu_seqlens
 
 __all__ = ["chunk_ssd_torch"]
 
@@ -48,7 +48,8 @@ def chunk_ssd_torch(
         initial_state: ``[N, HV, K, V]`` (zeros when None), or a thunk returning it, called
             after the state-independent terms (the scores, the intra-chunk outputs) are issued:
             the CP driver's all-gather is in flight meanwhile.
-        cu_seqlens / cu_seqlens_cpu: ``[N+1]`` sequence offsets (host copy preferred).
+        cu_seqlens / cu_seqlens_cpu: ``[N+1]`` sequence offsets: the host copy gives the sizes,
+            the device copy the chunk tables (``common.varlen.chunk_layout``).
         states_only: return ``(None, final)`` without computing any output.
 
     Returns:
@@ -71,7 +72,7 @@ def chunk_ssd_torch(
         o = None if states_only else v.new_zeros(1, 0, HV, V)
         return o, (state0().clone() if want_final else None)
 
-    lay = chunk_layout(cu, C)
+    lay = chunk_layout(cu, C, device_offsets(cu, cu_seqlens, q.device))
     rep = HV // H
     kc = lay.pack(k, cd).repeat_interleave(rep, dim=1)  # [NC, HV, C, K]
     vc = lay.pack(v, cd)  # [NC, HV, C, V]
