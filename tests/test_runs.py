@@ -403,13 +403,13 @@ def test_stopped_rank_is_named_in_one_line(tmp_path):
           f"{launch:.1f} s; rank 0's last lines: {before}")  # fmt: skip
 
 
-def _launch_as_train_sh(tmp_path: Path, args: list[str], dump: Path):
-    """``args`` on 2 ranks through the launcher train.sh runs, with its console options (rank
-    0's output only, each line prefixed with its rank; without train.sh's pre-launch check):
-    (process, stdout file, stderr file)."""
-    cmd, env = torchrun_cmd([*args, "--dump_folder", str(dump)], nproc=2,
+def _launch_as_train_sh(tmp_path: Path, args: list[str], dump: Path, nproc: int = 2):
+    """``args`` on ``nproc`` ranks through the launcher train.sh runs, with its console
+    options (rank 0's output only, each line prefixed with its rank; without train.sh's
+    pre-launch check): (process, stdout file, stderr file)."""
+    cmd, env = torchrun_cmd([*args, "--dump_folder", str(dump)], nproc=nproc,
                             launcher="torchtitan_cp.launch")  # fmt: skip
-    at = cmd.index("--nproc_per_node=2")
+    at = cmd.index(f"--nproc_per_node={nproc}")
     cmd[at:at] = ["--local-ranks-filter", "0", "--tee", "3",
                   "--log-line-prefix-template", "[rank${rank}]:"]  # fmt: skip
     out, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
@@ -491,3 +491,29 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_rank_that_raised_in_dcp_load_has_its_error_in_torchruns_report(base_run, tmp_path):
+    """A resume whose step passes the start check (``--checkpoint.verify size``: sizes only)
+    but whose shard is damaged inside: DCP's load raises on the rank, as a
+    ``CheckpointException``, a BaseException that torchtitan's ``@record`` does not record.
+    Before: ``error_file: <N/A>`` in torchrun's report and the launcher's "rank 0 exited with
+    status 1 without an error of its own", which was wrong. Now the rank's error file holds its
+    traceback, as for errors outside training. (One rank, launched as train.sh launches.)"""
+    dump = copy_of(base_run, tmp_path)
+    shard = dump / "checkpoint" / "step-4" / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(b"XXXX" + data[4:])  # the first item's zip header; the size is kept
+    args = [*ARGS, "--training.steps", "6", "--checkpoint.verify", "size"]
+    proc, _, err_file = _launch_as_train_sh(tmp_path, args, dump, nproc=1)
+    try:
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err_file.read_text()
+    assert proc.returncode == 1, err[-3000:]
+    assert "without an error of its own" not in err, err[-3000:]
+    report = err.split("torchtitan_cp.train FAILED", 1)[1]
+    assert "error_file: <N/A>" not in report and "To enable traceback" not in report, report
+    assert "CheckpointException" in report and "UnpicklingError" in report, report

@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable(all_threads=True)
     _single_process_defaults()
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from torchtitan_cp.run import rank_timeout
     from torchtitan_cp.run.errors import RunError
 
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return getattr(e, "exit_code", 2)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         if not rank_timeout.is_timeout(e) or not torch.distributed.is_initialized():
             if trainer is not None:
                 trainer.close()
@@ -333,14 +335,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_worker(argv: list[str] | None = None) -> int:
     """``main`` as a launched process runs it: an exception that escapes it, outside torchtitan's
-    ``@record``-ed ``train`` (building the trainer, closing it, the process group's teardown),
-    is printed and written to torchrun's error file as ``@record`` writes it, and the status is
+    ``@record``-ed ``train`` (building the trainer, closing it, the process group's teardown)
+    or one ``@record`` lets through (DCP's ``CheckpointException``, a load that raised), is
+    printed and written to torchrun's error file as ``@record`` writes it, and the status is
     1. Without this, torchrun's report named no error for that rank ("To enable traceback
     see ..."), and ``train.sh``, which shows rank 0's output only, showed none at all; and the
     rank would leave through interpreter finalization, where gloo's threads can abort it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         return main(argv)
-    except Exception as e:
+    # DCP's CheckpointException (a load or save that failed on a rank) is a BaseException,
+    # which neither torchtitan's @record nor an ``except Exception`` records: torchrun then
+    # reported "error_file: <N/A>" for a rank that raised.
+    except (Exception, CheckpointException) as e:
         callstack = traceback.format_exc()
         print(callstack, file=sys.stderr, end="", flush=True)
         _record_for_torchrun(f"{type(e).__name__}: {e}", callstack)
