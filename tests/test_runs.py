@@ -264,6 +264,41 @@ def test_spike_guard_stops_before_the_update(tmp_path):
     assert "loss spike at step 2" in line and "stopped before the update" in line
 
 
+# lr 1e30: step 1's update makes step 2's loss nan
+NAN = [*GUARD_BASE, "--training.steps", "3", "--optimizer.param-groups.0.optimizer-kwargs.lr",
+       "1e30", "--checkpoint.enable", "--checkpoint.interval", "1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("guard", ["off", "stop", "skip"])
+def test_a_non_finite_loss_ends_in_one_line_naming_the_step_and_where_to_resume(tmp_path, guard):
+    """Before: "Loss is not finite ... Stopping training." as a 151-line traceback, exit 1,
+    with the spike guard on or off (it left inf and nan to that check, after the update). Now
+    one line, exit 1: without the guard after step 2's update, which no checkpoint holds; with
+    ``stop`` before it; with ``skip`` step 2's update is dropped (the parameters stay step
+    1's) and the next in a row (``max_skips`` 1) stops the run. Each line says where a rerun
+    resumes. About 25 s of CPU each."""
+    dump = tmp_path / "run"
+    args = {"off": [], "stop": ["--spike_guard.factor", "3"],
+            "skip": ["--spike_guard.factor", "3", "--spike_guard.action", "skip",
+                     "--spike_guard.max_skips", "1"]}[guard]  # fmt: skip
+    line = error_line(python_train([*NAN, *args], dump_folder=dump, check=False), code=1)
+    at = {"off": 2, "stop": 2, "skip": 3}[guard]
+    said = {"off": ", after its update (its parameters may be nan now; no checkpoint holds "
+                   "this step): ",
+            "stop": "; stopped before the update (spike_guard.action = 'stop'): ",
+            "skip": ", 2 spikes in a row (updates of step 2 skipped"}[guard]  # fmt: skip
+    assert line.startswith(f"torchtitan_cp.train: error: loss is not finite (nan) at step {at}")
+    assert said in line, line
+    if guard != "skip":
+        hint = f"rerun the same command to resume from step 1 (its newest checkpoint, {dump}/"
+        assert hint + "checkpoint/step-1) with a lower lr" in line, line
+    steps = sorted(p.name for p in (dump / "checkpoint").glob("step-*"))
+    assert steps == [f"step-{s}" for s in range(1, at if guard == "skip" else 2)], steps
+    if guard == "skip":
+        rows = {r["step"]: r for r in read_metrics(dump)}
+        assert rows[2]["params_sha256"] == rows[1]["params_sha256"], "step 2's update dropped"
+
+
 def spike_corpus(path: Path, plan: str, *, seq_len: int, batch: int) -> None:
     """A JSONL file whose step k (1-based, ``batch`` rows of ``seq_len`` tokens on one rank)
     holds only the kind ``plan[k - 1]``: ``n`` three sentences of the bundled corpus over and

@@ -4,7 +4,14 @@ stopped answering; and how a launch reports that line once (``LAUNCHER_ENV``).""
 
 from __future__ import annotations
 
-__all__ = ["LAUNCHER_ENV", "CheckpointError", "LossSpikeError", "RankTimeoutError", "RunError"]
+__all__ = [
+    "LAUNCHER_ENV",
+    "CheckpointError",
+    "LossSpikeError",
+    "NonFiniteLossError",
+    "RankTimeoutError",
+    "RunError",
+]
 
 LAUNCHER_ENV = "TORCHTITAN_CP_LAUNCHER"
 """Set by ``python -m torchtitan_cp.launch`` (``./scripts/train.sh``): a rank's one-line error
@@ -27,6 +34,11 @@ class LossSpikeError(RunError):
     """The spike guard stopped the run."""
 
     exit_code = 1
+
+
+class NonFiniteLossError(LossSpikeError):
+    """A step's loss was inf or nan (the spike guard's verdict before the update, or the log
+    step's check after it)."""
 
 
 class RankTimeoutError(RunError):
