@@ -438,6 +438,39 @@ def test_stopped_rank_is_named_in_one_line(tmp_path):
           f"{launch:.1f} s; rank 0's last lines: {before}")  # fmt: skip
 
 
+def test_sigterm_ends_the_launch_in_one_line_saying_where_to_resume(tmp_path):
+    """SIGTERM to the launch (a scheduler's preemption, ``kill``) after step 3: torchrun ends
+    the ranks and the launch says so in one line, with the step a rerun resumes from; exit
+    143 (128 + 15, as a shell reports it). Before: torchrun's SignalException traceback (38
+    lines here; the fault matrix saw it twice, 67 lines), exit 1. The rerun of the same
+    command resumes from the step the line names."""
+    dump = tmp_path / "run"
+    proc, _, err_file = _launch_as_train_sh(tmp_path, [*ARGS, "--training.steps", "1000"], dump)
+    try:
+        _wait_for_steps(proc, dump, 3)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        for pid in rank_pids(str(dump)).values():
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    err = err_file.read_text()
+    assert proc.returncode == 143, err[-3000:]
+    own = [x for x in err.splitlines() if not x.startswith(("[rank", "[env]", "[mesh]"))]
+    assert "Traceback" not in err and len(own) == 1, err[-3000:]
+    folder = dump / "checkpoint"
+    steps = sorted(int(p.name[5:]) for p in folder.glob("step-*")
+                   if (p / "manifest.sha256.json").is_file())  # fmt: skip
+    assert steps, "a checkpoint was saved before the signal"
+    assert own[0] == (
+        "torchtitan_cp.launch: error: stopped by SIGTERM; torchrun ended the ranks: rerun the "
+        f"same command to resume from step {steps[-1]} (its newest checkpoint, "
+        f"{folder}/step-{steps[-1]})"
+    ), own[0]
+    torchrun_train([*ARGS, "--training.steps", str(steps[-1] + 1)], nproc=2, dump_folder=dump)
+    assert read_run_headers(dump)[-1]["resumed_from_step"] == steps[-1]
+
+
 def _launch_as_train_sh(tmp_path: Path, args: list[str], dump: Path, nproc: int = 2):
     """``args`` on ``nproc`` ranks through the launcher train.sh runs, with its console
     options (rank 0's output only, each line prefixed with its rank; without train.sh's

@@ -23,7 +23,7 @@ import traceback
 from typing import Any
 
 from torchtitan_cp.data.jsonl import DataError
-from torchtitan_cp.run.errors import LAUNCHER_ENV
+from torchtitan_cp.run.errors import LAUNCHER_ENV, RUN_INFO_ENV
 from torchtitan_cp.trainer.config import (
     ConfigError,
     allowed_text,
@@ -218,6 +218,25 @@ def _record_for_torchrun(line: str, callstack: str | None = None) -> None:
         pass
 
 
+def _write_run_info(config: Any) -> None:
+    """Under the recipe's launcher, on each node's local rank 0: where this run keeps its
+    checkpoints (None: checkpointing off), for the launcher's line when a signal stops it."""
+    import json
+
+    path = os.environ.get(RUN_INFO_ENV)
+    if not path or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    ckpt = config.checkpoint
+    folder = os.path.abspath(os.path.join(config.dump_folder, ckpt.folder))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"checkpoint_folder": folder if ckpt.enable else None}, f)
+        os.replace(tmp, path)
+    except OSError:  # the launcher then says less: nothing of the run depends on it
+        pass
+
+
 def _fail(line: str) -> None:
     """Report a one-line error of this rank: stderr (unless the launcher prints it) and the
     torchrun error file."""
@@ -267,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         # The data files were scanned by --check (or are checked by the loader when they fail).
         validate(config, world, device_type, local_world_size=local_world, scan_data=False)
+        _write_run_info(config)
     except (ConfigError, ValueError) as e:
         line = f"torchtitan_cp.train: error: {e}"
         if check:

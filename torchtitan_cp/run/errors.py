@@ -6,6 +6,7 @@ from __future__ import annotations
 
 __all__ = [
     "LAUNCHER_ENV",
+    "RUN_INFO_ENV",
     "CheckpointError",
     "LossSpikeError",
     "NonFiniteLossError",
@@ -16,6 +17,11 @@ __all__ = [
 LAUNCHER_ENV = "TORCHTITAN_CP_LAUNCHER"
 """Set by ``python -m torchtitan_cp.launch`` (``./scripts/train.sh``): a rank's one-line error
 goes to its torchrun error file only, and the launcher prints it once."""
+
+RUN_INFO_ENV = "TORCHTITAN_CP_RUN_INFO"
+"""Set by the launcher to a file in its log folder: each node's local rank 0 writes there,
+before training, where the run keeps its checkpoints, so that a launch stopped by a signal
+(SIGTERM) can say in its one line where a rerun resumes (``launch.stopped_line``)."""
 
 
 class RunError(RuntimeError):
