@@ -445,16 +445,7 @@ def test_sigterm_ends_the_launch_in_one_line_saying_where_to_resume(tmp_path):
     lines here; the fault matrix saw it twice, 67 lines), exit 1. The rerun of the same
     command resumes from the step the line names."""
     dump = tmp_path / "run"
-    proc, _, err_file = _launch_as_train_sh(tmp_path, [*ARGS, "--training.steps", "1000"], dump)
-    try:
-        _wait_for_steps(proc, dump, 3)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    finally:
-        for pid in rank_pids(str(dump)).values():
-            os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    err = err_file.read_text()
+    proc, err = _signal_after(tmp_path, dump, 3, lambda p: p.send_signal(signal.SIGTERM))
     assert proc.returncode == 143, err[-3000:]
     own = [x for x in err.splitlines() if not x.startswith(("[rank", "[env]", "[mesh]"))]
     assert "Traceback" not in err and len(own) == 1, err[-3000:]
@@ -486,6 +477,21 @@ def _launch_as_train_sh(tmp_path: Path, args: list[str], dump: Path, nproc: int 
     return proc, out, err_file
 
 
+def _signal_after(tmp_path: Path, dump: Path, steps: int, send) -> tuple[subprocess.Popen, str]:
+    """A 2-rank launch as train.sh launches it; once ``steps`` rows are logged, ``send(proc)``
+    (a signal to the launcher or a rank), then the launch's end: (process, its stderr)."""
+    proc, _, err_file = _launch_as_train_sh(tmp_path, [*ARGS, "--training.steps", "1000"], dump)
+    try:
+        _wait_for_steps(proc, dump, steps)
+        send(proc)
+        proc.wait(timeout=120)
+    finally:
+        for pid in rank_pids(str(dump)).values():
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    return proc, err_file.read_text()
+
+
 def _wait_for_steps(proc: subprocess.Popen, dump: Path, steps: int, timeout: float = 240) -> None:
     """Until ``steps`` training rows are in the run's metrics.jsonl."""
     deadline = time.monotonic() + timeout
@@ -504,16 +510,8 @@ def test_crashed_rank_shows_its_stacks_on_the_console(tmp_path):
     rank's faulthandler writes every thread's Python stack to its stderr, and the launcher
     prints the end of that file for the rank that died without an error of its own."""
     dump = tmp_path / "run"
-    proc, _, err_file = _launch_as_train_sh(tmp_path, [*ARGS, "--training.steps", "1000"], dump)
-    try:
-        _wait_for_steps(proc, dump, 2)
-        os.kill(rank_pids(str(dump))[1], signal.SIGSEGV)
-        proc.wait(timeout=120)
-    finally:
-        for pid in rank_pids(str(dump)).values():
-            os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    err = err_file.read_text()
+    kill = lambda _: os.kill(rank_pids(str(dump))[1], signal.SIGSEGV)  # noqa: E731
+    proc, err = _signal_after(tmp_path, dump, 2, kill)
     assert proc.returncode == 1, err[-3000:]
     said = "rank 1 was killed by SIGSEGV without an error of its own; the end of its stderr ("
     assert said in err, err[-6000:]
