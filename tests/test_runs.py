@@ -85,18 +85,23 @@ def test_malformed_manifest_and_cut_metrics_are_set_aside(base_run, tmp_path):
     """A manifest that is valid JSON without "files" (before: KeyError on every rank, the step
     not moved) is an incomplete step like a killed save's; a metrics.jsonl cut mid-line (before:
     the new header was glued onto the broken row and read_rows crashed) is repaired first, its
-    broken tail kept aside and named."""
+    broken tail kept aside and named; so are lines that are JSON but not objects (``42``:
+    before, kept, and the documented reader ``read_rows`` then raised TypeError)."""
     dump = copy_of(base_run, tmp_path)
     manifest = dump / "checkpoint" / "step-4" / "manifest.sha256.json"
     manifest.write_text(json.dumps({"format": json.loads(manifest.read_text())["format"]}))
     metrics = dump / "metrics.jsonl"
-    metrics.write_bytes(metrics.read_bytes()[:-40])  # row 4 cut short, no line end
+    lines = metrics.read_bytes()[:-40].split(b"\n")  # row 4 cut short, no line end
+    lines[2:2] = [b"42", b'["a list"]']
+    metrics.write_bytes(b"\n".join(lines))
     proc = python_train([*ARGS, "--training.steps", "4"], dump_folder=dump)
     assert f'checkpoint step-4 skipped: incomplete: {manifest} has no "files" table' in log(proc)
     assert (dump / "checkpoint" / "step-4" / "manifest.sha256.json").is_file(), "saved anew"
     broken = list(dump.glob("metrics.jsonl.broken-*"))
     assert len(broken) == 1 and f"to {broken[0]}" in log(proc)
-    assert broken[0].read_text().startswith('{"step": 4')
+    assert "moved 3 line(s) that are not JSON objects (line 3, 4, 7; " in log(proc), log(proc)
+    aside = broken[0].read_text().splitlines()
+    assert aside[:2] == ["42", '["a list"]'] and aside[2].startswith('{"step": 4'), aside
     # metrics.jsonl: one header per run, no step row twice, every line whole
     assert [r["step"] for r in read_rows(str(metrics)) if "loss" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in read_metrics(dump, "metrics.superseded.jsonl")] == [3]
