@@ -138,16 +138,22 @@ def _one_line(box: str) -> str:
     plus the first suggestion of a "Perhaps you meant" section. Box characters differ with the
     terminal, so only the rules between sections are relied on."""
     sections: list[list[str]] = [[]]
+    boxed = False  # a top border holds the title
     for raw in box.splitlines():
         line = raw.strip().strip("│|").strip()  # rich draws ASCII boxes on non-UTF-8 streams
         if not line or line[0] in "╭╰+":
+            boxed = boxed or line[:1] in ("╭", "+")
             continue
         if set(line) <= set("─━-= "):
             sections.append([])
             continue
         sections[-1].append(line)
     texts = [" ".join(section) for section in sections if section]
-    # Without a box (stderr not a terminal) the title is a section of its own: skip it.
+    # Without a box (stderr not a terminal, or not UTF-8) the title is a section of its own:
+    # skip it. (Found by tests/test_failure_modes.py: an invalid choice, whose message has no
+    # colon, came out as "command line: Invalid choice", its title.)
+    if not boxed and len(texts) > 1:
+        texts = texts[1:]
     message = next((t for t in texts if ":" in t), texts[0] if texts else "invalid arguments")
     for section in sections[1:]:
         if len(section) > 1 and section[0].startswith("Perhaps you meant"):
