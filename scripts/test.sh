@@ -5,6 +5,8 @@
 # The fast loop: ./scripts/test.sh -m "not slow" (only tests that start no process).
 # fla's Triton kernels on CPU (Triton's interpreter): ./scripts/test.sh -m fla_interpreter;
 # -m "not fla_interpreter" skips that tier (about 4.5 minutes).
+# TORCHTITAN_CP_NAN_FILL=1 ./scripts/test.sh -m "not slow": uninitialised memory reads as NaN, so a
+# test that reads memory it never wrote fails every time (tests/conftest.py).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"

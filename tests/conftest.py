@@ -11,6 +11,11 @@
   ``-m "not fla_interpreter"`` leave this process untouched. Tests of a normal run's behaviour
   take the ``interpreter_off`` fixture.
 * ``gpu_check`` marks what the GPU check's one call runs on CUDA (tests/test_gpu_parity.py).
+* ``TORCHTITAN_CP_NAN_FILL=1``: uninitialised memory (``torch.empty`` and its kin) is filled
+  with NaN (integers: their maximum) in this process (torch's deterministic mode, warnings
+  only), so a test that reads memory it never wrote fails every time, not at random after
+  whatever an earlier test left in the allocator. The fast loop passes under it (issue 38:
+  ``test_delta_net_decay_rate_is_float32_under_bf16_params`` read an unset ``dt_bias``).
 * Shared helpers are imported one way, as ``tests.<module>`` (``tests`` is a package):
   ``tests.dist_utils`` (gloo ranks, layout cases), ``tests.launch`` (the real entry points),
   ``tests.helpers`` (batches, files), ``tests.reference`` (float64 oracles),
@@ -18,6 +23,8 @@
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -54,6 +61,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if _tier_selected(config):
         fla_interpreter.install()
+    if os.environ.get("TORCHTITAN_CP_NAN_FILL") == "1":
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True  # pyrefly: ignore[bad-assignment]
 
 
 @pytest.fixture

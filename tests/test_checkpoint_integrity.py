@@ -478,12 +478,25 @@ def test_truncated_metrics_jsonl_is_repaired_and_the_tail_kept(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"run_header": {"run_id": "a"}}\n{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
     line = repair_jsonl(str(path), "run-b")
-    assert line is not None and "moved 1 line(s) that are not JSON (line 3" in line
+    assert line is not None and "moved 1 line(s) that are not JSON objects (line 3" in line
     assert str(tmp_path / "metrics.jsonl.broken-run-b") in line
     assert path.read_text().endswith('{"step": 1, "loss": 1.0}\n')
     assert (tmp_path / "metrics.jsonl.broken-run-b").read_text() == '{"step": 2, "lo\n'
     assert [r["step"] for r in read_rows(str(path))] == [1]
     assert repair_jsonl(str(path), "run-c") is None, "a clean file is left alone"
+
+
+def test_read_rows_skips_what_is_not_a_json_object_and_never_raises(tmp_path):
+    """Before: ``read_rows`` raised TypeError on a line ``42`` (valid JSON, not an object),
+    which ``repair_jsonl`` kept, and JSONDecodeError on a row a killed run cut short."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"run_header": {}}\n42\n{"step": 1}\n[1]\n"x"\nnull\n{"step": 2, "lo')
+    assert [r["step"] for r in read_rows(str(path))] == [1]
+    line = repair_jsonl(str(path), "r")
+    assert line is not None and "moved 5 line(s) that are not JSON objects (line 2, 4, 5, 6, 7" in (
+        line
+    )
+    assert path.read_text() == '{"run_header": {}}\n{"step": 1}\n'
 
 
 def _resume_with_a_stopped_rank(rank: int, world: int, folder: str) -> tuple[str, float] | None:

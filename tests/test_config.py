@@ -120,3 +120,22 @@ def test_help_lists_options():
     assert proc.returncode == 0
     for option in ("--config_file", "--linear-attention.routing-source", "--model.flavor"):
         assert option.replace("-", "_") in proc.stdout.replace("-", "_")
+
+
+def test_an_unboxed_error_keeps_its_message_not_its_title():
+    """On a stream rich draws no box for (not UTF-8, or as under pytest's capture), tyro's
+    title is a section of its own; an invalid choice, whose message has no colon, came out as
+    "command line: Invalid choice" (found by tests/test_failure_modes.py)."""
+    from torchtitan_cp.train import _one_line
+
+    box = (
+        " Invalid choice                                          \n"
+        " ------------------------------------------------------- \n"
+        "  invalid choice 'passkv' for argument '--model.attention-cp'. Expected one of  \n"
+        "  ('pass_kv', 'None', 'all_gather').                      \n"
+        "  -------------------------------------------------------\n"
+        "  For full helptext, run x --help                         \n"
+    )
+    assert _one_line(box).startswith("invalid choice 'passkv' for argument")
+    boxed = "╭─ Unrecognized options ─╮\n│ Unrecognized options: --x │\n╰───╯\n"
+    assert _one_line(boxed) == "Unrecognized options: --x"

@@ -227,3 +227,73 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path):
     with torch.no_grad():
         got = model(tokens)
     assert (got - _hf_logits(ref.eval(), tokens)).abs().max() < LOGITS_ATOL
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_export_script_output_runs_in_transformers_eager_and_sdpa(tmp_path, capsys, attention):
+    """``scripts/export_hf.py`` on a Kimi Linear step of the debug flavor (4 MLA heads, not the
+    48B flavor's 32): transformers runs the export with either attention and its logits equal
+    the recipe's. Before, config.json had no num_key_value_heads, transformers took its default
+    of 32 and made 4 // 32 = 0 key/value groups: eager attention crashed ("The size of tensor
+    a (4) must match the size of tensor b (0) at non-singleton dimension 1"); sdpa happened to
+    skip the repeat."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.test_export_hf import _export_main
+    from torchtitan_cp.models import recipe_model_spec
+    from torchtitan_cp.run.checkpoint import write_manifest
+    from torchtitan_cp.train import load_config
+
+    argv = ["--config_file", "configs/kimi_linear_debug_cpu.toml"]
+    torch.manual_seed(4)
+    model = recipe_model_spec(load_config(argv).model).model.build()
+    model.init_states()
+    with torch.no_grad():  # a nonzero expert bias, as after training
+        for m in model.modules():
+            if getattr(m, "expert_bias_E", None) is not None:
+                m.expert_bias_E.uniform_(-0.05, 0.05)
+    step = tmp_path / "checkpoint" / "step-1"
+    dcp.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+             checkpoint_id=str(step))  # fmt: skip
+    write_manifest(str(step), step=1, run_id="r")
+    out = tmp_path / "hf"
+    assert _export_main()([*argv, "--checkpoint", str(step), "--out", str(out)]) == 0, (
+        capsys.readouterr().err
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_attention_heads"] == config["num_key_value_heads"] == 4
+    ref = KimiLinearForCausalLM.from_pretrained(str(out), attn_implementation=attention).eval()
+    assert ref.config._attn_implementation == attention
+    tokens = torch.randint(
+        0, config["vocab_size"], (1, 72), generator=torch.Generator().manual_seed(2)
+    )
+    with torch.no_grad():
+        got = model.eval()(tokens)
+    err = (got - _hf_logits(ref, tokens)).abs().max().item()
+    print(f"{attention}: max |logits diff| {err:.3g}")
+    assert err < LOGITS_ATOL
+
+
+def test_a_folder_transformers_would_group_wrongly_is_refused_on_import(hf_folder, tmp_path):
+    """The folder check compares what the export writes: a config.json without
+    num_key_value_heads (the old export's) makes transformers group 4 heads by its default of
+    32, so the import names it; null is num_attention_heads, as transformers reads it."""
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    data = json.loads((folder / "config.json").read_text())
+    cfg = kimi_linear_config("debug")
+    for value, ok in ((None, True), (2, False)):
+        (folder / "config.json").write_text(json.dumps({**data, "num_key_value_heads": value}))
+        assert (
+            hf.config_mismatch(json.loads((folder / "config.json").read_text()), cfg) is None
+        ) is ok
+    del data["num_key_value_heads"]
+    (folder / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError) as e:
+        hf.check_hf_folder(folder, cfg)
+    assert str(e.value) == (
+        f"{folder}/config.json: num_key_value_heads is absent, so transformers uses 32, but "
+        "the model flavor has 4"
+    )

@@ -174,7 +174,13 @@ def test_delta_net_decay_rate_is_float32_under_bf16_params(letter: str) -> None:
     up to 2^-9, about 0.4 %)."""
     torch.manual_seed(0)
     cfg = model_config("debug", layer_pattern=letter, vocab_size=97)
-    mixer = cfg.build().layers["0"].mixer.to(torch.bfloat16)
+    model = cfg.build()
+    # build() allocates dt_bias (and A_log, the norms, the conv) with torch.empty: without
+    # init_states the gate read whatever the allocator left there, and failed when an earlier
+    # test (tests/test_fla_indices.py) left values that softplus or the 1e-6 bound could not
+    # take (seen once under load).
+    model.init_states()
+    mixer = model.layers["0"].mixer.to(torch.bfloat16)
     with torch.no_grad():
         mixer.A_log.uniform_(-1.0, 2.5)  # decay rates e^-1 .. e^2.5, as init_decay spans
     x = torch.randn(1, 24, cfg.dim).to(torch.bfloat16)

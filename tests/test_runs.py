@@ -85,18 +85,23 @@ def test_malformed_manifest_and_cut_metrics_are_set_aside(base_run, tmp_path):
     """A manifest that is valid JSON without "files" (before: KeyError on every rank, the step
     not moved) is an incomplete step like a killed save's; a metrics.jsonl cut mid-line (before:
     the new header was glued onto the broken row and read_rows crashed) is repaired first, its
-    broken tail kept aside and named."""
+    broken tail kept aside and named; so are lines that are JSON but not objects (``42``:
+    before, kept, and the documented reader ``read_rows`` then raised TypeError)."""
     dump = copy_of(base_run, tmp_path)
     manifest = dump / "checkpoint" / "step-4" / "manifest.sha256.json"
     manifest.write_text(json.dumps({"format": json.loads(manifest.read_text())["format"]}))
     metrics = dump / "metrics.jsonl"
-    metrics.write_bytes(metrics.read_bytes()[:-40])  # row 4 cut short, no line end
+    lines = metrics.read_bytes()[:-40].split(b"\n")  # row 4 cut short, no line end
+    lines[2:2] = [b"42", b'["a list"]']
+    metrics.write_bytes(b"\n".join(lines))
     proc = python_train([*ARGS, "--training.steps", "4"], dump_folder=dump)
     assert f'checkpoint step-4 skipped: incomplete: {manifest} has no "files" table' in log(proc)
     assert (dump / "checkpoint" / "step-4" / "manifest.sha256.json").is_file(), "saved anew"
     broken = list(dump.glob("metrics.jsonl.broken-*"))
     assert len(broken) == 1 and f"to {broken[0]}" in log(proc)
-    assert broken[0].read_text().startswith('{"step": 4')
+    assert "moved 3 line(s) that are not JSON objects (line 3, 4, 7; " in log(proc), log(proc)
+    aside = broken[0].read_text().splitlines()
+    assert aside[:2] == ["42", '["a list"]'] and aside[2].startswith('{"step": 4'), aside
     # metrics.jsonl: one header per run, no step row twice, every line whole
     assert [r["step"] for r in read_rows(str(metrics)) if "loss" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in read_metrics(dump, "metrics.superseded.jsonl")] == [3]
@@ -264,6 +269,41 @@ def test_spike_guard_stops_before_the_update(tmp_path):
     assert "loss spike at step 2" in line and "stopped before the update" in line
 
 
+# lr 1e30: step 1's update makes step 2's loss nan
+NAN = [*GUARD_BASE, "--training.steps", "3", "--optimizer.param-groups.0.optimizer-kwargs.lr",
+       "1e30", "--checkpoint.enable", "--checkpoint.interval", "1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("guard", ["off", "stop", "skip"])
+def test_a_non_finite_loss_ends_in_one_line_naming_the_step_and_where_to_resume(tmp_path, guard):
+    """Before: "Loss is not finite ... Stopping training." as a 151-line traceback, exit 1,
+    with the spike guard on or off (it left inf and nan to that check, after the update). Now
+    one line, exit 1: without the guard after step 2's update, which no checkpoint holds; with
+    ``stop`` before it; with ``skip`` step 2's update is dropped (the parameters stay step
+    1's) and the next in a row (``max_skips`` 1) stops the run. Each line says where a rerun
+    resumes. About 25 s of CPU each."""
+    dump = tmp_path / "run"
+    args = {"off": [], "stop": ["--spike_guard.factor", "3"],
+            "skip": ["--spike_guard.factor", "3", "--spike_guard.action", "skip",
+                     "--spike_guard.max_skips", "1"]}[guard]  # fmt: skip
+    line = error_line(python_train([*NAN, *args], dump_folder=dump, check=False), code=1)
+    at = {"off": 2, "stop": 2, "skip": 3}[guard]
+    said = {"off": ", after its update (its parameters may be nan now; no checkpoint holds "
+                   "this step): ",
+            "stop": "; stopped before the update (spike_guard.action = 'stop'): ",
+            "skip": ", 2 spikes in a row (updates of step 2 skipped"}[guard]  # fmt: skip
+    assert line.startswith(f"torchtitan_cp.train: error: loss is not finite (nan) at step {at}")
+    assert said in line, line
+    if guard != "skip":
+        hint = f"rerun the same command to resume from step 1 (its newest checkpoint, {dump}/"
+        assert hint + "checkpoint/step-1) with a lower lr" in line, line
+    steps = sorted(p.name for p in (dump / "checkpoint").glob("step-*"))
+    assert steps == [f"step-{s}" for s in range(1, at if guard == "skip" else 2)], steps
+    if guard == "skip":
+        rows = {r["step"]: r for r in read_metrics(dump)}
+        assert rows[2]["params_sha256"] == rows[1]["params_sha256"], "step 2's update dropped"
+
+
 def spike_corpus(path: Path, plan: str, *, seq_len: int, batch: int) -> None:
     """A JSONL file whose step k (1-based, ``batch`` rows of ``seq_len`` tokens on one rank)
     holds only the kind ``plan[k - 1]``: ``n`` three sentences of the bundled corpus over and
@@ -403,19 +443,58 @@ def test_stopped_rank_is_named_in_one_line(tmp_path):
           f"{launch:.1f} s; rank 0's last lines: {before}")  # fmt: skip
 
 
-def _launch_as_train_sh(tmp_path: Path, args: list[str], dump: Path):
-    """``args`` on 2 ranks through the launcher train.sh runs, with its console options (rank
-    0's output only, each line prefixed with its rank; without train.sh's pre-launch check):
-    (process, stdout file, stderr file)."""
-    cmd, env = torchrun_cmd([*args, "--dump_folder", str(dump)], nproc=2,
+def test_sigterm_ends_the_launch_in_one_line_saying_where_to_resume(tmp_path):
+    """SIGTERM to the launch (a scheduler's preemption, ``kill``) after step 3: torchrun ends
+    the ranks and the launch says so in one line, with the step a rerun resumes from; exit
+    143 (128 + 15, as a shell reports it). Before: torchrun's SignalException traceback (38
+    lines here; the fault matrix saw it twice, 67 lines), exit 1. The rerun of the same
+    command resumes from the step the line names."""
+    dump = tmp_path / "run"
+    proc, err = _signal_after(tmp_path, dump, 3, lambda p: p.send_signal(signal.SIGTERM))
+    assert proc.returncode == 143, err[-3000:]
+    own = [x for x in err.splitlines() if not x.startswith(("[rank", "[env]", "[mesh]"))]
+    assert "Traceback" not in err and len(own) == 1, err[-3000:]
+    folder = dump / "checkpoint"
+    steps = sorted(int(p.name[5:]) for p in folder.glob("step-*")
+                   if (p / "manifest.sha256.json").is_file())  # fmt: skip
+    assert steps, "a checkpoint was saved before the signal"
+    assert own[0] == (
+        "torchtitan_cp.launch: error: stopped by SIGTERM; torchrun ended the ranks: rerun the "
+        f"same command to resume from step {steps[-1]} (its newest checkpoint, "
+        f"{folder}/step-{steps[-1]})"
+    ), own[0]
+    torchrun_train([*ARGS, "--training.steps", str(steps[-1] + 1)], nproc=2, dump_folder=dump)
+    assert read_run_headers(dump)[-1]["resumed_from_step"] == steps[-1]
+
+
+def _launch_as_train_sh(tmp_path: Path, args: list[str], dump: Path, nproc: int = 2):
+    """``args`` on ``nproc`` ranks through the launcher train.sh runs, with its console
+    options (rank 0's output only, each line prefixed with its rank; without train.sh's
+    pre-launch check): (process, stdout file, stderr file)."""
+    cmd, env = torchrun_cmd([*args, "--dump_folder", str(dump)], nproc=nproc,
                             launcher="torchtitan_cp.launch")  # fmt: skip
-    at = cmd.index("--nproc_per_node=2")
+    at = cmd.index(f"--nproc_per_node={nproc}")
     cmd[at:at] = ["--local-ranks-filter", "0", "--tee", "3",
                   "--log-line-prefix-template", "[rank${rank}]:"]  # fmt: skip
     out, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out.open("w") as o, err_file.open("w") as e:  # files: pipes could fill and block
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=o, stderr=e)
     return proc, out, err_file
+
+
+def _signal_after(tmp_path: Path, dump: Path, steps: int, send) -> tuple[subprocess.Popen, str]:
+    """A 2-rank launch as train.sh launches it; once ``steps`` rows are logged, ``send(proc)``
+    (a signal to the launcher or a rank), then the launch's end: (process, its stderr)."""
+    proc, _, err_file = _launch_as_train_sh(tmp_path, [*ARGS, "--training.steps", "1000"], dump)
+    try:
+        _wait_for_steps(proc, dump, steps)
+        send(proc)
+        proc.wait(timeout=120)
+    finally:
+        for pid in rank_pids(str(dump)).values():
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    return proc, err_file.read_text()
 
 
 def _wait_for_steps(proc: subprocess.Popen, dump: Path, steps: int, timeout: float = 240) -> None:
@@ -436,16 +515,8 @@ def test_crashed_rank_shows_its_stacks_on_the_console(tmp_path):
     rank's faulthandler writes every thread's Python stack to its stderr, and the launcher
     prints the end of that file for the rank that died without an error of its own."""
     dump = tmp_path / "run"
-    proc, _, err_file = _launch_as_train_sh(tmp_path, [*ARGS, "--training.steps", "1000"], dump)
-    try:
-        _wait_for_steps(proc, dump, 2)
-        os.kill(rank_pids(str(dump))[1], signal.SIGSEGV)
-        proc.wait(timeout=120)
-    finally:
-        for pid in rank_pids(str(dump)).values():
-            os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    err = err_file.read_text()
+    kill = lambda _: os.kill(rank_pids(str(dump))[1], signal.SIGSEGV)  # noqa: E731
+    proc, err = _signal_after(tmp_path, dump, 2, kill)
     assert proc.returncode == 1, err[-3000:]
     said = "rank 1 was killed by SIGSEGV without an error of its own; the end of its stderr ("
     assert said in err, err[-6000:]
@@ -491,3 +562,29 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_rank_that_raised_in_dcp_load_has_its_error_in_torchruns_report(base_run, tmp_path):
+    """A resume whose step passes the start check (``--checkpoint.verify size``: sizes only)
+    but whose shard is damaged inside: DCP's load raises on the rank, as a
+    ``CheckpointException``, a BaseException that torchtitan's ``@record`` does not record.
+    Before: ``error_file: <N/A>`` in torchrun's report and the launcher's "rank 0 exited with
+    status 1 without an error of its own", which was wrong. Now the rank's error file holds its
+    traceback, as for errors outside training. (One rank, launched as train.sh launches.)"""
+    dump = copy_of(base_run, tmp_path)
+    shard = dump / "checkpoint" / "step-4" / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(b"XXXX" + data[4:])  # the first item's zip header; the size is kept
+    args = [*ARGS, "--training.steps", "6", "--checkpoint.verify", "size"]
+    proc, _, err_file = _launch_as_train_sh(tmp_path, args, dump, nproc=1)
+    try:
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err_file.read_text()
+    assert proc.returncode == 1, err[-3000:]
+    assert "without an error of its own" not in err, err[-3000:]
+    report = err.split("torchtitan_cp.train FAILED", 1)[1]
+    assert "error_file: <N/A>" not in report and "To enable traceback" not in report, report
+    assert "CheckpointException" in report and "UnpicklingError" in report, report

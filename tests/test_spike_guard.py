@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from torchtitan_cp.run.errors import LossSpikeError
+from torchtitan_cp.run.errors import LossSpikeError, NonFiniteLossError
 from torchtitan_cp.run.spike_guard import SpikeGuard, SpikeGuardConfig
 
 
@@ -69,11 +69,29 @@ def test_stop_raises_one_line_with_the_fix():
     assert "\n" not in msg and e.value.exit_code == 1
 
 
-def test_non_finite_losses_are_left_to_the_nan_guard():
-    guard = SpikeGuard(SpikeGuardConfig(factor=2.0, window=4, min_history=1, action="skip"))
+def test_a_non_finite_loss_is_a_spike_before_its_update_whatever_the_history():
+    """Before, the guard left inf and nan to the log step's check, which ran after the update
+    (the model then held nan) and ended the run with a traceback. Now ``skip`` drops such an
+    update (it never enters the history), ``stop`` ends the run before it in one line that
+    names the step and where to resume."""
+    guard = SpikeGuard(SpikeGuardConfig(factor=2.0, window=4, min_history=3, action="skip"))
     guard.check(1, 3.0)
-    assert guard.check(2, math.nan) is None and guard.check(3, math.inf) is None
-    assert list(guard.history) == [3.0]
+    for step, loss in ((2, math.nan), (3, math.inf)):
+        line = guard.check(step, loss)
+        assert line == f"loss is not finite ({loss}) at step {step}; update skipped " + (
+            "(spike_guard.action = 'skip')"
+        )
+    assert list(guard.history) == [3.0] and guard.skipped == 2
+    stop = SpikeGuard(SpikeGuardConfig(factor=2.0, min_history=10))
+    with pytest.raises(NonFiniteLossError) as e:
+        stop.check(1, math.nan, resume="rerun to resume from step 4")
+    assert str(e.value) == (
+        "loss is not finite (nan) at step 1; stopped before the update (spike_guard.action = "
+        "'stop'): rerun to resume from step 4 with a lower lr "
+        "(optimizer.param_groups.0.optimizer_kwargs.lr), or set spike_guard.action = 'skip' to "
+        "drop such updates"
+    )
+    assert e.value.exit_code == 1
 
 
 @pytest.mark.parametrize(

@@ -189,6 +189,29 @@ def test_bad_value_is_one_line_naming_the_key(
     assert_one_line(code, err, *needles)
 
 
+DEGREES = ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
+           "data_parallel_replicate_degree", "pipeline_parallel_degree",
+           "data_parallel_shard_degree")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, degree",
+    [("configs/debug_cpu.toml", d) for d in DEGREES]
+    + [(c, d) for c in ("configs/debug_mamba2_cpu.toml", "configs/qwen35_debug_cpu.toml",
+                        "configs/kimi_linear_debug_cpu.toml")
+       for d in ("tensor_parallel_degree", "expert_parallel_degree")],
+)  # fmt: skip
+def test_a_degree_of_zero_is_refused_as_every_bad_degree(capsys, tmp_path, config, degree):
+    """Every parallelism degree 0 (and the degrees the model checks use, on every model):
+    one line naming the key. Before, the
+    hybrid decoder's head-count check ran before the ``>= 1`` check and divided by it:
+    ``--parallelism.tensor_parallel_degree 0`` was a 16-line ZeroDivisionError, exit 1."""
+    code, out, err = check(capsys, "--config_file", config, "--dump_folder", str(tmp_path),
+                           f"--parallelism.{degree}", "0")  # fmt: skip
+    bound = "-1 (the rest of the processes) or >= 1" if "shard" in degree else ">= 1"
+    assert_one_line(code, err, f"parallelism.{degree} must be {bound}, got 0")
+
+
 @pytest.mark.skipif(ON_CUDA, reason="on CUDA 'fla' is the normal backend")
 def test_fla_on_cpu_passes_only_under_the_interpreter(capsys, tmp_path, monkeypatch):
     pytest.importorskip("triton")

@@ -11,6 +11,12 @@ report, a rank that failed without an error of its own (killed by a signal: a cr
 the end of its stderr printed, its Python stacks from faulthandler, also when
 ``--local-ranks-filter`` keeps its output off the console.
 
+A launch stopped by a signal (SIGTERM from a scheduler or ``kill``, SIGINT) ends, once torchrun
+has ended its ranks, with one line naming the signal and the checkpoint step a rerun of the
+same command resumes from (each node's local rank 0 writes its checkpoint folder to
+``RUN_INFO_ENV`` before training), exit 128 + the signal's number; before, torchrun's
+``SignalException`` traceback, exit 1.
+
 Multi-node (``--rdzv-backend=static``, ``--nnodes`` > 1): the rendezvous wait is bounded by
 ``RDZV_TIMEOUT`` seconds (default 300, the ``timeout`` of torchrun's static rendezvous, which
 would otherwise wait 600 s in silence). A node other than 0 first waits for node 0's endpoint to
@@ -285,12 +291,37 @@ class _HeldLogs(logging.Handler):
             logging.getLogger(record.name).handle(record)
 
 
+def stopped_line(signum: int, info_file: str) -> str:
+    """The launch's one line when a signal (SIGTERM: a scheduler's preemption or ``kill``,
+    SIGINT: Ctrl-C) stopped it and torchrun ended its ranks: the signal and where a rerun of
+    the same command resumes, from what local rank 0 wrote to ``info_file`` (``RUN_INFO_ENV``)
+    and the checkpoint folder's newest complete step (one with its manifest)."""
+    import json
+
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    head = f"stopped by {name}; torchrun ended the ranks"
+    try:
+        with open(info_file) as f:
+            folder = json.load(f)["checkpoint_folder"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{head} before they started training: rerun the same command to start"
+    from torchtitan_cp.run.checkpoint import scan_steps
+    from torchtitan_cp.run.spike_guard import resume_hint
+
+    complete = [s.step for s in scan_steps(folder) if s.complete] if folder is not None else []
+    return f"{head}: {resume_hint(folder, complete[-1] if complete else None)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import DistError
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-    from torchtitan_cp.run.errors import LAUNCHER_ENV
+    from torchtitan_cp.run.errors import LAUNCHER_ENV, RUN_INFO_ENV
 
     os.environ[LAUNCHER_ENV] = "1"  # the ranks leave their one-line error to this process
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
@@ -322,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.log_dir is None:  # torchrun's own default, made here so that its path is known
         args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+    info_file = os.path.join(args.log_dir, "run_info.json")
+    os.environ[RUN_INFO_ENV] = info_file  # the ranks' environment is this one's
     held = _HeldLogs()
     try:
         torchrun.run(args)
@@ -348,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         line, status = found
         print(line, file=sys.stderr)
         return status
+    except SignalException as e:  # torchrun's handler, once it has ended the ranks
+        held.restore(replay=False)
+        print(f"{LAUNCH_PREFIX}{stopped_line(e.sigval, info_file)}", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)  # as a shell reports a process a signal ended
     except BaseException:
         held.restore(replay=True)
         raise

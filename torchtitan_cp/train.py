@@ -23,7 +23,7 @@ import traceback
 from typing import Any
 
 from torchtitan_cp.data.jsonl import DataError
-from torchtitan_cp.run.errors import LAUNCHER_ENV
+from torchtitan_cp.run.errors import LAUNCHER_ENV, RUN_INFO_ENV
 from torchtitan_cp.trainer.config import (
     ConfigError,
     allowed_text,
@@ -138,16 +138,22 @@ def _one_line(box: str) -> str:
     plus the first suggestion of a "Perhaps you meant" section. Box characters differ with the
     terminal, so only the rules between sections are relied on."""
     sections: list[list[str]] = [[]]
+    boxed = False  # a top border holds the title
     for raw in box.splitlines():
         line = raw.strip().strip("│|").strip()  # rich draws ASCII boxes on non-UTF-8 streams
         if not line or line[0] in "╭╰+":
+            boxed = boxed or line[:1] in ("╭", "+")
             continue
         if set(line) <= set("─━-= "):
             sections.append([])
             continue
         sections[-1].append(line)
     texts = [" ".join(section) for section in sections if section]
-    # Without a box (stderr not a terminal) the title is a section of its own: skip it.
+    # Without a box (stderr not a terminal, or not UTF-8) the title is a section of its own:
+    # skip it. (Found by tests/test_failure_modes.py: an invalid choice, whose message has no
+    # colon, came out as "command line: Invalid choice", its title.)
+    if not boxed and len(texts) > 1:
+        texts = texts[1:]
     message = next((t for t in texts if ":" in t), texts[0] if texts else "invalid arguments")
     for section in sections[1:]:
         if len(section) > 1 and section[0].startswith("Perhaps you meant"):
@@ -218,6 +224,25 @@ def _record_for_torchrun(line: str, callstack: str | None = None) -> None:
         pass
 
 
+def _write_run_info(config: Any) -> None:
+    """Under the recipe's launcher, on each node's local rank 0: where this run keeps its
+    checkpoints (None: checkpointing off), for the launcher's line when a signal stops it."""
+    import json
+
+    path = os.environ.get(RUN_INFO_ENV)
+    if not path or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    ckpt = config.checkpoint
+    folder = os.path.abspath(os.path.join(config.dump_folder, ckpt.folder))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"checkpoint_folder": folder if ckpt.enable else None}, f)
+        os.replace(tmp, path)
+    except OSError:  # the launcher then says less: nothing of the run depends on it
+        pass
+
+
 def _fail(line: str) -> None:
     """Report a one-line error of this rank: stderr (unless the launcher prints it) and the
     torchrun error file."""
@@ -267,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         # The data files were scanned by --check (or are checked by the loader when they fail).
         validate(config, world, device_type, local_world_size=local_world, scan_data=False)
+        _write_run_info(config)
     except (ConfigError, ValueError) as e:
         line = f"torchtitan_cp.train: error: {e}"
         if check:
@@ -285,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     # thread's, on its stderr are then all that names where it died (launch.py shows them).
     faulthandler.enable(all_threads=True)
     _single_process_defaults()
+
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from torchtitan_cp.run import rank_timeout
     from torchtitan_cp.run.errors import RunError
@@ -307,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return getattr(e, "exit_code", 2)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         if not rank_timeout.is_timeout(e) or not torch.distributed.is_initialized():
             if trainer is not None:
                 trainer.close()
@@ -333,14 +361,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_worker(argv: list[str] | None = None) -> int:
     """``main`` as a launched process runs it: an exception that escapes it, outside torchtitan's
-    ``@record``-ed ``train`` (building the trainer, closing it, the process group's teardown),
-    is printed and written to torchrun's error file as ``@record`` writes it, and the status is
+    ``@record``-ed ``train`` (building the trainer, closing it, the process group's teardown)
+    or one ``@record`` lets through (DCP's ``CheckpointException``, a load that raised), is
+    printed and written to torchrun's error file as ``@record`` writes it, and the status is
     1. Without this, torchrun's report named no error for that rank ("To enable traceback
     see ..."), and ``train.sh``, which shows rank 0's output only, showed none at all; and the
     rank would leave through interpreter finalization, where gloo's threads can abort it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         return main(argv)
-    except Exception as e:
+    # DCP's CheckpointException (a load or save that failed on a rank) is a BaseException,
+    # which neither torchtitan's @record nor an ``except Exception`` records: torchrun then
+    # reported "error_file: <N/A>" for a rank that raised.
+    except (Exception, CheckpointException) as e:
         callstack = traceback.format_exc()
         print(callstack, file=sys.stderr, end="", flush=True)
         _record_for_torchrun(f"{type(e).__name__}: {e}", callstack)

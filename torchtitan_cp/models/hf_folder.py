@@ -1,6 +1,7 @@
 """What the Hugging Face folder checks of the models share (``models.qwen35.hf``,
 ``models.kimi_linear.hf``): JSON values named for one-line errors, the safetensors index, the
-tensor names of a file, and the comparison of a config value with the flavor's."""
+tensor names of a file, the comparison of a config value with the flavor's, and the check of
+every tensor the model reads (name, shape, dtype) against the safetensors headers."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "FLOAT_DTYPES",
     "INDEX",
+    "check_tensors",
     "checked_weight_files",
+    "declared_dtype",
+    "expected_tensors",
     "folder_config",
     "json_kind",
     "read_index",
@@ -24,6 +29,14 @@ __all__ = [
 ]
 
 INDEX = "model.safetensors.index.json"
+# The safetensors dtypes a floating parameter loads from by a cast within rounding
+# (torch's HF reader casts whatever it finds into the parameter's dtype: integers and booleans
+# too, silently; an 8-bit float is a quantized checkpoint that needs its scales).
+FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# transformers' names of the floating dtypes a config.json may declare (torch_dtype, dtype).
+_OTHER_DTYPES = {"I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                 "BOOL": "bool"}  # fmt: skip
+_DECLARED_FLOATS = {"float64", "float32", "float16", "bfloat16", "float", "half", "double", "auto"}
 
 
 def json_kind(value: Any) -> str:
@@ -163,3 +176,105 @@ def write_hf_files(
             if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "vocab")):
                 shutil.copy2(f, out / f.name)
     return out
+
+
+def declared_dtype(hf: dict[str, Any], cfg_file: Path) -> str | None:
+    """The dtype ``config.json`` declares for the weights (``torch_dtype``, or ``dtype`` as
+    transformers >= 5 writes it; ``text_config``'s for a multimodal config), None when it
+    declares none; a one-line ValueError when it is not a floating dtype name."""
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    for where, block in (("", hf), ("text_config.", text)):
+        for key in ("torch_dtype", "dtype"):
+            value = block.get(key)
+            if value is None:
+                continue
+            name = value.removeprefix("torch.") if isinstance(value, str) else value
+            if name not in _DECLARED_FLOATS:
+                raise ValueError(
+                    f"{cfg_file}: {where}{key} is {json_kind(value)}, not a floating dtype "
+                    "(float32, bfloat16, float16): the weights of a model are floating point"
+                )
+            return name
+    return None
+
+
+def expected_tensors(model_cfg: Any, adapter: Any) -> dict[str, tuple[list[int], Any]]:
+    """HF name -> (shape, torch dtype) of every tensor a load of ``model_cfg``'s model from an
+    HF folder reads: the model's state dict (built on the meta device: no memory, a 48B
+    flavor in well under a second) through ``adapter.to_hf``, as torchtitan's HF load asks
+    DCP for them."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_cfg.build()
+    hf = adapter.to_hf(dict(model.state_dict()))
+    return {name: (list(t.shape), t.dtype) for name, t in hf.items()}
+
+
+def _headers(files: list[Path]) -> dict[str, tuple[Path, str, list[int]]]:
+    """Tensor name -> (file, safetensors dtype, shape) over ``files``' headers (checked by
+    ``checked_weight_files`` first), the first file holding a name winning as in torch's HF
+    reader; a tensor saved in pieces (DCP's ``saved_offsets``) gets its whole shape."""
+    found: dict[str, tuple[Path, str, list[int]]] = {}
+    for file in files:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        meta = header.get("__metadata__") or {}
+        pieces = json.loads(meta["DCP_SHARDING_INFO"]) if "DCP_SHARDING_INFO" in meta else {}
+        for name, entry in header.items():
+            if name == "__metadata__" or not isinstance(entry, dict):
+                continue
+            shape = [int(d) for d in entry.get("shape", [])]
+            offsets = (pieces.get(name) or {}).get("saved_offsets") or [0] * len(shape)
+            whole = [d + o for d, o in zip(shape, offsets, strict=False)]
+            if name in found and found[name][0] != file:  # another piece of the same tensor
+                whole = [max(a, b) for a, b in zip(found[name][2], whole, strict=False)]
+                found[name] = (found[name][0], found[name][1], whole)
+            else:
+                found[name] = (file, str(entry.get("dtype")), whole)
+    return found
+
+
+def check_tensors(
+    root: Path,
+    files: list[Path],
+    expected: dict[str, tuple[list[int], Any]],
+    *,
+    declared: str | None,
+) -> None:
+    """Every tensor of ``expected`` (``expected_tensors``) is in one of ``files`` with its
+    shape, and stored in a dtype it loads from: a floating parameter from a floating dtype
+    (``FLOAT_DTYPES``: the cast is within rounding), any other from its own dtype. The first
+    that is not is a one-line ValueError naming the file (the folder for a missing tensor),
+    the tensor and what is wrong; tensors the model does not read (a vision tower, MTP
+    layers) are left alone. Reads the headers only."""
+    found = _headers(files)
+    for name, (shape, dtype) in expected.items():
+        if name not in found:
+            raise ValueError(
+                f"{root}: tensor {name} ({list(shape)}) is in none of its {len(files)} "
+                "safetensors file(s): a partial copy, or the weights of another model"
+            )
+        file, stored, got = found[name]
+        if got != list(shape):
+            raise ValueError(
+                f"{file}: tensor {name} is {got} but the model flavor has {list(shape)}: the "
+                "weights of another model size"
+            )
+        wanted = str(dtype).removeprefix("torch.")
+        floating = getattr(dtype, "is_floating_point", False)
+        if floating and stored not in FLOAT_DTYPES:
+            kind = "a boolean" if stored == "BOOL" else (
+                "an 8-bit float (a quantized checkpoint, which needs its scales)"
+                if stored.startswith("F8") else "an integer")  # fmt: skip
+            said = f"; config.json declares {declared}" if declared else ""
+            raise ValueError(
+                f"{file}: tensor {name} is stored as {stored}, {kind} dtype, but it loads "
+                f"into a floating parameter ({wanted}), which would take its values cast "
+                f"without a word{said}: convert the folder's weights to a floating dtype "
+                "(float32, bfloat16 or float16)"
+            )
+        if not floating and {**FLOAT_DTYPES, **_OTHER_DTYPES}.get(stored, stored) != wanted:
+            raise ValueError(f"{file}: tensor {name} is stored as {stored} but the model has "
+                             f"{wanted}")  # fmt: skip

@@ -710,6 +710,9 @@ class HybridCheckpointManager(CheckpointManager):
         self.plan: ResumePlan | None = None
         self.run_id: str | None = None
         self.resumed_from = 0
+        # The newest step of this run's checkpoint folder: the one it resumed from, then each
+        # save (for "where to resume" in a stopped run's line).
+        self.newest_step: int | None = None
         self.on_loaded: Any = None
         # comm.train_timeout_seconds (set by the trainer): the control group's timeout once
         # training runs, as torchtitan sets it for the other groups after the first step.
@@ -754,6 +757,8 @@ class HybridCheckpointManager(CheckpointManager):
         loaded = super()._load(self.plan.step)
         train_state = self.states.get(TRAIN_STATE)
         self.resumed_from = int(getattr(train_state, "step", 0)) if loaded else 0
+        if self.plan.step >= 0:
+            self.newest_step = self.plan.step
         return loaded
 
     def dcp_load(
@@ -811,6 +816,7 @@ class HybridCheckpointManager(CheckpointManager):
             logger.warning(line)
         saved = super()._save(curr_step, last_step)
         if saved:
+            self.newest_step = curr_step
             begin = time.monotonic()
             manifest = write_manifest(step_dir, step=curr_step, run_id=run_id, pg=pg)
             size = sum(f["bytes"] for f in manifest["files"].values())

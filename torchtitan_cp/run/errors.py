@@ -4,11 +4,24 @@ stopped answering; and how a launch reports that line once (``LAUNCHER_ENV``).""
 
 from __future__ import annotations
 
-__all__ = ["LAUNCHER_ENV", "CheckpointError", "LossSpikeError", "RankTimeoutError", "RunError"]
+__all__ = [
+    "LAUNCHER_ENV",
+    "RUN_INFO_ENV",
+    "CheckpointError",
+    "LossSpikeError",
+    "NonFiniteLossError",
+    "RankTimeoutError",
+    "RunError",
+]
 
 LAUNCHER_ENV = "TORCHTITAN_CP_LAUNCHER"
 """Set by ``python -m torchtitan_cp.launch`` (``./scripts/train.sh``): a rank's one-line error
 goes to its torchrun error file only, and the launcher prints it once."""
+
+RUN_INFO_ENV = "TORCHTITAN_CP_RUN_INFO"
+"""Set by the launcher to a file in its log folder: each node's local rank 0 writes there,
+before training, where the run keeps its checkpoints, so that a launch stopped by a signal
+(SIGTERM) can say in its one line where a rerun resumes (``launch.stopped_line``)."""
 
 
 class RunError(RuntimeError):
@@ -27,6 +40,11 @@ class LossSpikeError(RunError):
     """The spike guard stopped the run."""
 
     exit_code = 1
+
+
+class NonFiniteLossError(LossSpikeError):
+    """A step's loss was inf or nan (the spike guard's verdict before the update, or the log
+    step's check after it)."""
 
 
 class RankTimeoutError(RunError):

@@ -12,7 +12,10 @@ every later update would freeze the run. So at most ``max_skips`` consecutive up
 skipped; the next spike in a row stops the run (exit 1) naming the steps, to resume from the last
 checkpoint (e.g. with a lower LR).
 Every finite loss enters the history, skipped ones too, so a lasting change of level becomes
-the new median after ``window / 2`` steps instead of being compared against forever.
+the new median after ``window / 2`` steps instead of being compared against forever. A loss
+that is not finite (inf, nan) is a spike whatever the history, acted on before its update
+(``stop``: one line naming the step and where to resume; ``skip``: its update dropped); with
+the guard off the trainer's log step ends the run on it, after the update.
 
 The loss is the global average every rank already agrees on, so all ranks decide alike. Off by
 default (``factor = 0``): enabling it costs one device->host read of the loss per step.
@@ -26,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from torchtitan_cp.run.errors import LossSpikeError
+from torchtitan_cp.run.errors import LossSpikeError, NonFiniteLossError
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,21 +79,33 @@ class SpikeGuard:
         self.skipped = 0
         self.in_a_row: list[int] = []  # steps of the current run of skipped updates
 
-    def check(self, step: int, loss: float) -> str | None:
+    def check(
+        self, step: int, loss: float, *, resume: str = "resume from the last checkpoint"
+    ) -> str | None:
         """None to apply the update; the log line when it is skipped; raises
-        ``LossSpikeError`` to stop. Non-finite losses are left to torchtitan's NaN guard."""
+        ``LossSpikeError`` to stop (``resume``: where the run can go on from, for the line). A
+        loss that is not finite is always a spike, whatever the history, and never enters
+        it: ``stop`` ends the run before its update poisons the model (``NonFiniteLossError``),
+        ``skip`` drops that update as it drops a spike's."""
         cfg = self.config
-        if not math.isfinite(loss):
-            return None
         spike = None
-        if len(self.history) >= cfg.min_history:
+        if not math.isfinite(loss):
+            spike = f"loss is not finite ({loss}) at step {step}"
+            if cfg.action == "stop":
+                raise NonFiniteLossError(
+                    f"{spike}; stopped before the update (spike_guard.action = 'stop'): "
+                    f"{resume} with a lower lr (optimizer.param_groups.0.optimizer_kwargs.lr), "
+                    "or set spike_guard.action = 'skip' to drop such updates"
+                )
+        elif len(self.history) >= cfg.min_history:
             median = statistics.median(self.history)
             if loss > cfg.factor * median:
                 spike = (
                     f"loss spike at step {step}: loss {loss:.6g} > {cfg.factor:g} x median "
                     f"{median:.6g} of the last {len(self.history)} steps"
                 )
-        self.history.append(loss)
+        if math.isfinite(loss):
+            self.history.append(loss)
         if spike is None:
             self.in_a_row = []
             return None
@@ -113,3 +128,29 @@ class SpikeGuard:
         self.in_a_row.append(step)
         self.skipped += 1
         return f"{spike}; update skipped (spike_guard.action = 'skip')"
+
+
+def resume_hint(folder: str | None, step: int | None) -> str:
+    """Where a stopped run goes on from, for its one-line error: the newest checkpoint step of
+    ``folder`` (``step``; a rerun of the same command resumes from it), or that there is none
+    (``folder`` None: checkpointing off)."""
+    if folder is None:
+        return "no checkpoint to resume from (checkpoint.enable is off): start again"
+    if step is None:
+        return f"no checkpoint in {folder} yet: start again (a rerun starts from step 0)"
+    return (
+        f"rerun the same command to resume from step {step} (its newest checkpoint, "
+        f"{folder}/step-{step})"
+    )
+
+
+def non_finite_error(step: int, loss: float, *, resume: str) -> NonFiniteLossError:
+    """The log step's check: the step's loss is not finite after its update was applied (no
+    spike guard, or one that let it through): the model may hold inf or nan now, and this step
+    is never saved."""
+    return NonFiniteLossError(
+        f"loss is not finite ({loss}) at step {step}, after its update (its parameters may be "
+        f"nan now; no checkpoint holds this step): {resume} with a lower lr "
+        "(optimizer.param_groups.0.optimizer_kwargs.lr), or set spike_guard.factor (e.g. 10) "
+        "with spike_guard.action = 'skip' to drop such updates before they apply"
+    )

@@ -129,11 +129,22 @@ def run_header(ctx: RunContext, *, resumed_from: int, world_size: int) -> dict[s
     }
 
 
+def _json_object(line: bytes | str) -> dict[str, Any] | None:
+    """``line`` parsed, when it is a JSON object (a row or a run header); None otherwise (not
+    JSON, or JSON of another kind: ``42``, a list, a string, ``null``)."""
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def repair_jsonl(path: str, run_id: str) -> str | None:
-    """Before a run appends to ``path``: lines that are not JSON (a row cut by a killed
-    process or a full disk, usually the last one) move to ``<path>.broken-<run_id>``, and the
-    file is rewritten without them (atomically), so the next row starts on a line of its own.
-    Returns a log line naming the kept-aside file, or None when nothing was broken."""
+    """Before a run appends to ``path``: lines that are not JSON objects (a row cut by a killed
+    process or a full disk, usually the last one; anything else a reader of rows cannot use)
+    move to ``<path>.broken-<run_id>``, and the file is rewritten without them (atomically), so
+    the next row starts on a line of its own. Returns a log line naming the kept-aside file, or
+    None when nothing was broken."""
     if not os.path.isfile(path):
         return None
     with open(path, "rb") as f:
@@ -141,13 +152,10 @@ def repair_jsonl(path: str, run_id: str) -> str | None:
     good: list[bytes] = []
     bad: list[tuple[int, bytes]] = []
     for number, line in enumerate(data.splitlines(), start=1):
-        try:
-            json.loads(line)
-        except ValueError:
-            if line.strip():
-                bad.append((number, line))
-            continue
-        good.append(line)
+        if _json_object(line) is not None:
+            good.append(line)
+        elif line.strip():
+            bad.append((number, line))
     if not bad and (not data or data.endswith(b"\n")):
         return None
     aside = f"{path}.broken-{run_id}"
@@ -162,8 +170,8 @@ def repair_jsonl(path: str, run_id: str) -> str | None:
         return f"{path}: its last line had no line end; added one"
     lines = ", ".join(str(n) for n, _ in bad[:5]) + (" ..." if len(bad) > 5 else "")
     return (
-        f"{path}: moved {len(bad)} line(s) that are not JSON (line {lines}; a row cut short by "
-        f"an earlier run) to {aside}"
+        f"{path}: moved {len(bad)} line(s) that are not JSON objects (line {lines}; a row cut "
+        f"short by an earlier run, or another writer's text) to {aside}"
     )
 
 
@@ -210,7 +218,9 @@ def supersede_rows(path: str, resumed_from: int) -> int:
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
-    """The step rows of a metrics.jsonl (training and validation), header lines left out."""
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if HEADER_KEY not in r]
+    """The step rows of a metrics.jsonl (training and validation), header lines left out, and
+    lines that are not JSON objects (a row a killed run cut short, not yet repaired by the next
+    run's ``repair_jsonl``) skipped: it never raises on a file the recipe wrote or repaired."""
+    with open(path, "rb") as f:
+        rows = [_json_object(line) for line in f if line.strip()]
+    return [r for r in rows if r is not None and HEADER_KEY not in r]

@@ -57,7 +57,12 @@ from torchtitan_cp.data.loader import (
 )
 from torchtitan_cp.models.recipe import ModelRecipe
 from torchtitan_cp.run.checkpoint import HybridCheckpointManager
-from torchtitan_cp.run.spike_guard import SpikeGuard, SpikeGuardConfig
+from torchtitan_cp.run.spike_guard import (
+    SpikeGuard,
+    SpikeGuardConfig,
+    non_finite_error,
+    resume_hint,
+)
 from torchtitan_cp.run.start import (
     HEADER_KEY,
     RunContext,
@@ -358,6 +363,7 @@ class HybridTrainer(Trainer):
             ckpt.train_timeout = timedelta(seconds=config.comm.train_timeout_seconds)
         self.spike_guard = SpikeGuard(config.spike_guard) if config.spike_guard.enabled else None
         self._step_loss: torch.Tensor | None = None
+        self._update_skipped = False  # this step's update dropped by the spike guard
         # This rank's loss sum and valid tokens of the step (after CP sharding), for the
         # rank-normalised global_max_loss.
         self._rank_loss_sum: torch.Tensor | None = None
@@ -427,11 +433,19 @@ class HybridTrainer(Trainer):
         mesh = pd.get_optional_mesh("loss") if pd.dp_cp_enabled else None
         loss = dist_utils.dist_sum(self._step_loss, mesh)
         self._step_loss = None
-        skipped = self.spike_guard.check(self.step, loss)
+        skipped = self.spike_guard.check(self.step, loss, resume=self._resume_hint())
+        self._update_skipped = skipped is not None
         if skipped is not None:
             logger.warning(skipped)
             # No gradients: AdamW leaves parameters and moments of every parameter alone.
             self.optimizers.zero_grad(set_to_none=True)
+
+    def _resume_hint(self) -> str:
+        """Where this run can go on from (``spike_guard.resume_hint``)."""
+        ckpt = self.checkpointer
+        if not ckpt.enable or not isinstance(ckpt, HybridCheckpointManager):
+            return resume_hint(None, None)
+        return resume_hint(ckpt.folder, ckpt.newest_step)
 
     def post_dataloading_process(self, input_dict, labels):
         inputs, labels, extra = _preprocess(self.sequence, input_dict, labels)
@@ -465,6 +479,7 @@ class HybridTrainer(Trainer):
         self.sequence.stats.take()  # counters cover this step only (not validation before it)
         self._step_loss = None
         self._rank_loss_sum = self._rank_tokens = None  # global_max_loss counts this step only
+        self._update_skipped = False
         pd = self.parallel_dims
         if pd.pp_enabled:  # refused at start-up (validate.py); torchtitan's own step
             return super().train_step(data_iterator)
@@ -542,11 +557,9 @@ class HybridTrainer(Trainer):
             else:  # one rank: its own average is the maximum
                 global_avg_loss = global_max_loss = float(accumulated_loss.item())
                 global_ntokens_seen = self.ntokens_seen
-        if not math.isfinite(global_avg_loss):
-            raise RuntimeError(
-                f"Loss is not finite (global_avg_loss={global_avg_loss}) at step {self.step}. "
-                "Stopping training."
-            )
+        if not math.isfinite(global_avg_loss) and not self._update_skipped:
+            # torchtitan's NaN guard, as one line naming the step and where to resume
+            raise non_finite_error(self.step, global_avg_loss, resume=self._resume_hint())
         self.metrics_processor.log(
             self.step,
             global_avg_loss,

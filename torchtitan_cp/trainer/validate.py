@@ -68,18 +68,25 @@ def _need(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_degrees(p: Any) -> None:
+    """Every parallelism degree >= 1 (the shard degree: -1 or >= 1), before anything divides
+    by one (the model checks, the mesh)."""
+    for key in ("data_parallel_replicate_degree", "context_parallel_degree",
+                "tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):  # fmt: skip
+        d = getattr(p, key)
+        _need(d >= 1, f"parallelism.{key} must be >= 1, got {d}")
+    shard = p.data_parallel_shard_degree
+    _need(
+        shard == -1 or shard >= 1,
+        f"parallelism.data_parallel_shard_degree must be -1 (the "
+        f"rest of the processes) or >= 1, got {shard}",
+    )
+
+
 def _dp_degree(config: Any, world_size: int) -> int:
     """Data-parallel (batch) degree torchtitan derives from the parallelism section."""
     p = config.parallelism
-    degrees = {
-        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
-        "context_parallel_degree": p.context_parallel_degree,
-        "tensor_parallel_degree": p.tensor_parallel_degree,
-        "pipeline_parallel_degree": p.pipeline_parallel_degree,
-        "expert_parallel_degree": p.expert_parallel_degree,
-    }
-    for key, d in degrees.items():
-        _need(d >= 1, f"parallelism.{key} must be >= 1, got {d}")
+    _check_degrees(p)
     _need(
         p.pipeline_parallel_degree == 1,
         f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}: this recipe has "
@@ -91,11 +98,6 @@ def _dp_degree(config: Any, world_size: int) -> int:
             "decoder has no experts; set it to 1"
         )
     shard = p.data_parallel_shard_degree
-    _need(
-        shard == -1 or shard >= 1,
-        f"parallelism.data_parallel_shard_degree must be -1 (the "
-        f"rest of the processes) or >= 1, got {shard}",
-    )
     tp = p.tensor_parallel_degree
     others = p.data_parallel_replicate_degree * p.context_parallel_degree * tp
     if shard == -1:
@@ -533,6 +535,7 @@ def validate(
 def check_model(config: Any) -> tuple[Any, bool]:
     """Build ``[model]``'s spec and check it against the run's parallelism and device; returns
     ``(spec, flex)``. Every problem is a one-line ConfigError naming the key."""
+    _check_degrees(config.parallelism)  # the model checks below divide by them
     try:
         spec = recipe_model_spec(config.model)
     except ValueError as e:

@@ -27,7 +27,10 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from torchtitan_cp.models.hf_folder import (
     INDEX,
+    check_tensors,
     checked_weight_files,
+    declared_dtype,
+    expected_tensors,
     folder_config,
     read_index,
     same_value,
@@ -199,6 +202,7 @@ class KimiLinearStateDictAdapter(StateDictAdapter):
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216,
     "moe_intermediate_size": 1024, "num_hidden_layers": 27, "num_attention_heads": 32,
+    "num_key_value_heads": 32,
     "n_shared_experts": 1, "routed_scaling_factor": 2.446, "kv_lora_rank": 512,
     "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
     "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "norm_topk_prob": True,
@@ -233,6 +237,8 @@ def read_config(hf: dict[str, Any]) -> dict[str, tuple[Any, str]]:
     (``linear_attn_config.full_attn_layers`` / ``kda_layers``, 1-indexed, or every 4th layer
     from the 5th; ``first_k_dense_replace``, default 1)."""
     out = {f: _get(hf, f) for f in DEFAULTS}
+    if out["num_key_value_heads"][0] is None:  # transformers: then num_attention_heads
+        out["num_key_value_heads"] = (out["num_attention_heads"][0], "num_key_value_heads")
     n = out["num_hidden_layers"][0]
     la = hf.get("linear_attn_config") if isinstance(hf.get("linear_attn_config"), dict) else {}
     if "layer_types" in hf:
@@ -278,8 +284,11 @@ def hf_fields(cfg: Any) -> dict[str, Any]:
     if dense is not None:
         out["intermediate_size"] = dense.w1.out_features
     if mla is not None:
+        # MLA expands its latent into one key and one value head per query head: transformers
+        # groups query heads by num_attention_heads // num_key_value_heads (eager attention
+        # repeats K/V that often), whose default of 32 matches the 48B flavor only.
         out.update(
-            num_attention_heads=mla.n_heads,
+            num_attention_heads=mla.n_heads, num_key_value_heads=mla.n_heads,
             q_lora_rank=mla.q_lora_rank or None, kv_lora_rank=mla.kv_lora_rank,
             qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim,
             v_head_dim=mla.v_head_dim, attention_bias=False,
@@ -305,9 +314,11 @@ def hf_fields(cfg: Any) -> dict[str, Any]:
 def hf_config(cfg: Any) -> dict[str, Any]:
     """A ``config.json`` that transformers reads back to ``cfg``'s model."""
     fields = hf_fields(cfg)
+    # The recipe trains without dropout; pad_token_id's default (163839) would be the
+    # embedding's padding row, past the end of a smaller vocabulary.
     fields.update(
         architectures=["KimiLinearForCausalLM"], model_type="kimi_linear", dtype="float32",
-        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        attention_dropout=0.0, pad_token_id=None, bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
     return fields
 
@@ -349,13 +360,19 @@ def folder_dense_prefix(path: str | Path) -> DensePrefix:
 def check_hf_folder(path: str | Path, cfg: Any) -> DensePrefix:
     """A one-line ValueError when ``path`` cannot hold weights for ``cfg``: no config.json, a
     field that builds a different model (``config_mismatch``: the first one), safetensors
-    missing or cut short. Returns the folder's dense prefix (``folder_dense_prefix``)."""
+    missing or cut short, a tensor the model reads that is missing, of another shape, or
+    stored in a dtype that is not floating (``hf_folder.check_tensors``). Returns the folder's
+    dense prefix (``folder_dense_prefix``)."""
     root, cfg_file, hf = folder_config(path, "Kimi Linear")
     problem = config_mismatch(hf, cfg)
     if problem is not None:
         raise ValueError(f"{cfg_file}: {problem}")
-    checked_weight_files(root)
-    return folder_dense_prefix(root)
+    declared = declared_dtype(hf, cfg_file)
+    files, _ = checked_weight_files(root)
+    prefix = folder_dense_prefix(root)
+    adapter = KimiLinearStateDictAdapter(cfg, None, dense_prefix=prefix)
+    check_tensors(root, files, expected_tensors(cfg, adapter), declared=declared)
+    return prefix
 
 
 def write_hf_folder(

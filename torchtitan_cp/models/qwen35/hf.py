@@ -24,7 +24,10 @@ from typing import Any
 import torch
 
 from torchtitan_cp.models.hf_folder import (
+    check_tensors,
     checked_weight_files,
+    declared_dtype,
+    expected_tensors,
     folder_config,
     write_hf_files,
 )
@@ -320,12 +323,16 @@ def write_hf_folder(
 
 def check_hf_folder(path: str | Path, cfg: Any) -> None:
     """A one-line ValueError when ``path`` cannot hold weights for ``cfg``: no config.json, a
-    field that builds a different model (``config_mismatch``: the first one), or safetensors
-    shards that are missing or cut short."""
+    field that builds a different model (``config_mismatch``: the first one), safetensors
+    shards that are missing or cut short, or a tensor the model reads that is missing, of
+    another shape, or stored in a dtype that is not floating (``hf_folder.check_tensors``)."""
+    from torchtitan.models.qwen3_5 import Qwen35StateDictAdapter
+
     root, cfg_file, hf = folder_config(path, "Qwen3.5")
     problem = shape_problem(hf) or config_mismatch(hf, cfg)
     if problem is not None:
         raise ValueError(f"{cfg_file}: {problem}")
+    declared = declared_dtype(hf, cfg_file)
     files, weight_map = checked_weight_files(root)
     names = list(weight_map) if weight_map is not None else _tensor_names(files[0])
     if any(n.startswith(("model.layers.", "model.embed_tokens.")) for n in names) and not any(
@@ -336,3 +343,5 @@ def check_hf_folder(path: str | Path, cfg: Any) -> None:
             f"the recipe loads the published Qwen3_5ForConditionalGeneration layout "
             f"{LANGUAGE_MODEL}* (torchtitan's Qwen35StateDictAdapter)"
         )
+    expected = expected_tensors(cfg, Qwen35StateDictAdapter(cfg, None))
+    check_tensors(root, files, expected, declared=declared)
