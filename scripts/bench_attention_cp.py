@@ -4,9 +4,10 @@ Memory and traffic come from shapes alone: the pass-KV numbers are the schedule'
 (``PassKVPairs.traffic``, the order of work of ``ops/attention/pass_kv.py``), which
 tests/test_cp_pass_kv.py checks byte for byte against a real run (messages posted, visiting
 buffers alive); the all-gather numbers are the sizes of its collectives. One row of ``T`` tokens,
-head-tail (the default balancer) or contiguous, documents with exponentially distributed lengths
-of the given mean (``one``: a single document), K/V of ``--kv-heads`` x ``--head-dim`` in
-``--bytes``-byte elements (default 8 x 128 in bf16: 4 KiB per token).
+laid out by the load balancers of ``--layouts`` (their config names: ``headtail``, the default,
+``contiguous``, ``ptrr``, ...; ``routing.documents_layout``), documents with exponentially
+distributed lengths of the given mean (``one``: a single document), K/V of ``--kv-heads`` x
+``--head-dim`` in ``--bytes``-byte elements (default 8 x 128 in bf16: 4 KiB per token).
 
     python scripts/bench_attention_cp.py [--worlds 2,4,8,16,32] [--tokens 65536,...]
     python scripts/bench_attention_cp.py --step-time [--steps 12]   # debug model, 2 gloo ranks
@@ -30,30 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torchtitan_cp.routing import (  # noqa: E402
     PassKVSchedule,
     RoutingPlan,
-    contiguous_fragments,
-    fragments_from_indices,
-    get_balancer,
-    headtail_fragments,
+    documents_layout,
     pass_kv_pairs,
 )
-
-
-def ptrr_fragments(total: int, world: int, cu: list[int], block: int = 128):
-    """torch's PTRR order of one row with documents ``cu`` (from the boundaries: no dense mask)."""
-    positions = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])]).unsqueeze(0)
-    index = get_balancer("ptrr", ptrr_block_size=block).indices(
-        positions, world, "cpu", cu_seqlens=torch.tensor(cu)
-    )
-    assert index is not None
-    return fragments_from_indices(index, world, 1, total)
-
-
-def layout_table(layout: str, total: int, world: int, cu: list[int]):
-    if layout == "ptrr":
-        return ptrr_fragments(total, world, cu)
-    make = {"head-tail": headtail_fragments, "contiguous": contiguous_fragments}[layout]
-    return make(total, 1, world)
-
 
 GIB = 1 << 30
 
@@ -96,7 +76,8 @@ def memory_rows(args: argparse.Namespace) -> list[dict]:
             for world in args.worlds:
                 for mean in args.docs:
                     cu = doc_bounds(total, mean, args.seed)
-                    table = layout_table(layout, total, world, cu)
+                    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+                    table = documents_layout(lens, world, layout).fragments
                     pairs, build_s = _pairs(cu, table)
                     t = [pairs.traffic(r) for r in range(world)]
                     own = max(x["own"] for x in t)
@@ -147,9 +128,9 @@ def _step_worker(rank: int, world: int, port: int, args: argparse.Namespace, que
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from torchtitan_cp.data.host_metadata import HostMetadata
     from torchtitan_cp.models import model_config
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
+    from torchtitan_cp.routing.host_metadata import HostMetadata
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)  # fmt: skip
@@ -218,7 +199,7 @@ def main() -> None:
     p.add_argument("--tokens", type=_ints, default=[65536, 262144, 1048576])
     p.add_argument("--docs", type=lambda s: [None if x == "one" else int(x) for x in s.split(",")],
                    default=[1024, 8192, 65536, None], help="mean document lengths, or 'one'")  # fmt: skip
-    p.add_argument("--layouts", type=lambda s: s.split(","), default=["head-tail"])
+    p.add_argument("--layouts", type=lambda s: s.split(","), default=["headtail"])
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--bytes", type=int, default=2)

@@ -1,7 +1,7 @@
 """What context parallelism costs a linear-attention layer beyond its local kernel, per rank.
 
     .venv/bin/python scripts/bench_cp_overhead.py [--kinds kda gdn ssd] [--dims 64 128]
-        [--worlds 2 3 4] [--layouts contiguous head-tail packed] [--tokens 1024]
+        [--worlds 2 3 4] [--layouts contiguous headtail packed] [--tokens 1024]
         [--json out.json] [--label after]
     .venv/bin/python scripts/bench_cp_overhead.py --compare before.json after.json
     .venv/bin/python scripts/bench_cp_overhead.py --delay 200 --kinds kda --dims 128 --worlds 2
@@ -18,14 +18,17 @@ states). Per rank it reports
 * **CPU seconds** (``time.process_time``, median of ``--repeats``; one intra-op thread) of both;
 * **bytes all-gathered** by the CP op (what each rank receives).
 
-Layouts: ``contiguous`` and ``head-tail`` put one document over the whole stream (every middle
-fragment continues and is continued: the worst case); ``packed`` cuts the stream into documents
-of 100-700 tokens under the contiguous layout; ``aligned`` puts document boundaries on the rank
-boundaries (nothing crosses a rank: CP must equal local). The table's ``worst`` is the largest
+Layouts: a load balancer's config name (``contiguous``, ``headtail``, ``ptrr``, ...; read from
+its registry by ``routing.documents_layout``) puts one document over the whole stream (every
+middle fragment continues and is continued: the worst case); ``packed`` cuts the stream into
+documents of 100-700 tokens under the contiguous layout; ``aligned`` puts document boundaries on
+the rank boundaries (nothing crosses a rank: CP must equal local). (Tables and JSON files older
+than the registry's names spell ``headtail`` as ``head-tail``.) The table's ``worst`` is the largest
 ratio over the ranks.
 
 It imports only the public ops and routing, so ``BENCH_SOURCE=/path/to/other/checkout`` runs the
-same benchmark on another version (the before/after table of docs/PERFORMANCE.md).
+same benchmark on another version (the before/after table of docs/PERFORMANCE.md); that checkout
+needs ``routing.documents_layout`` (the layouts' one helper).
 
 ``--delay MS`` measures the overlap instead. First, load-independent: the CPU time the rank's
 thread spends between posting the summaries' all-gather and waiting for it, and in the backward
@@ -85,21 +88,29 @@ H = 2  # q/k and value heads
 
 
 def _table(layout: str, world: int, per_rank: int) -> tuple[list[int], list[list[tuple[int, int]]]]:
-    from torchtitan_cp.routing import contiguous_fragments, headtail_fragments
+    """``(cu_seqlens, fragments)`` of ``layout``: a load balancer's config name (one document
+    over the stream) or ``aligned`` / ``packed`` (documents on the rank boundaries / of
+    100-700 tokens, under the contiguous balancer)."""
+    from torchtitan_cp.routing import balancer_names, documents_layout
 
     total = world * per_rank
-    if layout == "head-tail":
-        return [0, total], headtail_fragments(total, 1, world)
-    table = contiguous_fragments(total, 1, world)
+    lens = [total]
     if layout == "aligned":
-        return [per_rank * r for r in range(world + 1)], table
-    if layout == "packed":
+        lens = [per_rank] * world
+    elif layout == "packed":
         gen = torch.Generator().manual_seed(world)
         cu = [0]
         while cu[-1] < total:
             cu.append(min(total, cu[-1] + int(torch.randint(100, 700, (1,), generator=gen))))
-        return cu, table
-    return [0, total], table
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    elif layout not in balancer_names():
+        raise SystemExit(
+            f"--layouts: unknown layout {layout!r}; choose a load balancer "
+            f"({', '.join(balancer_names())}), aligned or packed"
+        )
+    balancer = layout if layout in balancer_names() else "contiguous"
+    placed = documents_layout(lens, world, balancer)
+    return placed.cu_seqlens.tolist(), placed.fragments
 
 
 def _inputs(kind: str, T: int, D: int, seed: int) -> list[torch.Tensor]:
@@ -577,7 +588,7 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=["kda", "gdn", "ssd"])
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--worlds", nargs="+", type=int, default=[2, 3, 4])
-    ap.add_argument("--layouts", nargs="+", default=["contiguous", "head-tail", "packed"])
+    ap.add_argument("--layouts", nargs="+", default=["contiguous", "headtail", "packed"])
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--delay", type=float, default=0.0,

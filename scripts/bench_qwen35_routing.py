@@ -43,9 +43,9 @@ def main() -> None:
     args = p.parse_args()
     from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
-    from torchtitan_cp.data.host_metadata import HostMetadata
     from torchtitan_cp.models.qwen35.model import routed_varlen_metadata
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
+    from torchtitan_cp.routing.host_metadata import HostMetadata
 
     gen = torch.Generator().manual_seed(0)
     print("| B x L | CP | docs/row | path | readbacks | ms per microbatch |")

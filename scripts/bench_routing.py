@@ -25,13 +25,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan_cp.routing import (  # noqa: E402
-    RoutingPlan,
-    contiguous_fragments,
-    headtail_fragments,
-)
+from torchtitan_cp.routing import RoutingPlan, documents_layout  # noqa: E402
 
-LAYOUTS = {"contiguous": contiguous_fragments, "head-tail": headtail_fragments}
+LAYOUTS = ("contiguous", "headtail")
+"""The layouts timed: load balancers by their config names (whose order ignores the documents,
+so one fragment table serves every draw of a shape)."""
+
+
+def fragment_table(layout: str, total: int, world: int) -> list[list[tuple[int, int]]]:
+    """The balancer ``layout``'s fragments of one row of ``total`` tokens over ``world`` ranks."""
+    return documents_layout([total], world, layout).fragments
 
 
 def random_cu_seqlens(total: int, docs: int, rng: random.Random) -> list[int]:
@@ -53,10 +56,10 @@ def _ints(text: str) -> list[int]:
 def bench_routing(args: argparse.Namespace) -> list[dict]:
     rng = random.Random(args.seed)
     rows = []
-    for layout, make in LAYOUTS.items():
+    for layout in LAYOUTS:
         for total in args.tokens:
             for world in args.worlds:
-                table = make(total, 1, world)
+                table = fragment_table(layout, total, world)
                 for docs in args.docs:
                     plan_t, dev_t, subs = [], [], []
                     for _ in range(args.reps):
@@ -104,10 +107,10 @@ def bench_attention_gym(args: argparse.Namespace) -> None:
         "\n| layout | T | W | docs | attention-gym ms | torchtitan-cp ms | speed-up |\n"
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
-    for layout, make in LAYOUTS.items():
+    for layout in LAYOUTS:
         for total in args.tokens:
             for world in args.worlds:
-                table = make(total, 1, world)
+                table = fragment_table(layout, total, world)
                 for docs in args.docs:
                     gym, ours = [], []
                     for _ in range(args.gym_reps):
@@ -141,7 +144,6 @@ def bench_host_pipeline(args: argparse.Namespace) -> None:
         "(build) ms | cache hit ms | to_device ms | per microbatch, miss ms |\n"
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
-    balancer = {"contiguous": "contiguous", "head-tail": "headtail"}
     for layout in LAYOUTS:
         for total in args.tokens:
             bsz = 8
@@ -163,7 +165,7 @@ def bench_host_pipeline(args: argparse.Namespace) -> None:
                         cu_t = cu_seqlens_tensor_from_positions(positions)  # in the loader
                         t0 = time.perf_counter()
                         lay = host_layout(positions, cu_seqlens=cu_t,
-                                          load_balancer=balancer[layout],
+                                          load_balancer=layout,
                                           world_size=world, device="cpu")  # fmt: skip
                         t1 = time.perf_counter()
                         cu_ms.append(t0 - tc)

@@ -65,9 +65,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_autotune  # noqa: E402
 
-from torchtitan_cp.data.host_metadata import HostMetadata  # noqa: E402
 from torchtitan_cp.models import model_config  # noqa: E402
-from torchtitan_cp.trainer.sequence import SequencePreprocessor  # noqa: E402
+from torchtitan_cp.models.sequence import SequencePreprocessor  # noqa: E402
+from torchtitan_cp.routing.host_metadata import HostMetadata  # noqa: E402
 
 # The trainer run of trainer_sync: the debug config, head_dim 64 (the parity tests' fla shapes,
 # so their compiled kernels serve it), a log step only at 1 (warm-up) and 4.

@@ -47,8 +47,8 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "torchtitan_cp.models.mixers.mamba2",
     "torchtitan_cp.trainer.compile:routing_caps",
     "torchtitan_cp.models:model_config",
-    "torchtitan_cp.data.host_metadata:HostMetadata",
-    "torchtitan_cp.trainer.sequence:SequencePreprocessor",
+    "torchtitan_cp.routing.host_metadata:HostMetadata",
+    "torchtitan_cp.models.sequence:SequencePreprocessor",
     "torchtitan_cp.ops.common.fla_autotune:persist",  # autotune once per machine
     "torchtitan_cp.ops.common.fla_refusals:gdn_backward_path",
     # the runner of the check's correctness part and CUDA-only tests (which need nothing else)

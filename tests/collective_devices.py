@@ -15,7 +15,7 @@ module tracks where each tensor came from instead (``Tracker``):
 
 Every collective (``c10d.*`` and ``_c10d_functional.*`` dispatcher ops: torch.distributed's
 functions, functional collectives, FSDP, DTensor) that receives a host tensor on a group other
-than the gloo control group (``checkpoint.control_group()``) is a violation.
+than the gloo control group (``control.control_group()``) is a violation.
 
 ``torchrun ... -m tests.collective_devices ARGS`` runs the trainer's main under the tracker
 and writes ``<dump_folder>/collective_devices_rank<R>.json``: every collective by op and
@@ -131,9 +131,9 @@ def _group_name(args: tuple) -> str | None:
 
 
 def _control_group_name() -> str | None:
-    from torchtitan_cp.run import checkpoint
+    from torchtitan_cp.run import control
 
-    entry = checkpoint._CONTROL_GROUP  # (the default group it belongs to, the group)
+    entry = control._CONTROL_GROUP  # (the default group it belongs to, the group)
     return entry[1].group_name if entry is not None else None
 
 

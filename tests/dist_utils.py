@@ -310,15 +310,17 @@ def balanced_layouts(
     gen: Any, rows: int, row_len: int, world: int, max_doc: int
 ) -> list[tuple[str, list[int], list[list[tuple[int, int]]]]]:
     """The two load-balancer layouts every CP test covers: contiguous and head-tail, each with
-    its own random documents (drawn in that order from ``gen``)."""
-    from torchtitan_cp.routing import contiguous_fragments, headtail_fragments
+    its own random documents (drawn in that order from ``gen``), laid out by the registry's
+    balancer (``routing.documents_layout``)."""
+    from torchtitan_cp.routing import documents_layout
 
-    return [
-        ("contiguous", random_cu_seqlens(gen, rows, row_len, max_doc),
-         contiguous_fragments(row_len, rows, world)),
-        ("head-tail", random_cu_seqlens(gen, rows, row_len, max_doc),
-         headtail_fragments(row_len, rows, world)),
-    ]  # fmt: skip
+    out = []
+    for name, balancer in (("contiguous", "contiguous"), ("head-tail", "headtail")):
+        cu = random_cu_seqlens(gen, rows, row_len, max_doc)
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        table = documents_layout(lens, world, balancer, seq_len=row_len).fragments
+        out.append((name, cu, table))
+    return out
 
 
 def random_case(

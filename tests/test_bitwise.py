@@ -18,9 +18,9 @@ STEPS = 3
 
 
 def _train(pattern: str, balancer: str, source: str) -> list[dict]:
-    from torchtitan_cp.data.host_metadata import HostMetadata
     from torchtitan_cp.models import model_config
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
+    from torchtitan_cp.routing.host_metadata import HostMetadata
 
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(42)

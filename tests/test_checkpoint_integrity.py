@@ -14,22 +14,18 @@ import pytest
 from tests.dist_utils import run_distributed
 from tests.helpers import flip
 from tests.launch import run_module, run_python
-from torchtitan_cp.run.checkpoint import (
+from torchtitan_cp.checkpoint import main as checkpoint_main
+from torchtitan_cp.run.checkpoint import HybridCheckpointManager, fit_error, fit_problem
+from torchtitan_cp.run.errors import CheckpointError, RunError
+from torchtitan_cp.run.lock import RunLock
+from torchtitan_cp.run.manifest import (
     MANIFEST,
     MANIFEST_FORMAT,
-    CheckpointError,
-    HybridCheckpointManager,
     check_step,
-    check_writable,
-    fit_error,
-    fit_problem,
     list_files,
-    plan_resume,
     write_manifest,
 )
-from torchtitan_cp.run.checkpoint import main as checkpoint_main
-from torchtitan_cp.run.errors import RunError
-from torchtitan_cp.run.lock import RunLock
+from torchtitan_cp.run.resume import check_writable, plan_resume
 from torchtitan_cp.run.start import read_rows, repair_jsonl, supersede_rows
 
 
@@ -506,9 +502,9 @@ def _resume_with_a_stopped_rank(rank: int, world: int, folder: str) -> tuple[str
 
     import torch.distributed as dist
 
-    from torchtitan_cp.run import checkpoint, rank_timeout
+    from torchtitan_cp.run import control, rank_timeout
 
-    pg = checkpoint.control_group(timedelta(seconds=2))
+    pg = control.control_group(timedelta(seconds=2))
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:  # stays away until rank 0 is done, however slow the machine is
         store.wait(["test/rank0_done"], timedelta(seconds=120))
@@ -535,17 +531,17 @@ def _save_control_with_a_stopped_rank(rank: int, world: int) -> tuple[str, float
 
     import torch.distributed as dist
 
-    from torchtitan_cp.run import checkpoint
+    from torchtitan_cp.run import control
 
-    checkpoint.control_group(timedelta(seconds=60))
-    checkpoint.set_control_timeout(timedelta(seconds=2))
+    control.control_group(timedelta(seconds=60))
+    control.set_control_timeout(timedelta(seconds=2))
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:
         store.wait(["test/rank0_done"], timedelta(seconds=120))
         return None
     begin = time.monotonic()
     try:
-        checkpoint.on_rank0(lambda: None, checkpoint.control_group())
+        control.on_rank0(lambda: None, control.control_group())
     except RuntimeError as e:
         return str(e).splitlines()[0], time.monotonic() - begin
     finally:

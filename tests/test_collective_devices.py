@@ -31,10 +31,10 @@ def world_of_one():
 
 
 def test_tracker_flags_host_tensors_outside_the_control_group(world_of_one, monkeypatch):
-    from torchtitan_cp.run import checkpoint
+    from torchtitan_cp.run import control as run_control
 
-    monkeypatch.setattr(checkpoint, "_CONTROL_GROUP", None)
-    control = checkpoint.control_group()
+    monkeypatch.setattr(run_control, "_CONTROL_GROUP", None)
+    control = run_control.control_group()
     device = torch.device("cpu")  # the trainer's self.device on a CPU run
     with Tracker() as t:
         dist.all_reduce(torch.tensor([1.0, 2.0]))  # host: flagged

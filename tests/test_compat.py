@@ -188,7 +188,7 @@ def test_model_and_sequence_do_not_load_torchtitan_fsdp():
 
     code = (
         "import sys\n"
-        "import torchtitan_cp.models, torchtitan_cp.trainer.sequence, torchtitan_cp.data.host_metadata\n"
+        "import torchtitan_cp.models, torchtitan_cp.models.sequence, torchtitan_cp.routing.host_metadata\n"
         "from torchtitan_cp.models import model_config\n"
         "model_config('debug').build()\n"
         "print(sorted(m for m in sys.modules if m.startswith('torchtitan.distributed.fsdp')))\n"

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from tests.dist_utils import random_cu_seqlens, run_distributed
 from tests.recurrences import CASES, RecurrenceCase
+from torchtitan_cp.models.sequence import SequencePreprocessor
 from torchtitan_cp.ops import causal_conv1d, chunk_delta_rule
 from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
 from torchtitan_cp.ops.conv import custom_ops as conv_ops
@@ -35,7 +36,6 @@ from torchtitan_cp.ops.ssd.local import chunk_ssd
 from torchtitan_cp.routing import RoutingPlan, host_layout
 from torchtitan_cp.trainer.compile import CAP_KEYS, check_compile, routing_caps
 from torchtitan_cp.trainer.config import ConfigError
-from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
 T, H, HV, K, V = 40, 1, 2, 8, 6
 
@@ -457,7 +457,7 @@ def test_too_many_subsequences_names_the_config_key():
                         cp_degree=1, ptrr_block_size=128, max_subsequences=4)  # fmt: skip
     seq = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="headtail",
                                caps=caps, cap_keys=CAP_KEYS)  # fmt: skip
-    from torchtitan_cp.data.host_metadata import HostMetadata
+    from torchtitan_cp.routing.host_metadata import HostMetadata
 
     positions = torch.arange(8).repeat(8).view(1, 64)  # 8 documents > 4
     tokens = torch.zeros(1, 64, dtype=torch.int64)

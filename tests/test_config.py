@@ -139,3 +139,51 @@ def test_an_unboxed_error_keeps_its_message_not_its_title():
     assert _one_line(box).startswith("invalid choice 'passkv' for argument")
     boxed = "╭─ Unrecognized options ─╮\n│ Unrecognized options: --x │\n╰───╯\n"
     assert _one_line(boxed) == "Unrecognized options: --x"
+
+
+def _help_of_every_option() -> dict[str, tuple[str, str]]:
+    """``--option``: (its help text without tyro's default, its group's description) for every
+    option ``python -m torchtitan_cp.train --help`` lists, subcommands' included."""
+    import argparse
+    import warnings
+
+    import tyro.extras
+    from torchtitan.config.manager import ConfigManager, custom_registry
+
+    from torchtitan_cp.trainer.trainer import recipe_config
+
+    config = recipe_config()
+    ConfigManager.register_tyro_rules(custom_registry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # get_parser: the parser --help prints
+        parser = tyro.extras.get_parser(type(config), default=config, registry=custom_registry)
+    found: dict[str, tuple[str, str]] = {}
+
+    def walk(p: argparse.ArgumentParser) -> None:
+        for group in p._action_groups:
+            for action in group._group_actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    for sub in action.choices.values():
+                        walk(sub)
+                elif action.option_strings and action.option_strings[0] not in ("-h", "--help"):
+                    text = re.sub(r"\((default|fixed)[^)]*\)|\(required\)", "", str(action.help))
+                    found[action.option_strings[0]] = (text.strip(), group.description or "")
+
+    walk(parser)
+    return found
+
+
+def test_every_option_has_a_docstring_that_help_shows():
+    """Every option of ``--help`` says what it does: a docstring under its config field,
+    ``[model]``'s generated ones included (they carry the decoder fields'). The keys of a
+    free-form dict (``optimizer_kwargs``: lr, betas, ...) have no field of their own: their
+    dict's docstring, the group's description, says what they are."""
+    options = _help_of_every_option()
+    assert "--model.layer-pattern" in options and "--linear-attention.backend" in options
+    assert "One letter per layer" in options["--model.layer-pattern"][0]
+    bare = [
+        name
+        for name, (text, group) in options.items()
+        if not text and not (".optimizer-kwargs." in name and group)
+    ]
+    assert not bare, f"options without a docstring: {bare}"

@@ -41,7 +41,7 @@ def _model(backend: str, pattern: str = "KA", **sizes: int):
 
 
 def _logits(model, sequence, tokens, positions, labels, host: bool):
-    from torchtitan_cp.data.host_metadata import HostMetadata
+    from torchtitan_cp.routing.host_metadata import HostMetadata
 
     meta = HostMetadata(positions.clone()) if host else None
     inp, _, pos, ctx = sequence(tokens, labels, positions, meta)
@@ -53,9 +53,8 @@ def _cp_flex_forward(rank: int, world: int, bsz: int, seqlen: int):
     from torch.distributed.device_mesh import DeviceMesh
 
     from torchtitan_cp.models.blocks.flex import apply_flex_context_parallel
-    from torchtitan_cp.models.mixers.attention import SoftmaxAttention
+    from torchtitan_cp.models.sequence import SequencePreprocessor, shard_rows
     from torchtitan_cp.routing import host_layout
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor, shard_rows
 
     tokens, positions, labels = random_batch(2, bsz, seqlen, 97)
     sdpa, flex = _model("sdpa"), _model("flex")
@@ -64,9 +63,9 @@ def _cp_flex_forward(rank: int, world: int, bsz: int, seqlen: int):
     with pytest.raises(RuntimeError, match="apply_flex_context_parallel"):
         seq = SequencePreprocessor(cp_group=dist.group.WORLD, **cp)
         _logits(flex, seq, tokens, positions, labels, True)  # K/V not gathered yet
-    assert apply_flex_context_parallel(flex, mesh, SoftmaxAttention) == 1
+    assert apply_flex_context_parallel(flex, mesh) == 1
     # sdpa layers gather K/V themselves
-    assert apply_flex_context_parallel(sdpa, mesh, SoftmaxAttention) == 0
+    assert apply_flex_context_parallel(sdpa, mesh) == 0
     worst = {}
     for balancer in BALANCERS:
         common = dict(device=torch.device("cpu"), load_balancer=balancer, ptrr_block_size=128)
@@ -110,7 +109,7 @@ def test_direct_call_builds_its_flex_mask() -> None:
 
 
 def test_flex_without_a_block_mask_is_a_clear_error() -> None:
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
 
     tokens, positions, labels = random_batch(3, 1, 128, 97)
     seq = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="contiguous")
@@ -143,7 +142,7 @@ def test_backend_resolution_and_shape_errors() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex backward needs CUDA")
 def test_flex_matches_sdpa_on_cuda_forward_and_backward() -> None:
     """torchtitan's compiled flex kernel against the sdpa backend: loss and every gradient."""
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
 
     torch.backends.cuda.matmul.allow_tf32 = False
     tokens, positions, labels = (t.cuda() for t in random_batch(4, 2, 512, 97))
@@ -155,7 +154,7 @@ def test_flex_matches_sdpa_on_cuda_forward_and_backward() -> None:
             device="cuda", cp_group=None, load_balancer="contiguous",
             flex_attention=backend == "flex",
         )  # fmt: skip
-        from torchtitan_cp.data.host_metadata import HostMetadata
+        from torchtitan_cp.routing.host_metadata import HostMetadata
 
         inp, lab, pos, ctx = seq(tokens, labels, positions, HostMetadata(positions.cpu()))
         logits = model(inp, pos, ctx)

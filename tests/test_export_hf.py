@@ -23,7 +23,7 @@ from torchtitan_cp import compat
 compat.apply()
 
 from torchtitan_cp.models.qwen35.hf import check_hf_folder  # noqa: E402
-from torchtitan_cp.run.checkpoint import write_manifest  # noqa: E402
+from torchtitan_cp.run.manifest import write_manifest  # noqa: E402
 
 CONFIG = ["--config_file", "configs/qwen35_debug_cpu.toml"]
 

@@ -142,7 +142,7 @@ class Shared:
             import torch.distributed.checkpoint as dcp
 
             from torchtitan_cp.models import recipe_model_spec
-            from torchtitan_cp.run.checkpoint import write_manifest
+            from torchtitan_cp.run.manifest import write_manifest
             from torchtitan_cp.train import load_config
 
             model = recipe_model_spec(load_config(["--config_file", QWEN]).model).model.build()
@@ -566,7 +566,7 @@ case("..., and process P is still running on this host")(lambda env: _lock_recor
 
 def _plan(env: Env, *, training_steps: int = 100) -> str:
     """The resume plan's lines for the checkpoint folder ``tmp/run/checkpoint``."""
-    from torchtitan_cp.run.checkpoint import plan_resume
+    from torchtitan_cp.run.resume import plan_resume
 
     folder = env.tmp / "run" / "checkpoint"
     plan = plan_resume(str(folder), run_id="run-b", training_steps=training_steps)
@@ -585,7 +585,7 @@ def _bad_manifest(env: Env) -> str:
 
 @case("checkpoint step-N skipped: D/checkpoint/step-N/__0_0.distcp is truncated")
 def _truncated_shard(env: Env) -> str:
-    from torchtitan_cp.run.checkpoint import write_manifest
+    from torchtitan_cp.run.manifest import write_manifest
 
     folder = env.tmp / "run" / "checkpoint"
     make_step(folder, 2)
@@ -708,7 +708,7 @@ def _cut_metrics(env: Env) -> str:
 
 
 def _checkpoint_cli(env: Env, *argv: str) -> str:
-    from torchtitan_cp.run.checkpoint import main as checkpoint_main
+    from torchtitan_cp.checkpoint import main as checkpoint_main
 
     assert checkpoint_main(list(argv)) == 2
     return env.capsys.readouterr().err.strip()

@@ -538,9 +538,9 @@ def test_qwen35_layers_pass_tables(fla_recorder, monkeypatch):
     # Qwen3.5's swapped GDN kernel and conv (unsharded path) hand fla the routing's tables too.
     from torchtitan.distributed.utils import set_spmd_backend
 
-    from torchtitan_cp.data.host_metadata import HostMetadata
     from torchtitan_cp.models.qwen35.model import qwen35_config
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
+    from torchtitan_cp.routing.host_metadata import HostMetadata
 
     set_spmd_backend("partial_dtensor")  # as tests/test_qwen35.py (the trainer sets it)
     monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")

@@ -46,7 +46,7 @@ def _model(attention_cp: str = "all_gather"):
 
 
 def _loss_and_grads(model, sequence, tokens, positions, labels):
-    from torchtitan_cp.data.host_metadata import HostMetadata
+    from torchtitan_cp.routing.host_metadata import HostMetadata
 
     inp, lab, pos, ctx = sequence(tokens, labels, positions, HostMetadata(positions.clone()))
     logits = model(inp, pos, ctx)
@@ -64,7 +64,7 @@ def _cp_vs_unsharded(
 ):
     _setup()
     from tests.helpers import random_batch
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
 
     tokens, positions, labels = random_batch(11, bsz, seqlen, VOCAB, one_token_share=0.15)
     common = dict(device=torch.device("cpu"), load_balancer=balancer, attention_cp=attention_cp)
@@ -125,8 +125,8 @@ def _flex_latent_forward(rank: int, world: int, bsz: int, seqlen: int):
     import torchtitan_cp.models.kimi_linear.model as kimi
     from tests.helpers import random_batch
     from tests.test_cp_flex_attention import _logits
+    from torchtitan_cp.models.sequence import SequencePreprocessor, shard_rows
     from torchtitan_cp.routing import host_layout
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor, shard_rows
 
     tokens, positions, labels = random_batch(2, bsz, seqlen, VOCAB)
     sdpa = _model()

@@ -241,7 +241,7 @@ def test_export_script_output_runs_in_transformers_eager_and_sdpa(tmp_path, caps
 
     from tests.test_export_hf import _export_main
     from torchtitan_cp.models import recipe_model_spec
-    from torchtitan_cp.run.checkpoint import write_manifest
+    from torchtitan_cp.run.manifest import write_manifest
     from torchtitan_cp.train import load_config
 
     argv = ["--config_file", "configs/kimi_linear_debug_cpu.toml"]

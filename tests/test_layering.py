@@ -27,6 +27,7 @@ ARROWS: dict[str, set[str]] = {
     "trainer": {"models", "ops", "routing", "compat", "data", "run"},
     "train": {"trainer", "compat", "data", "run"},  # the entry points
     "checkpoint": {"run"},
+    "export_hf": {"train", "trainer", "models", "run", "compat"},
     "launch": {"run"},
     "__init__": set(),
 }
@@ -57,9 +58,10 @@ def ops_layers(ops_dir: Path = PACKAGE / "ops") -> dict[str, int]:
 LAYERS: dict[str, dict[str, int]] = {
     "ops": ops_layers(),
     "models": {
-        "context": 0, "hf_folder": 0, "blocks": 1, "mixers": 2, "hybrid": 3, "qwen35": 3, "kimi_linear": 3,
-        "recipe": 4,
-        "__init__": 5,
+        "context": 0, "hf_folder": 0, "sequence": 1, "blocks": 2, "mixers": 3, "hybrid": 4,
+        "qwen35": 4, "kimi_linear": 4,
+        "recipe": 5,
+        "__init__": 6,
     },
 }  # fmt: skip
 # Lower-layer sub-parts a sub-part may not import even so (Qwen3.5 is torchtitan's own model).
@@ -265,5 +267,70 @@ def test_the_scan_resolves_relative_and_submodule_imports():
     assert ("torchtitan_cp.ops.common.checks", False) in imports("torchtitan_cp.ops.conv.local")
     assert ("torchtitan_cp.ops.conv.custom_ops", False) in imports("torchtitan_cp.ops.conv.local")
     assert ("torchtitan_cp.routing", True) in imports("torchtitan_cp.ops.cp.driver")
-    lazy = imports("torchtitan_cp.models.recipe")
-    assert ("torchtitan_cp.models.qwen35.spec", False) in lazy  # inside a function
+    lazy = imports("torchtitan_cp.models.hybrid.flavors")
+    assert ("torchtitan_cp.models.hybrid.parallelize", False) in lazy  # inside a function
+
+
+def test_registries_name_modules_below_them():
+    """The registries that name their entries' modules as strings (imported when the name is
+    used): ``MODELS`` names a module of a model package below ``recipe``, ``RECURRENCES`` one
+    of an op family (the arrows the import scan cannot see)."""
+    from torchtitan_cp.models.recipe import MODELS
+    from torchtitan_cp.ops.cp.recurrence import RECURRENCES
+
+    targets = [("torchtitan_cp.models.recipe", path) for path in MODELS.values()]
+    targets += [("torchtitan_cp.ops.cp.recurrence", path) for path, _ in RECURRENCES.values()]
+    for registry, path in targets:
+        module = path.split(":")[0]
+        assert module in MODULES, path
+        pkg = _part(registry)
+        assert _part(module) == pkg, path
+        if pkg == "models":
+            assert _layer(pkg, _sub_part(module)) < _layer(pkg, _sub_part(registry)), path
+        else:
+            assert _sub_part(module) in op_families(), path
+
+
+def test_the_positions_reach_a_kda_kernel_without_the_trainer():
+    """The path of a batch's positions, traced: the loader's collate (``HostMetadata``), the
+    preprocessor's one call (layout, plan, the context's device tensors) and a KDA layer's
+    forward down to its kernel enter no module of ``trainer/``: the context is built below it
+    and nothing on the way climbs back up."""
+    import torch
+
+    from torchtitan_cp.data.loader import collate_with_host_metadata
+    from torchtitan_cp.models import model_config
+    from torchtitan_cp.models.sequence import SequencePreprocessor
+
+    with torch.device("cpu"):
+        model = model_config("debug", layer_pattern="KA", vocab_size=64, dim=32).build()
+    model.init_states()
+    positions = torch.cat([torch.arange(5), torch.arange(11)])
+    samples = [({"input": torch.arange(16) % 64, "positions": positions}, torch.ones(16).long())]
+    preprocessor = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="headtail")
+    entered: set[str] = set()
+
+    def record(frame, event, arg):
+        if event == "call":
+            entered.add(frame.f_globals.get("__name__", ""))
+
+    sys.setprofile(record)
+    try:
+        input_dict, labels = collate_with_host_metadata(samples)
+        inputs, labels, kwargs = preprocessor.preprocess(input_dict, labels)
+        with torch.no_grad():
+            model(inputs, **kwargs)
+    finally:
+        sys.setprofile(None)
+    ours = {m for m in entered if m.split(".")[0] == ROOT}
+    on_the_way = {
+        "torchtitan_cp.data.loader",
+        "torchtitan_cp.routing.host_metadata",
+        "torchtitan_cp.models.sequence",
+        "torchtitan_cp.routing.plan",
+        "torchtitan_cp.models.context",
+        "torchtitan_cp.models.mixers.delta_net",
+        "torchtitan_cp.ops.delta_rule.torch_kernel",
+    }
+    assert on_the_way <= ours, sorted(on_the_way - ours)  # the trace saw the whole path
+    assert not [m for m in ours if _part(m) == "trainer"], sorted(ours)

@@ -140,7 +140,7 @@ def _reference_layer(m: Mamba2Mixer, x: torch.Tensor, cu: list[int]) -> torch.Te
 def _check_on_documents(mixer, dim: int, reference) -> None:
     """The float64 ``mixer`` on two rows of two documents each (13 + 27 tokens) against
     ``reference(mixer, x [1, 80, D], cu_seqlens, positions [80])`` to 1e-10."""
-    from torchtitan_cp.models.context import context_from_device_positions
+    from torchtitan_cp.models.sequence import context_from_device_positions
 
     mixer = mixer.double()
     x = torch.randn(2, 40, dim, dtype=torch.float64)

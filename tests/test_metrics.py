@@ -11,7 +11,7 @@ from torchtitan_cp import compat
 
 compat.apply()  # before torchtitan's trainer module binds the device names
 
-from torchtitan_cp.trainer.trainer import wandb_offline_fallback  # noqa: E402
+from torchtitan_cp.trainer.metrics import wandb_offline_fallback  # noqa: E402
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ TOL = 1e-10  # float64
 
 
 def loss_and_grads(model, sequence, tokens, positions, labels, host):
-    from torchtitan_cp.data.host_metadata import HostMetadata
+    from torchtitan_cp.routing.host_metadata import HostMetadata
 
     meta = HostMetadata(positions.clone()) if host else None
     inp, lab, pos, ctx = sequence(tokens, labels, positions, meta)
@@ -32,7 +32,7 @@ def loss_and_grads(model, sequence, tokens, positions, labels, host):
 
 def _cp_model(rank: int, world: int, pattern: str, balancer: str, bsz: int, seqlen: int):
     from torchtitan_cp.models import model_config
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
 
     torch.manual_seed(0)
     with torch.device("cpu"):

@@ -44,7 +44,7 @@ def _model(name: str):
 
 
 def _loss_and_grads(model, sequence, tokens, positions, labels):
-    from torchtitan_cp.data.host_metadata import HostMetadata
+    from torchtitan_cp.routing.host_metadata import HostMetadata
 
     inp, lab, pos, ctx = sequence(tokens, labels, positions, HostMetadata(positions.clone()))
     logits = model(inp, pos, ctx)
@@ -56,7 +56,7 @@ def _loss_and_grads(model, sequence, tokens, positions, labels):
 
 
 def _worker(rank: int, world: int) -> dict[str, tuple[float, float]]:
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
 
     worst = {}
     for name in ("hybrid", "qwen3_5"):

@@ -22,7 +22,7 @@ from tests.dist_utils import (
     span_index,
 )
 from tests.helpers import positions_from_lengths
-from torchtitan_cp.data.host_metadata import HostMetadata
+from torchtitan_cp.models.sequence import SequencePreprocessor
 from torchtitan_cp.ops.attention.pass_kv import (
     PairMask,
     flex_pair_attention,
@@ -34,8 +34,8 @@ from torchtitan_cp.routing import (
     contiguous_fragments,
     headtail_fragments,
 )
+from torchtitan_cp.routing.host_metadata import HostMetadata
 from torchtitan_cp.trainer.config import ConfigError
-from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
 
 def oracle(cu: list[int], table: list[list[tuple[int, int]]]):

@@ -27,7 +27,6 @@ compat.apply()
 
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
-from torchtitan_cp.data.host_metadata import HostMetadata  # noqa: E402
 from torchtitan_cp.models import recipe_model_spec  # noqa: E402
 from torchtitan_cp.models.qwen35.model import (  # noqa: E402
     Qwen35TextModel,
@@ -36,8 +35,9 @@ from torchtitan_cp.models.qwen35.model import (  # noqa: E402
     qwen35_config,
 )
 from torchtitan_cp.models.recipe import ModelRecipe  # noqa: E402
+from torchtitan_cp.models.sequence import SequencePreprocessor  # noqa: E402
+from torchtitan_cp.routing.host_metadata import HostMetadata  # noqa: E402
 from torchtitan_cp.trainer.config import ConfigError  # noqa: E402
-from torchtitan_cp.trainer.sequence import SequencePreprocessor  # noqa: E402
 
 set_spmd_backend("partial_dtensor")  # the recipe's default (trainer sets it from the config)
 

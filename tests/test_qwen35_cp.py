@@ -47,7 +47,7 @@ def _batch(seed: int, bsz: int, seqlen: int):
 
 
 def _loss_and_grads(model, sequence, tokens, positions, labels, total: int):
-    from torchtitan_cp.data.host_metadata import HostMetadata
+    from torchtitan_cp.routing.host_metadata import HostMetadata
 
     inp, lab, pos, ctx = sequence(tokens, labels, positions, HostMetadata(positions.clone()))
     logits = model(inp, pos, ctx)
@@ -62,7 +62,7 @@ def _loss_and_grads(model, sequence, tokens, positions, labels, total: int):
 
 def _cp_vs_unsharded(rank: int, world: int, balancer: str, bsz: int, seqlen: int):
     _setup()
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
 
     tokens, positions, labels = _batch(11, bsz, seqlen)
     common = dict(device=torch.device("cpu"), load_balancer=balancer, ptrr_block_size=16)
@@ -104,8 +104,8 @@ def _adamw_steps(rank: int, world: int, source: str, balancer: str, model_fn=Non
     a model of vocabulary ``VOCAB``); returns every parameter's bytes after each step and the
     routing readbacks."""
     _setup()
-    from torchtitan_cp.data.host_metadata import HostMetadata
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
+    from torchtitan_cp.routing.host_metadata import HostMetadata
 
     model = model_fn() if model_fn is not None else _model(torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.test_qwen35 import VOCAB, _loss, make_batch  # skips this module below torch 2.14
-from torchtitan_cp.data.host_metadata import HostMetadata
 from torchtitan_cp.models.qwen35.model import qwen35_config
-from torchtitan_cp.trainer.sequence import SequencePreprocessor
+from torchtitan_cp.models.sequence import SequencePreprocessor
+from torchtitan_cp.routing.host_metadata import HostMetadata
 
 
 @pytest.mark.skipif(

@@ -8,7 +8,7 @@
 * ``runs_per_row`` bounds the fragments a rank owns per row (what the compile caps rely on);
 * a new balancer is one registered class: the sources, the preprocessor and the compile caps
   take it by name without another edit;
-* no module outside the balancers compares the balancer's name.
+* no module outside the balancers, and no script, compares the balancer's name.
 """
 
 from __future__ import annotations
@@ -154,9 +154,9 @@ class _Reversed(LoadBalancer):
 
 
 def test_a_new_balancer_is_one_registered_class(monkeypatch):
-    from torchtitan_cp.data.host_metadata import HostMetadata
+    from torchtitan_cp.models.sequence import SequencePreprocessor
+    from torchtitan_cp.routing.host_metadata import HostMetadata
     from torchtitan_cp.trainer.compile import routing_caps
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
 
     monkeypatch.setattr(balancers_mod, "_REGISTRY", dict(balancers_mod._REGISTRY))
     monkeypatch.setattr(balancers_mod, "_RESOLVED", {})
@@ -197,3 +197,15 @@ def test_no_module_outside_the_balancers_switches_on_the_name():
                 offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
     assert _NAME_SWITCH.search('if load_balancer == "ptrr":')  # the pattern does find one
+
+
+def test_no_script_switches_on_the_name():
+    """Benchmarks and checks lay documents out by a balancer's name through the registry
+    (``routing.documents_layout``), not by a table of their own."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+        for path in sorted((ROOT / "scripts").glob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if _NAME_SWITCH.search(line)
+    ]
+    assert not offenders, "\n".join(offenders)

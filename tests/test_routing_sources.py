@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import positions_from_lengths
-from torchtitan_cp.data.host_metadata import HostMetadata
+from torchtitan_cp.models.sequence import SequencePreprocessor
 from torchtitan_cp.routing import DeviceRouting
-from torchtitan_cp.trainer.sequence import SequencePreprocessor
+from torchtitan_cp.routing.host_metadata import HostMetadata
 
 # Every tensor of DeviceRouting, so a new field is compared without editing this test.
 ROUTING_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceRouting) if f.type == "Tensor")
@@ -149,7 +149,7 @@ def test_bad_host_positions_name_the_problem(host_positions, message):
 def test_shard_rows_keeps_trailing_dims(per_row):
     """shard_rows on ``[B, L, ...]`` (logits, hidden states) picks the same tokens as on
     ``[B, L]``, with one shared order or one order per row (PTRR)."""
-    from torchtitan_cp.trainer.sequence import shard_rows
+    from torchtitan_cp.models.sequence import shard_rows
 
     bsz, seqlen, world = 2, 8, 2
     gen = torch.Generator().manual_seed(0)

@@ -62,7 +62,7 @@ def _tp_model(rank: int, world: int, pattern: str) -> dict[str, dict[str, float]
     from torchtitan_cp.models.hybrid.layers import LayerOptions
     from torchtitan_cp.models.hybrid.parallelize import apply_tensor_parallel
     from torchtitan_cp.models.mixers.mamba2 import Mamba2Options
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("cp", "tp"))
     torch.manual_seed(0)

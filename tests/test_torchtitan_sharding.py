@@ -19,8 +19,8 @@ def _compare(rank: int, world: int, balancer: str, bsz: int, seqlen: int) -> boo
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.context_parallel.api import cp_shard
 
-    from torchtitan_cp.data.host_metadata import HostMetadata
-    from torchtitan_cp.trainer.sequence import SequencePreprocessor
+    from torchtitan_cp.models.sequence import SequencePreprocessor
+    from torchtitan_cp.routing.host_metadata import HostMetadata
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     positions = positions_from_lengths(bsz, seqlen, [37, 5, 90, 1, 12, 64])

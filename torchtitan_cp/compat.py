@@ -30,9 +30,8 @@ _APPLIED = False
 # torch.distributed.fsdp, dist.set_timeout, FSDP over the spmd_types mesh). On torch 2.11-2.13 the
 # shims below let it run one process (FSDP and CP degree 1, the GPU machine's configuration);
 # anything needing more is refused by ``check_trainer_torch``. routing/, ops/, models/ (but for
-# qwen35/ and hybrid/parallelize.py), data/host_metadata.py, trainer/sequence.py and
-# trainer/compile.py need only torch >= 2.11 (scripts/gpu_imports.py checks it; the GPU image
-# check runs them on 2.11.0).
+# qwen35/ and hybrid/parallelize.py) and trainer/compile.py need only torch >= 2.11
+# (scripts/gpu_imports.py checks it; the GPU image check runs them on 2.11.0).
 TRAINER_TORCH_FLOOR = (2, 14)
 LIBRARY_TORCH_FLOOR = (2, 11)
 

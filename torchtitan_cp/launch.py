@@ -308,7 +308,7 @@ def stopped_line(signum: int, info_file: str) -> str:
             folder = json.load(f)["checkpoint_folder"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"{head} before they started training: rerun the same command to start"
-    from torchtitan_cp.run.checkpoint import scan_steps
+    from torchtitan_cp.run.resume import scan_steps
     from torchtitan_cp.run.spike_guard import resume_hint
 
     complete = [s.step for s in scan_steps(folder) if s.complete] if folder is not None else []

@@ -35,7 +35,7 @@ from torchtitan.hf_datasets.text_datasets import (
 )
 
 from torchtitan_cp.data import jsonl
-from torchtitan_cp.data.host_metadata import HOST_METADATA_KEY, HostMetadata, pop_host_metadata
+from torchtitan_cp.routing.host_metadata import HOST_METADATA_KEY, HostMetadata, pop_host_metadata
 
 __all__ = [
     "ASSETS_DIR",
@@ -201,6 +201,11 @@ class PackedTextDataLoader(HuggingFaceTextDataLoader):
     class Config(HuggingFaceTextDataLoader.Config):
         dataset: str = "bundled"
         """Name in torchtitan's dataset table: bundled, bundled_validation, jsonl, c4, ..."""
+
+        dataset_path: str | None = None
+        """Where the dataset is read: a .jsonl file for jsonl (bundled and bundled_validation
+        read their own file when unset), a Hugging Face dataset path or local folder for the
+        others (c4: allenai/c4 when unset)."""
 
         host_metadata: bool = True
         """Attach ``input_dict["host_metadata"]``; off gives torchtitan's plain batches."""

@@ -1,28 +1,42 @@
-"""Per-microbatch sequence metadata handed to every mixing layer of the decoder."""
+"""Per-microbatch sequence metadata handed to every mixing layer of the decoder.
+
+``SequenceContext`` is what the layers read; ``models.sequence`` builds it (the one builder, from
+the microbatch's layout), and the attention CP modes it is built for are named here.
+"""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch.nn.attention.flex_attention import BlockMask
 
-from torchtitan_cp.ops import flex_document_mask, pass_kv_handle
-from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
 from torchtitan_cp.ops.cp.driver import context_parallel_recurrence, local_tables
 from torchtitan_cp.ops.cp.recurrence import Recurrence, run_local
-from torchtitan_cp.routing import (
-    DevicePassKV,
-    DeviceRouting,
-    RoutingCaps,
-    RoutingPlan,
-    cu_seqlens_from_positions,
-    row_document_index,
-)
+from torchtitan_cp.routing import DevicePassKV, DeviceRouting
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "ATTENTION_CP_MODES",
+    "DEFAULT_ATTENTION_CP",
+    "AttentionCP",
+    "SequenceContext",
+    "check_attention_cp",
+]
+
+AttentionCP = Literal["all_gather", "pass_kv"]
+"""How softmax attention's keys/values cross CP ranks (``[model] attention_cp``): gathered
+whole, or passed point to point over the pass-KV schedule the context then carries
+(``models/blocks/attention_cp.py``)."""
+ATTENTION_CP_MODES = ("all_gather", "pass_kv")
+DEFAULT_ATTENTION_CP: AttentionCP = "all_gather"
+
+
+def check_attention_cp(mode: str) -> None:
+    """A ValueError naming ``model.attention_cp`` for an unknown mode."""
+    if mode not in ATTENTION_CP_MODES:
+        raise ValueError(f"model.attention_cp must be one of {ATTENTION_CP_MODES}, got {mode!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,82 +84,3 @@ class SequenceContext:
         else:
             o, _ = run_local(rec, inputs, local_tables(self.routing))
         return o
-
-
-def build_sequence_context(
-    plan: RoutingPlan,
-    device: torch.device | str,
-    group: dist.ProcessGroup | None,
-    *,
-    source: str = "host",
-    conv_history: int = 3,
-    block_mask: BlockMask | None = None,
-    caps: RoutingCaps | None = None,
-    pass_kv: bool = False,
-) -> SequenceContext:
-    """Materialise ``plan`` on ``device``: the routing plus per-token global and document ids.
-
-    Every call creates new device tensors (copied non-blocking from host memory), so no two
-    microbatches share routing storage. ``caps`` pads the routing to layout-independent shapes
-    (what a compiled model needs to avoid recompiling per layout). ``pass_kv`` adds the plan's
-    pass-KV attention schedule (cached with the plan) and its device ids, when CP is on.
-    """
-    # Chunk tables for fla's kernels come with the routing (no host sync inside fla).
-    routing = plan.to_device(
-        device, conv_history=conv_history, caps=caps, chunk_size=FLA_CHUNK_SIZE
-    )
-    subs = plan.subsequences
-    lengths = subs[:, 2] - subs[:, 1]
-    local_starts = plan.cu_seqlens[:-1]
-    doc_ids = torch.repeat_interleave(subs[:, 0], lengths)
-    token_ids = torch.repeat_interleave(subs[:, 1] - local_starts, lengths) + torch.arange(
-        plan.num_tokens, dtype=torch.int64
-    )
-    ids = torch.stack([token_ids, doc_ids])
-    if torch.device(device).type == "cuda":
-        ids = ids.pin_memory()
-    ids = ids.to(device, non_blocking=True)
-    schedule = handle = None
-    if pass_kv and plan.world_size > 1:
-        schedule = plan.pass_kv.to_device(device, ids[0], ids[1])
-        handle = pass_kv_handle(schedule)
-    return SequenceContext(
-        routing=routing, group=group, token_ids=ids[0], doc_ids=ids[1], source=source,
-        block_mask=block_mask, pass_kv=schedule, pass_kv_handle=handle,
-    )  # fmt: skip
-
-
-_warned_no_host_metadata = False
-
-
-def context_from_device_positions(
-    tokens: torch.Tensor, positions: torch.Tensor | None, *, flex_mask: bool = False
-) -> SequenceContext:
-    """Single-rank context for a direct model call that brings no ``SequenceContext``.
-
-    Documents come from ``positions`` (a document starts where ``positions == 0`` and at every
-    row start); without positions each row is one document. Reading device positions back
-    blocks the host, so this warns once per process. ``flex_mask`` adds the document
-    ``BlockMask`` flex attention layers need.
-    """
-    global _warned_no_host_metadata
-    bsz, seqlen = tokens.shape
-    if positions is None:
-        cu = list(range(0, bsz * seqlen + 1, seqlen))
-    else:
-        if not _warned_no_host_metadata:
-            logger.warning(
-                "HybridDecoder called without a SequenceContext: deriving document boundaries "
-                "from device positions (a device->host copy per forward). Pass host metadata "
-                "to avoid it."
-            )
-            _warned_no_host_metadata = True
-        cu = cu_seqlens_from_positions(positions)
-    plan = RoutingPlan.build(cu, [[(0, bsz * seqlen)]], 0)
-    mask = None
-    if flex_mask:
-        rows = positions if positions is not None else torch.ones_like(tokens)
-        mask = flex_document_mask(row_document_index(rows))
-    return build_sequence_context(
-        plan, tokens.device, None, source="device_readback", block_mask=mask
-    )

@@ -119,7 +119,7 @@ def checked_weight_files(root: Path) -> tuple[list[Path], dict[str, str] | None]
         files = sorted(root.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{root}: no *.safetensors weights (and no {INDEX})")
-    from torchtitan_cp.run.checkpoint import safetensors_problem  # checkpoint files' own check
+    from torchtitan_cp.run.manifest import safetensors_problem  # checkpoint files' own check
 
     for file in files:
         problem = safetensors_problem(file)

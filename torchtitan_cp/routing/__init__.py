@@ -15,6 +15,7 @@ from .cache import PlanCache
 from .chunks import chunk_bound, chunk_indices, chunk_offsets, chunk_tables
 from .device import DeviceRouting, RoutingCaps, RoutingCapsExceeded
 from .documents import document_mask_mod, row_document_index
+from .host_metadata import HostMetadata
 from .layouts import (
     FragmentTable,
     contiguous_fragments,
@@ -28,7 +29,7 @@ from .layouts import (
 )
 from .pass_kv import DevicePassKV, PassKVPairs, PassKVRound, PassKVSchedule, pass_kv_pairs
 from .plan import RoutingPlan
-from .sources import Layout, host_layout, readback_layout
+from .sources import Layout, documents_layout, host_layout, readback_layout
 
 __all__ = [
     "BALANCER_KEY",
@@ -40,7 +41,9 @@ __all__ = [
     "register",
     "document_mask_mod",
     "row_document_index",
+    "documents_layout",
     "host_layout",
+    "HostMetadata",
     "readback_layout",
     "DevicePassKV",
     "DeviceRouting",

@@ -19,12 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
-import torch
-
 from .balancers import balancer_names, get_balancer
 from .layouts import FragmentTable, format_fragments, parse_fragments
 from .plan import RoutingPlan
-from .sources import host_layout
+from .sources import documents_layout
 
 __all__ = ["explain", "layout_from_documents", "main", "plot_layout"]
 
@@ -60,7 +58,7 @@ def layout_from_documents(
     are packed, in order, into rows of ``seq_len`` tokens (default: one row of all of them) and
     sharded over ``world`` CP ranks by ``balancer`` (a name of ``routing.balancers``; PTRR in
     blocks of ``ptrr_block_size``), exactly as training's host source does
-    (``routing.sources.host_layout``). A document that crosses a row end goes on as a new
+    (``routing.sources.documents_layout``). A document that crosses a row end goes on as a new
     document at the next row's start (every row start is a document start). Bad input is one
     ``ValueError`` line naming the option."""
     lens = list(doc_lens)
@@ -88,19 +86,7 @@ def layout_from_documents(
     except ValueError as err:
         where = "--seq-len" if seq_len is not None else "the sum of --doc-lens"
         raise ValueError(f"{where} ({row}) at --world {world}: {err}") from None
-    # Position of token t: its offset from the later of its document's start and its row's.
-    tokens = torch.arange(total)
-    starts = torch.repeat_interleave(
-        torch.cumsum(torch.tensor([0, *lens[:-1]]), 0), torch.tensor(lens)
-    )
-    positions = (tokens - torch.maximum(starts, tokens - tokens % row)).view(total // row, row)
-    layout = host_layout(
-        positions,
-        load_balancer=balancer_,
-        world_size=world,
-        device="cpu",
-        block_size=ptrr_block_size,
-    )
+    layout = documents_layout(lens, world, balancer_, seq_len=row, block_size=ptrr_block_size)
     return layout.cu_seqlens.tolist(), layout.fragments
 
 

@@ -5,11 +5,13 @@ rearrange index that shards the device batch. ``host_layout`` reads only CPU ten
 the load balancer (``routing.balancers``) on the CPU (PTRR from the host document boundaries).
 ``readback_layout`` is the legacy path: it reads the device positions and the device
 load-balancer permutation back (one copy for all ranks), reporting each copy to ``on_readback``.
+``documents_layout`` is the host path for documents given by their lengths (the routing CLI,
+benchmarks, tests): any balancer of the registry, by its config name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +85,36 @@ def host_layout(
             index = index.pin_memory()
         index = index.to(device, non_blocking=True)
     return Layout(cu, fragments, index)
+
+
+def documents_layout(
+    doc_lens: Sequence[int],
+    world_size: int,
+    load_balancer: str | LoadBalancer = "contiguous",
+    *,
+    seq_len: int | None = None,
+    block_size: int = 128,
+) -> Layout:
+    """The layout of documents of ``doc_lens`` tokens packed, in order, into rows of ``seq_len``
+    tokens (default: one row of all of them) and sharded over ``world_size`` CP ranks by
+    ``load_balancer`` (a balancer or its config name in ``routing.balancers``; PTRR in blocks of
+    ``block_size``), exactly as training's host source does (``host_layout`` of their
+    positions). A document that crosses a row end goes on as a new document at the next row's
+    start (every row start is a document start). ``sum(doc_lens)`` must fill whole rows."""
+    lens = torch.as_tensor(list(doc_lens), dtype=torch.int64)
+    total = int(lens.sum())
+    row = total if seq_len is None else seq_len
+    # Position of token t: its offset from the later of its document's start and its row's.
+    tokens = torch.arange(total)
+    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    positions = (tokens - torch.maximum(starts, tokens - tokens % row)).view(total // row, row)
+    return host_layout(
+        positions,
+        load_balancer=load_balancer,
+        world_size=world_size,
+        device="cpu",
+        block_size=block_size,
+    )
 
 
 def readback_layout(

@@ -20,15 +20,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from torchtitan_cp.run.checkpoint import (
-    ResumePlan,
-    broadcast,
-    check_writable,
-    control_group,
-    on_rank0,
-    plan_resume,
-)
+from torchtitan_cp.run.control import broadcast, control_group, on_rank0
 from torchtitan_cp.run.lock import RunLock, new_run_id
+from torchtitan_cp.run.resume import ResumePlan, check_writable, plan_resume
 
 HEADER_KEY = "run_header"
 SUPERSEDED_SUFFIX = ".superseded.jsonl"

@@ -1,15 +1,17 @@
 """The hybrid-model trainer: torchtitan's ``Trainer`` with CP routing built per microbatch.
 
 What changes against torchtitan 0.3.0's trainer:
-* ``post_dataloading_process`` pops the batch's ``HostMetadata`` and hands the batch to one
-  ``SequencePreprocessor`` (shared with the validator) that shards it for this CP rank and builds
-  the microbatch's ``SequenceContext``; the model gets ``positions`` and ``seq_ctx``.
+* ``post_dataloading_process`` hands the batch to one ``SequencePreprocessor``
+  (``models.sequence``, shared with the validator) in one call: it takes the batch's
+  ``HostMetadata`` out, shards the batch for this CP rank and builds the microbatch's
+  ``SequenceContext``; the model gets ``positions`` and ``seq_ctx``.
 * ``train_step`` moves batches to the device pinned and ``non_blocking`` and takes the
   valid-token count from the loader's host metadata: no synchronisation outside log steps.
 * ``[model]`` (a ``ModelRecipe``) is the single source of the model spec.
-* Metrics add ``routing/*`` counters, a JSONL file and optional parameter checksums.
+* Metrics add ``routing/*`` counters, a JSONL file and optional parameter checksums
+  (``trainer.metrics``).
 * Runs hold their dump folder (``run.start.start_run``: lock, verified resume plan), checkpoints carry
-  sha256 manifests (``run.checkpoint.HybridCheckpointManager``), and an optional loss-spike guard
+  sha256 manifests (``run.checkpoint.HybridCheckpointManager``, ``run.manifest``), and an optional loss-spike guard
   acts before the optimizer step (``run.spike_guard``).
 
 The torchtitan 0.3.0 shims (``compat.apply``) are applied by the entry point before torchtitan's
@@ -18,30 +20,18 @@ trainer code runs, and again (idempotent) when a ``HybridTrainer`` is built.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import netrc
-import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any, cast
-from urllib.parse import urlparse
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
-from torchtitan.components.metrics import (
-    BaseLogger,
-    LoggerContainer,
-    MetricsProcessor,
-    _get_metrics_rank,
-)
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.components.validate import Validator
-from torchtitan.config import DebugConfig as _TitanDebugConfig
+from torchtitan.config import CompileConfig as _TitanCompileConfig
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.observability import structured_logger as sl
@@ -49,13 +39,10 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from torchtitan_cp import compat
-from torchtitan_cp.data.host_metadata import HOST_METADATA_KEY, HostMetadata
-from torchtitan_cp.data.loader import (
-    PackedTextDataLoader,
-    PackedValidationDataLoader,
-    pop_host_metadata,
-)
+from torchtitan_cp.data.loader import PackedTextDataLoader, PackedValidationDataLoader
 from torchtitan_cp.models.recipe import ModelRecipe
+from torchtitan_cp.models.sequence import SequencePreprocessor
+from torchtitan_cp.routing.host_metadata import HOST_METADATA_KEY, HostMetadata
 from torchtitan_cp.run.checkpoint import HybridCheckpointManager
 from torchtitan_cp.run.spike_guard import (
     SpikeGuard,
@@ -63,191 +50,26 @@ from torchtitan_cp.run.spike_guard import (
     non_finite_error,
     resume_hint,
 )
-from torchtitan_cp.run.start import (
-    HEADER_KEY,
-    RunContext,
-    repair_jsonl,
-    run_header,
-    start_run,
-    supersede_rows,
-)
+from torchtitan_cp.run.start import RunContext, run_header, start_run
 from torchtitan_cp.trainer.compile import CAP_KEYS, check_compile, compile_counters
 from torchtitan_cp.trainer.config import LinearAttentionConfig
-from torchtitan_cp.trainer.sequence import SequencePreprocessor
+from torchtitan_cp.trainer.metrics import (
+    DebugConfig,
+    HybridMetricsProcessor,
+    tensors_sha256,
+)
 from torchtitan_cp.trainer.validate import check_model
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
 @dataclass(kw_only=True, slots=True)
-class DebugConfig(_TitanDebugConfig):
-    param_checksums: bool = False
-    """Log ``params_sha256`` (every parameter after the optimizer step, gathered to rank 0)
-    and ``grads_sha256`` (the step's gradients) at each log step, to compare runs bit for bit."""
+class CompileConfig(_TitanCompileConfig):
+    """torchtitan's ``[compile]``, its backend documented."""
 
-
-def tensors_sha256(model_parts: list[torch.nn.Module], *, grads: bool) -> str:
-    """SHA-256 over every parameter's (or its gradient's) full value, in name order.
-    Collective under FSDP: every rank must call it."""
-    h = hashlib.sha256()
-    for part in model_parts:
-        for name, p in sorted(part.named_parameters(), key=lambda kv: kv[0]):
-            t = p.grad if grads else p
-            if t is None:
-                continue
-            t = t.full_tensor() if isinstance(t, DTensor) else t
-            h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-class JsonlLogger(BaseLogger):
-    """One JSON object per log call in ``<dump_folder>/metrics.jsonl``; floats at full
-    precision (``json`` writes ``repr``), for scripts and bitwise comparisons. ``start_run``
-    moves rows past the resume step aside and writes the run's header line (see runs.py)."""
-
-    ALIASES = {
-        "loss_metrics/global_avg_loss": "loss",
-        "grad_norm": "grad_norm",
-        "throughput(tps)": "tokens_per_s",
-        "validation_metrics/loss": "validation_loss",
-    }
-
-    def __init__(self, path: str) -> None:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self.path = path
-        # Opened by start_run (or the first log), after the checkpoint load.
-        self._f: IO[str] | None = None
-
-    def start_run(self, header: dict[str, Any], resumed_from: int) -> None:
-        repaired = repair_jsonl(self.path, header[HEADER_KEY]["run_id"])
-        if repaired:
-            logger.warning(repaired)
-        moved = supersede_rows(self.path, resumed_from)
-        if moved:
-            logger.info(
-                f"Moved {moved} rows past step {resumed_from} from {self.path} to its "
-                ".superseded.jsonl: this run replaces them"
-            )
-        self._open().write(json.dumps(header) + "\n")
-
-    def _open(self) -> IO[str]:
-        if self._f is None:
-            self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - kept open for the run
-        return self._f
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        row: dict[str, Any] = {"step": step}
-        for k, v in metrics.items():
-            if k in self.ALIASES:
-                row[self.ALIASES[k]] = v
-            if k.startswith("lr"):
-                row.setdefault("lr", v)
-            row[k] = v
-        self._open().write(json.dumps(row) + "\n")
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-
-
-def _has_wandb_credentials() -> bool:
-    """Whether wandb will find credentials: the environment, a netrc entry for its host, or an
-    api_key in wandb's settings file (the places ``wandb login`` writes)."""
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
-    home = Path("~").expanduser()
-    candidates = [os.environ.get("NETRC", ""), home / ".netrc", home / "_netrc"]
-    for path in filter(None, candidates):
-        if Path(path).is_file():
-            try:
-                if netrc.netrc(str(path)).authenticators(host):
-                    return True
-            except (netrc.NetrcParseError, OSError):
-                return True  # wandb reads it its own way: do not second-guess
-    config_dir = Path(os.environ.get("WANDB_CONFIG_DIR", home / ".config" / "wandb"))
-    try:
-        return "api_key" in (config_dir / "settings").read_text()
-    except OSError:
-        return False
-
-
-def wandb_offline_fallback(offline_runs: str) -> str | None:
-    """With wandb logging online but no credentials, set ``WANDB_MODE=offline`` (wandb would
-    otherwise prompt or fail inside the run) and return the line saying so and how to upload
-    the run later (``offline_runs``: where its offline runs land); None when nothing changes."""
-    if os.environ.get("WANDB_MODE", "online") not in ("online", "run", ""):
-        return None
-    if _has_wandb_credentials():
-        return None
-    os.environ["WANDB_MODE"] = "offline"
-    return (
-        "wandb: no credentials (WANDB_API_KEY, `wandb login` or a netrc entry): logging "
-        f"offline instead; upload the run later with `wandb sync {offline_runs}`"
-    )
-
-
-class HybridMetricsProcessor(MetricsProcessor):
-    """torchtitan's metrics plus metrics.jsonl and the extra metrics the trainer supplies."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(MetricsProcessor.Config):
-        jsonl_file: str = "metrics.jsonl"
-        """File under dump_folder written by the metrics rank; empty string disables it."""
-
-        wandb_mode: str = ""
-        """WANDB_MODE for this run ("offline" leaves a run to `wandb sync` later); empty keeps
-        the environment's setting."""
-
-    def __init__(self, config: Config, **kwargs: Any) -> None:
-        dump_folder = kwargs.get("dump_folder", "./outputs")
-        rank = _get_metrics_rank(
-            parallel_dims=kwargs["parallel_dims"], pp_schedule=kwargs.get("pp_schedule", "1F1B")
-        )
-        if config.enable_wandb:
-            if config.wandb_mode:
-                os.environ["WANDB_MODE"] = config.wandb_mode
-            runs = os.path.join(dump_folder, config.save_tb_folder, "*", "wandb", "offline-run-*")
-            line = wandb_offline_fallback(runs)
-            if line and dist.get_rank() == rank:
-                logger.warning(line)
-        super().__init__(config, **kwargs)
-        self.extra_metrics_fn = None
-        self.validation_metrics_fn = None
-        self.jsonl: JsonlLogger | None = None
-        if config.jsonl_file and dist.get_rank() == rank:
-            container = LoggerContainer()
-            container.add_logger(self.logger)
-            self.jsonl = JsonlLogger(os.path.join(dump_folder, config.jsonl_file))
-            container.add_logger(self.jsonl)
-            self.logger = container
-
-    def start_run(self, header: dict[str, Any], resumed_from: int) -> None:
-        """A new run in metrics.jsonl: earlier rows past ``resumed_from`` move aside, then the
-        run's header line (no-op off the metrics rank)."""
-        if self.jsonl is not None:
-            self.jsonl.start_run(header, resumed_from)
-
-    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        extra = dict(extra_metrics or {})
-        if self.extra_metrics_fn is not None:
-            extra.update(self.extra_metrics_fn())
-        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
-        if "routing/source" in extra:
-            logger.info(
-                f"step: {step:2}  routing: {extra['routing/source']}  "
-                f"readbacks: {extra['routing/readbacks']}  "
-                f"build: {extra['routing/build_ms']:.2f}ms  "
-                f"cache: {extra['routing/cache_hits']} hits / {extra['routing/cache_misses']} "
-                f"misses / {extra['routing/cache_evictions']} evictions"
-            )
-
-    def log_validation(self, loss, step, extra_metrics=None):
-        extra = dict(extra_metrics or {})
-        if self.validation_metrics_fn is not None:
-            extra.update(self.validation_metrics_fn())
-        super().log_validation(loss, step, extra_metrics=extra)
+    backend: str = "inductor"
+    """torch.compile backend, a name of torch._dynamo.list_backends() (inductor, aot_eager,
+    eager, ...); another is an error before launch."""
 
 
 class HybridValidator(Validator):
@@ -264,7 +86,7 @@ class HybridValidator(Validator):
 
     def post_dataloading_process(self, input_dict, labels, model_parts):
         assert self.sequence is not None, "HybridTrainer sets the validator's preprocessor"
-        return _preprocess(self.sequence, input_dict, labels)
+        return self.sequence.preprocess(input_dict, labels)
 
 
 def _host_valid_tokens(input_dict: dict[str, Any], labels: torch.Tensor) -> int:
@@ -274,19 +96,6 @@ def _host_valid_tokens(input_dict: dict[str, Any], labels: torch.Tensor) -> int:
     if isinstance(host, HostMetadata) and host.valid_tokens is not None:
         return host.valid_tokens
     return int((labels != IGNORE_INDEX).sum())
-
-
-def _preprocess(
-    sequence: SequencePreprocessor, input_dict: dict[str, Any], labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    host = pop_host_metadata(input_dict)
-    unknown = sorted(set(input_dict) - {"input", "positions"})
-    if unknown:
-        raise ValueError(f"batch has keys the hybrid model does not take: {unknown}")
-    inputs, labels, positions, ctx = sequence(
-        input_dict["input"], labels, input_dict.get("positions"), host
-    )
-    return inputs, labels, {"positions": positions, "seq_ctx": ctx}
 
 
 def _persist_fla_autotune(setting: str) -> None:
@@ -310,6 +119,7 @@ class HybridTrainer(Trainer):
         linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
         # Narrower config types than the parent's fields (the subclasses this recipe builds).
         debug: DebugConfig = field(default_factory=DebugConfig)  # pyrefly: ignore[bad-override-mutable-attribute]
+        compile: CompileConfig = field(default_factory=CompileConfig)  # pyrefly: ignore[bad-override-mutable-attribute]
         metrics: HybridMetricsProcessor.Config = field(  # pyrefly: ignore[bad-override-mutable-attribute]
             default_factory=HybridMetricsProcessor.Config
         )
@@ -448,7 +258,7 @@ class HybridTrainer(Trainer):
         return resume_hint(ckpt.folder, ckpt.newest_step)
 
     def post_dataloading_process(self, input_dict, labels):
-        inputs, labels, extra = _preprocess(self.sequence, input_dict, labels)
+        inputs, labels, extra = self.sequence.preprocess(input_dict, labels)
         # Count after CP sharding so ntokens reflects what this rank processes.
         self.ntokens_seen += labels.numel()
         if torch.is_grad_enabled():  # training, not validation

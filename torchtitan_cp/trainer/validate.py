@@ -14,15 +14,14 @@ import importlib.util
 import json
 import math
 import os
-import tempfile
 from typing import Any
 
 from torchtitan_cp import compat
 from torchtitan_cp.data import jsonl
-from torchtitan_cp.models import HybridDecoder, recipe_model_spec
-from torchtitan_cp.models.hybrid.layers import check_backend, check_tensor_parallel
+from torchtitan_cp.models.recipe import recipe_model, recipe_model_spec
 from torchtitan_cp.ops import check_flex_shape
 from torchtitan_cp.routing import get_balancer
+from torchtitan_cp.run.paths import existing_parent, probe_write
 from torchtitan_cp.trainer.config import ConfigError
 
 __all__ = [
@@ -92,11 +91,6 @@ def _dp_degree(config: Any, world_size: int) -> int:
         f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}: this recipe has "
         "no pipeline parallelism (torchtitan bans packed documents with PP); set it to 1",
     )
-    if p.expert_parallel_degree > 1 and config.model.name == "hybrid":
-        raise ConfigError(
-            f"parallelism.expert_parallel_degree = {p.expert_parallel_degree}: the hybrid "
-            "decoder has no experts; set it to 1"
-        )
     shard = p.data_parallel_shard_degree
     tp = p.tensor_parallel_degree
     others = p.data_parallel_replicate_degree * p.context_parallel_degree * tp
@@ -344,14 +338,11 @@ def _probe_writable(folder: str, key: str) -> None:
     """``folder`` exists and takes a new file, or can be created (its nearest existing parent
     takes one). Probes with a real file: ``os.access`` says yes to root on read-only mounts."""
     path = os.path.abspath(folder)
-    probe = path
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
+    probe = existing_parent(path)
     if not os.path.isdir(probe):
         raise ConfigError(f"{key} {folder}: {probe} is a file, not a folder; choose another path")
     try:
-        with tempfile.TemporaryFile(dir=probe, prefix=".write-probe-"):
-            pass
+        probe_write(probe)
     except OSError as e:
         where = "" if probe == path else f" (its parent {probe} cannot be written)"
         raise ConfigError(
@@ -533,67 +524,19 @@ def validate(
 
 
 def check_model(config: Any) -> tuple[Any, bool]:
-    """Build ``[model]``'s spec and check it against the run's parallelism and device; returns
-    ``(spec, flex)``. Every problem is a one-line ConfigError naming the key."""
+    """Build ``[model]``'s spec and check it against the run's parallelism and device (the
+    model's own ``RecipeModel.check``, and its HF folder when the run starts from one);
+    returns ``(spec, flex)``. Every problem is a one-line ConfigError naming the key."""
     _check_degrees(config.parallelism)  # the model checks below divide by them
     try:
+        entry = recipe_model(config.model.name)
         spec = recipe_model_spec(config.model)
+        entry.check(spec.model, config)
+        ckpt = config.checkpoint
+        if ckpt.enable and ckpt.initial_load_in_hf and entry.hf is not None:
+            spec = entry.hf.read(spec, ckpt.initial_load_path or config.hf_assets_path)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if isinstance(spec.model, HybridDecoder.Config):
-        try:  # every kind of the pattern has the linear-attention backend asked for
-            check_backend(spec.model.layer_pattern, config.linear_attention.backend)
-            # every kind can shard its heads over TP
-            check_tensor_parallel(spec.model, config.parallelism.tensor_parallel_degree)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if spec.model.enable_weight_tying and config.parallelism.tensor_parallel_degree > 1:
-            raise ConfigError(
-                "model.enable_weight_tying cannot be combined with parallelism."
-                "tensor_parallel_degree > 1 (the embedding is row-sharded, the LM head "
-                "column-sharded); set one of them off"
-            )
-    if config.model.name == "qwen3_5":
-        from torchtitan_cp.models.qwen35.model import check_qwen35_parallelism
-
-        try:
-            check_qwen35_parallelism(spec.model, config.parallelism)
-            ckpt = config.checkpoint
-            if ckpt.enable and ckpt.initial_load_in_hf:
-                from torchtitan_cp.models.qwen35.hf import check_hf_folder
-
-                check_hf_folder(ckpt.initial_load_path or config.hf_assets_path, spec.model)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    if config.model.name == "kimi_linear":
-        from torchtitan_cp.models.kimi_linear.model import check_kimi_linear_parallelism
-
-        try:
-            check_kimi_linear_parallelism(spec.model, config.parallelism)
-            if config.compile.enable and "model" in config.compile.components:
-                raise ValueError(
-                    "compile.enable is not supported for model.name = 'kimi_linear' yet (torch's "
-                    "grouped matmul of its float32 experts has no float32 fake kernel, so the MoE "
-                    "blocks do not trace; bfloat16 is not checked); set it false"
-                )
-            ckpt = config.checkpoint
-            if ckpt.enable and ckpt.initial_load_in_hf:
-                import dataclasses
-                import functools
-
-                from torchtitan_cp.models.kimi_linear.hf import check_hf_folder
-
-                prefix = check_hf_folder(
-                    ckpt.initial_load_path or config.hf_assets_path, spec.model
-                )
-                # the adapter writes the names this folder uses for its dense feed-forward
-                assert spec.state_dict_adapter is not None
-                # pyrefly: ignore[unexpected-keyword]  (Kimi's adapter takes it; typed as the base)
-                adapter = functools.partial(spec.state_dict_adapter, dense_prefix=prefix)
-                # pyrefly: ignore[bad-argument-type]  (a partial of the adapter class builds it)
-                spec = dataclasses.replace(spec, state_dict_adapter=adapter)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
     return spec, check_attention_backend(config, spec.model)
 
 

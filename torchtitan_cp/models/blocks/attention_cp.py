@@ -6,6 +6,8 @@ attention layer of the recipe (the hybrid decoder's and Qwen3.5's).
 ``ops.pass_kv_attention``, each rank keeps its own K/V and blocks travel point to point between
 the ranks whose documents meet, over the host-planned schedule the ``SequenceContext`` carries;
 the per-pair kernel is plain math on sdpa, flex on flex (docs/cp.md, "Pass-KV attention").
+The modes themselves are named beside ``SequenceContext`` (``models.context``), which the
+preprocessor builds for them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from typing import Literal
 
 import torch
 
-from torchtitan_cp.models.context import SequenceContext
+from torchtitan_cp.models.context import (
+    ATTENTION_CP_MODES,
+    DEFAULT_ATTENTION_CP,
+    AttentionCP,
+    SequenceContext,
+    check_attention_cp,
+)
 from torchtitan_cp.ops import pass_kv_attention_op
 
 __all__ = [
@@ -24,16 +32,6 @@ __all__ = [
     "check_attention_cp",
     "routed_pass_kv",
 ]
-
-AttentionCP = Literal["all_gather", "pass_kv"]
-ATTENTION_CP_MODES = ("all_gather", "pass_kv")
-DEFAULT_ATTENTION_CP: AttentionCP = "all_gather"
-
-
-def check_attention_cp(mode: str) -> None:
-    """A ValueError naming ``model.attention_cp`` for an unknown mode."""
-    if mode not in ATTENTION_CP_MODES:
-        raise ValueError(f"model.attention_cp must be one of {ATTENTION_CP_MODES}, got {mode!r}")
 
 
 def routed_pass_kv(

@@ -77,23 +77,24 @@ class DocumentFlexAttention(FlexAttention):
         return out.transpose(1, 2)
 
 
-def apply_flex_context_parallel(
-    model: nn.Module, cp_mesh: DeviceMesh, layer_type: type[nn.Module]
-) -> int:
-    """torchtitan's CP path for flex attention: wrap every flex attention layer of
-    ``layer_type`` (a module with ``backend``, ``cp_mode``, ``flex`` and ``flex_cp``; the hybrid
-    decoder's ``SoftmaxAttention``, Qwen3.5's ``RoutedInnerAttention``) so it all-gathers K/V
-    over ``cp_mesh`` (its queries and mask stay this rank's). Returns the number of layers
-    wrapped; layers on the sdpa backend gather K/V themselves, pass-KV layers pass them."""
+def apply_flex_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
+    """torchtitan's CP path for flex attention: wrap the flex attention of every attention
+    router of ``model`` (``blocks.routed_attention.RoutedInnerAttention``, the module holding a
+    ``DocumentFlexAttention`` as ``flex``; the hybrid decoder's, Qwen3.5's) on the all-gather CP
+    path so it all-gathers K/V over ``cp_mesh`` (its queries and mask stay this rank's). Returns
+    the number of layers wrapped; layers on the sdpa backend gather K/V themselves, pass-KV
+    layers pass them."""
     # torchtitan's CP module needs torch >= 2.14 (the model itself runs on 2.11).
     from torchtitan.distributed.context_parallel import apply_cp_to_forward
 
-    # Any: the layer types share these attributes, not a base class.
-    candidates: list[Any] = [
-        m for m in model.modules() if isinstance(m, layer_type) and m.cp_mode == "all_gather"
+    # Any: the router, found by what it holds (it imports this module).
+    routers: list[Any] = [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "flex", None), DocumentFlexAttention) and m.cp_mode == "all_gather"
     ]
     layers = [
-        m for m in candidates if resolve_attention_backend(m.backend, cp_mesh.device_type) == "flex"
+        m for m in routers if resolve_attention_backend(m.backend, cp_mesh.device_type) == "flex"
     ]
     if layers:
         apply_cp_to_forward([m.flex for m in layers], cp_mesh)

@@ -1,9 +1,11 @@
-"""torchtitan attention modules over this recipe's routing: the per-layer metadata that carries
-the microbatch's ``SequenceContext`` where upstream passes its ``VarlenMetadata``, and the
-``inner_attention`` that reads it (flex, sdpa, or pass-KV under context parallelism).
-
-Shared by the models built on torchtitan's own decoders (``models.qwen35``,
-``models.kimi_linear``)."""
+"""The one attention router of the recipe: ``RoutedInnerAttention``, the ``inner_attention`` of
+every softmax attention layer (the hybrid decoder's ``SoftmaxAttention``, Qwen3.5's gated
+attention, Kimi Linear's MLA), which picks per call how the layer's queries meet the keys and
+values over the microbatch's ``SequenceContext``: pass-KV under context parallelism with
+``[model] attention_cp = "pass_kv"``, else flex (the document ``BlockMask``) or sdpa (the
+all-gather CP op), as ``[model] attention_backend`` says. And the per-layer metadata that
+carries the context where upstream passes its ``VarlenMetadata`` (the models built on
+torchtitan's own decoders: ``models.qwen35``, ``models.kimi_linear``)."""
 
 from __future__ import annotations
 
@@ -69,13 +71,15 @@ def seq_ctx_of(masks: Any, where: str) -> SequenceContext:
 
 
 class RoutedInnerAttention(Module):
-    """The ``inner_attention`` of torchtitan's attention modules (Qwen3.5's gated attention,
-    DeepSeek-V3's MLA in Kimi Linear) over the packed documents of the microbatch.
+    """The ``inner_attention`` of the recipe's softmax attention layers, as torchtitan's
+    attention modules hold one, over the packed documents of the microbatch.
 
     In/out ``[B, L_local, H, D]``. flex: torchtitan's ``FlexAttention`` (``self.flex``) with the
     context's document ``BlockMask`` (under CP wrapped by ``apply_cp_to_forward``); sdpa:
     ``ops.context_parallel_attention`` over the flattened span with global token/document ids;
     under CP with ``cp_mode = "pass_kv"``: ``ops.pass_kv_attention`` (either backend).
+    ``forward`` takes torchtitan's ``attention_masks`` (a ``RoutedVarlenMetadata``), ``route``
+    the context itself.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -89,6 +93,7 @@ class RoutedInnerAttention(Module):
         check_attention_cp(config.cp_mode)
         self.backend = config.backend
         self.cp_mode = config.cp_mode
+        # Parameter-free; present for every backend so "auto" can pick it on CUDA.
         self.flex = DocumentFlexAttention(DocumentFlexAttention.Config())
         self.flex_cp = False  # set once torchtitan's CP wrapper gathers K/V for self.flex
 
@@ -103,30 +108,41 @@ class RoutedInnerAttention(Module):
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         ctx = seq_ctx_of(attention_masks, "softmax attention")
+        return self.route(q, k, v, ctx, scale=scale, enable_gqa=enable_gqa)
+
+    def route(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: SequenceContext,
+        *,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """Attention of ``q [B, L_local, Hq, D]`` over ``k``/``v [B, L_local, Hkv, ·]`` and the
+        keys/values of the other CP ranks' documents, as ``ctx`` lays them out; returns
+        ``[B, L_local, Hq, Dv]``."""
         bsz, seqlen, n_heads, head_dim = q.shape
         backend = resolve_attention_backend(self.backend, q.device)
-        if ctx.cp_enabled and self.cp_mode == "pass_kv":
-            o = routed_pass_kv(
-                q.reshape(1, bsz * seqlen, n_heads, head_dim),
-                k.reshape(1, bsz * seqlen, k.shape[2], k.shape[3]),
-                v.reshape(1, bsz * seqlen, v.shape[2], v.shape[3]),
-                ctx, backend, scale,
-            )  # fmt: skip
-            return o.reshape(bsz, seqlen, n_heads, v.shape[3])
-        if backend == "flex":
+        if backend == "flex" and not (ctx.cp_enabled and self.cp_mode == "pass_kv"):
             if ctx.cp_enabled and not self.flex_cp:
                 raise RuntimeError(
                     "flex attention under context parallelism needs its K/V all-gather: "
                     "the model's parallelize (apply_flex_context_parallel) applies it"
                 )
             return self._flex(self.flex, q, k, v, ctx, scale, enable_gqa)
-        o = context_parallel_attention(
-            q.reshape(1, bsz * seqlen, n_heads, head_dim),
-            k.reshape(1, bsz * seqlen, k.shape[2], k.shape[3]),
-            v.reshape(1, bsz * seqlen, v.shape[2], v.shape[3]),
-            token_ids=ctx.token_ids, doc_ids=ctx.doc_ids, group=ctx.group, scale=scale,
-            max_tokens=ctx.routing.num_tokens,
-        )  # fmt: skip
+        # pass-KV and sdpa take the span flattened: [1, B x L_local, H, D]
+        q, k, v = (t.reshape(1, bsz * seqlen, *t.shape[2:]) for t in (q, k, v))
+        if ctx.cp_enabled and self.cp_mode == "pass_kv":
+            o = routed_pass_kv(q, k, v, ctx, backend, scale)
+        else:
+            # Every CP rank holds B·L/W tokens (torch's load balancers split evenly), so the
+            # gather size is known without asking the other ranks.
+            o = context_parallel_attention(
+                q, k, v, token_ids=ctx.token_ids, doc_ids=ctx.doc_ids, group=ctx.group,
+                scale=scale, max_tokens=ctx.routing.num_tokens,
+            )  # fmt: skip
         return o.reshape(bsz, seqlen, n_heads, v.shape[3])
 
     def flex_gathered(

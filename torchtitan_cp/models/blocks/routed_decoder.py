@@ -1,8 +1,9 @@
 """What the recipe's decoders share: ``forward(tokens, positions, seq_ctx)`` taking the
 microbatch's ``SequenceContext`` (``RoutedDecoder``: the hybrid decoder, Qwen3.5, Kimi Linear),
-and what a torchtitan decoder run through this recipe (``models.qwen35``,
-``models.kimi_linear``) adds to its config: the kernel and attention options its layers read and
-the trainer's options applied to them (``RoutedDecoderConfig``).
+what a torchtitan decoder run through this recipe (``models.qwen35``, ``models.kimi_linear``)
+adds to its config: the kernel and attention options its layers read and the trainer's options
+applied to them (``RoutedDecoderConfig``), and the options its config builder takes on top of
+the flavor (``RoutedOptions``).
 
 Both are mixins placed before the base class: ``class Model(RoutedDecoder, Decoder)`` and
 ``class Config(RoutedDecoderConfig, Decoder.Config)``; the model writes ``routed_forward``, its
@@ -11,7 +12,7 @@ forward once the context is known.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
@@ -23,9 +24,11 @@ from torchtitan_cp.models.blocks.attention_cp import (
     check_attention_cp,
 )
 from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
-from torchtitan_cp.models.context import SequenceContext, context_from_device_positions
+from torchtitan_cp.models.blocks.routed_attention import RoutedInnerAttention
+from torchtitan_cp.models.context import SequenceContext
+from torchtitan_cp.models.sequence import context_from_device_positions
 
-__all__ = ["RoutedDecoder", "RoutedDecoderConfig", "routed_decoder_options"]
+__all__ = ["RoutedDecoder", "RoutedDecoderConfig", "RoutedOptions"]
 
 LinearAttentionBackend = Literal["auto", "torch", "fla"]
 
@@ -80,20 +83,54 @@ class RoutedDecoderConfig:
         self.linear_attention_backend = backend
 
 
-def routed_decoder_options(
-    attention_backend: AttentionBackend,
-    attention_cp: AttentionCP,
-    linear_attention_backend: LinearAttentionBackend,
-) -> dict[str, Any]:
-    """``RoutedDecoderConfig``'s fields, checked: a ValueError naming ``model.attention_backend``
-    or ``model.attention_cp`` for a value the recipe does not have."""
-    resolve_attention_backend(attention_backend, "cpu")
-    check_attention_cp(attention_cp)
-    return dict(
-        attention_backend=attention_backend,
-        attention_cp=attention_cp,
-        linear_attention_backend=linear_attention_backend,
-    )
+@dataclass(frozen=True, kw_only=True)
+class RoutedOptions:
+    """What a torchtitan decoder's config builder takes on top of its flavor
+    (``qwen35_config(flavor, **options)``, ``kimi_linear_config``): the ``[model]`` keys every
+    such model has, and ``[linear_attention] backend``. Checked when built: a ValueError names
+    ``model.attention_backend`` or ``model.attention_cp`` for a value the recipe does not have."""
+
+    n_layers: int | None = None
+    """Keep the first layers of the flavor (its layer pattern is positional); None: all."""
+    vocab_size: int | None = None
+    """Resize the embedding and the head (e.g. to a smaller tokenizer); None: the flavor's."""
+    attention_backend: AttentionBackend = "auto"
+    attention_cp: AttentionCP = DEFAULT_ATTENTION_CP
+    linear_attention_backend: LinearAttentionBackend = "auto"
+
+    def __post_init__(self) -> None:
+        resolve_attention_backend(self.attention_backend, "cpu")
+        check_attention_cp(self.attention_cp)
+
+    def layers(self, available: int, where: str) -> int:
+        """How many of the flavor's ``available`` layers to keep; a ValueError naming
+        ``model.n_layers`` and ``where`` (``"qwen3_5 debugmodel"``) outside [1, available]."""
+        if self.n_layers is None:
+            return available
+        if not 1 <= self.n_layers <= available:
+            raise ValueError(
+                f"model.n_layers must be in [1, {available}] for {where}, got {self.n_layers}"
+            )
+        return self.n_layers
+
+    def vocab(self, flavor_vocab: int) -> int:
+        """The vocabulary size: ``vocab_size`` (>= 1, else a ValueError naming it) or the
+        flavor's."""
+        if self.vocab_size is None:
+            return flavor_vocab
+        if self.vocab_size < 1:
+            raise ValueError(f"model.vocab_size must be >= 1, got {self.vocab_size}")
+        return self.vocab_size
+
+    def inner_attention(self) -> RoutedInnerAttention.Config:
+        """The attention router every softmax attention layer of the model holds."""
+        return RoutedInnerAttention.Config(
+            backend=self.attention_backend, cp_mode=self.attention_cp
+        )
+
+    def config_fields(self) -> dict[str, Any]:
+        """``RoutedDecoderConfig``'s fields."""
+        return {f.name: getattr(self, f.name) for f in fields(RoutedDecoderConfig)}
 
 
 class RoutedDecoder:

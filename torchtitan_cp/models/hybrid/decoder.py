@@ -74,25 +74,52 @@ class HybridDecoder(RoutedDecoder, BaseModel):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseModel.Config):
         vocab_size: int
+        """Tokens of the embedding and the LM head (at least the tokenizer's vocabulary)."""
         dim: int
+        """Model width: the residual stream's channels."""
         layer_pattern: str
+        """One letter per layer, a kind of ``models/hybrid/layers.py``'s registry: K (KDA),
+        G (GDN), A (softmax attention), M (Mamba2), R (RetNet retention); e.g. KKKA."""
         n_heads: int
+        """Heads of the linear-attention layers (KDA, GDN, retention)."""
         head_dim: int
+        """Query/key channels per head of the linear-attention layers."""
         value_head_dim: int | None = None
+        """Value channels per head of the linear-attention layers (None: head_dim)."""
         attn_n_heads: int
+        """Query heads of the softmax attention layers."""
         attn_n_kv_heads: int
+        """Key/value heads of the softmax attention layers (grouped-query attention: divides
+        attn_n_heads)."""
         attn_head_dim: int
+        """Channels per head of the softmax attention layers."""
         ffn_hidden_dim: int
+        """Hidden units of every block's SwiGLU feed-forward."""
         norm_eps: float = 1e-5
+        """Epsilon of the RMSNorms (blocks, final norm, the mixers' gated norms)."""
         conv_width: int = 4
+        """Width of the causal depthwise convolution before the recurrence (KDA, GDN, Mamba2;
+        under CP each rank reads conv_width - 1 tokens of history)."""
         use_rope: bool = True
+        """RoPE on the softmax attention's queries and keys; false: NoPE."""
         rope_theta: float = 10000.0
+        """RoPE base (softmax attention, and retention's rotary positions)."""
         max_seq_len: int = 131072
+        """Longest row the model takes (training.seq_len must not exceed it)."""
         enable_weight_tying: bool = False
+        """Share the embedding's weight with the LM head."""
         linear_attention_backend: Literal["auto", "torch", "fla"] = "auto"
+        """Kernels of the linear-attention layers (set by ``[linear_attention] backend``)."""
         attention_backend: AttentionBackend = "auto"
+        """Softmax attention kernel: flex (torchtitan's FlexAttention with the document
+        BlockMask; CUDA), sdpa (an explicit document mask), auto = flex on CUDA, sdpa
+        elsewhere."""
         attention_cp: AttentionCP = DEFAULT_ATTENTION_CP
+        """How softmax attention's keys/values cross CP ranks: all_gather (every rank gathers
+        the whole stream's K/V) or pass_kv (K/V blocks travel point to point between the
+        ranks whose documents meet)."""
         layer_options: LayerOptions = field(default_factory=LayerOptions)
+        """Per-kind sizes the shared fields do not cover."""
 
         def uses_flex_attention(self, device_type: str | torch.device) -> bool:
             """Whether the softmax attention layers run flex attention on ``device_type`` (and

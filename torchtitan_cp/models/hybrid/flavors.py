@@ -1,16 +1,18 @@
-"""Model flavors (sizes) and the ``ModelSpec`` torchtitan's trainer consumes."""
+"""Model flavors (sizes), the ``ModelSpec`` torchtitan's trainer consumes and the hybrid
+decoder's entry of ``models.recipe.MODELS``."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from torchtitan.protocols.model_spec import ModelSpec
 
 from torchtitan_cp.models.blocks.attention_cp import check_attention_cp
 from torchtitan_cp.models.blocks.flex import resolve_attention_backend
-from torchtitan_cp.models.blocks.spec import recipe_spec
+from torchtitan_cp.models.blocks.spec import RecipeModel, recipe_spec
 from torchtitan_cp.models.hybrid.decoder import HybridDecoder, parse_layer_pattern
-from torchtitan_cp.models.hybrid.layers import LAYERS, check_backend
+from torchtitan_cp.models.hybrid.layers import LAYERS, check_backend, check_tensor_parallel
 
 # Sizes only; the layer pattern comes from config. Parameter counts are for the default
 # pattern of each flavor and the bundled tokenizer's vocabulary where it applies.
@@ -65,3 +67,27 @@ def model_spec(flavor: str, **overrides) -> ModelSpec:
     from torchtitan_cp.models.hybrid.parallelize import parallelize_hybrid
 
     return recipe_spec("hybrid", flavor, model_config(flavor, **overrides), parallelize_hybrid)
+
+
+def check_run(cfg: HybridDecoder.Config, config: Any) -> None:
+    """A ValueError naming the key where the hybrid decoder ``cfg`` cannot run with the run's
+    ``config``: a linear-attention backend a kind of the pattern lacks, a head count TP does
+    not divide, weight tying under TP, expert parallelism (it has no experts)."""
+    par = config.parallelism
+    check_backend(cfg.layer_pattern, config.linear_attention.backend)
+    check_tensor_parallel(cfg, par.tensor_parallel_degree)
+    if cfg.enable_weight_tying and par.tensor_parallel_degree > 1:
+        raise ValueError(
+            "model.enable_weight_tying cannot be combined with parallelism."
+            "tensor_parallel_degree > 1 (the embedding is row-sharded, the LM head "
+            "column-sharded); set one of them off"
+        )
+    if par.expert_parallel_degree > 1:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {par.expert_parallel_degree}: the hybrid "
+            "decoder has no experts; set it to 1"
+        )
+
+
+MODEL = RecipeModel(spec=model_spec, check=check_run)
+"""The hybrid decoder in ``MODELS``: ``[model]`` sets any field of its config."""

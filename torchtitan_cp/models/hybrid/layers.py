@@ -35,6 +35,7 @@ class LayerOptions:
     """``[model.layer_options]``: per-kind sizes that the shared model fields do not cover."""
 
     mamba2: Mamba2Options = field(default_factory=Mamba2Options)
+    """Sizes of the M (Mamba2) layers."""
 
 
 class Mixer(Protocol):

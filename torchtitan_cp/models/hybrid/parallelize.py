@@ -22,7 +22,6 @@ from torchtitan_cp.models.blocks.tensor_parallel import (
 )
 from torchtitan_cp.models.hybrid.decoder import HybridBlock, HybridDecoder
 from torchtitan_cp.models.hybrid.layers import check_tensor_parallel
-from torchtitan_cp.models.mixers.attention import SoftmaxAttention
 
 __all__ = ["apply_tensor_parallel", "parallelize_hybrid"]
 
@@ -75,7 +74,7 @@ def parallelize_hybrid(
             "the hybrid recipe has no experts: expert_parallel_degree must be 1"
         )
     if parallel_dims.cp_enabled:
-        apply_flex_context_parallel(model, parallel_dims.get_mesh("cp"), SoftmaxAttention)
+        apply_flex_context_parallel(model, parallel_dims.get_mesh("cp"))
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +36,8 @@ from torchtitan.models.common.rope import RoPE
 from torchtitan.models.deepseek_v3 import build_mla_moe_layers
 from torchtitan.models.deepseek_v3.model import Attention
 
-from torchtitan_cp.models.blocks.attention_cp import (
-    DEFAULT_ATTENTION_CP,
-    AttentionCP,
-)
 from torchtitan_cp.models.blocks.experts import check_expert_parallel, set_moe_sharding
-from torchtitan_cp.models.blocks.flex import AttentionBackend, resolve_attention_backend
+from torchtitan_cp.models.blocks.flex import resolve_attention_backend
 from torchtitan_cp.models.blocks.heads import recurrence_flops
 from torchtitan_cp.models.blocks.init import BASE_STD
 from torchtitan_cp.models.blocks.routed_attention import (
@@ -53,7 +49,7 @@ from torchtitan_cp.models.blocks.routed_decoder import (
     LinearAttentionBackend,
     RoutedDecoder,
     RoutedDecoderConfig,
-    routed_decoder_options,
+    RoutedOptions,
 )
 from torchtitan_cp.models.context import SequenceContext
 from torchtitan_cp.models.mixers.delta_net import KDAMixer
@@ -370,40 +366,26 @@ def _kda_config(s: KimiLinearSizes, layer_id: int, backend: Any) -> KDAMixer.Con
     )  # fmt: skip
 
 
-def kimi_linear_config(
-    flavor: str,
-    *,
-    n_layers: int | None = None,
-    vocab_size: int | None = None,
-    attention_backend: AttentionBackend = "auto",
-    attention_cp: AttentionCP = DEFAULT_ATTENTION_CP,
-    linear_attention_backend: Literal["auto", "torch", "fla"] = "auto",
-) -> KimiLinearModel.Config:
-    """Kimi Linear ``flavor`` (``KIMI_LINEAR_FLAVORS``) as a ``KimiLinearModel.Config``.
-
-    ``n_layers`` keeps the first layers (the KDA/MLA pattern is positional); ``vocab_size``
-    resizes embedding and head (e.g. to a smaller tokenizer).
+def kimi_linear_config(flavor: str, **options: Any) -> KimiLinearModel.Config:
+    """Kimi Linear ``flavor`` (``KIMI_LINEAR_FLAVORS``) as a ``KimiLinearModel.Config``, with
+    ``options`` (the ``RoutedOptions`` of every torchtitan decoder here: ``n_layers`` keeps the
+    first layers, the KDA/MLA pattern being positional; ``vocab_size`` resizes embedding and
+    head, e.g. to a smaller tokenizer; the attention and linear-attention backends).
     """
     if flavor not in KIMI_LINEAR_FLAVORS:
         raise ValueError(
             f"unknown model.flavor {flavor!r} for model.name 'kimi_linear'; choose one of "
             f"{list(KIMI_LINEAR_FLAVORS)}"
         )
+    opts = RoutedOptions(**options)
     s = KIMI_LINEAR_FLAVORS[flavor]
-    if n_layers is not None:
-        if not 1 <= n_layers <= s.n_layers:
-            raise ValueError(
-                f"model.n_layers must be in [1, {s.n_layers}] for kimi_linear {flavor}, "
-                f"got {n_layers}"
-            )
-        s = dataclasses.replace(
-            s, n_layers=n_layers, mla_layers=tuple(i for i in s.mla_layers if i < n_layers)
-        )
-    if vocab_size is not None:
-        if vocab_size < 1:
-            raise ValueError(f"model.vocab_size must be >= 1, got {vocab_size}")
-        s = dataclasses.replace(s, vocab_size=vocab_size)
-    options = routed_decoder_options(attention_backend, attention_cp, linear_attention_backend)
+    n_layers = opts.layers(s.n_layers, f"kimi_linear {flavor}")
+    s = dataclasses.replace(
+        s,
+        n_layers=n_layers,
+        mla_layers=tuple(i for i in s.mla_layers if i < n_layers),
+        vocab_size=opts.vocab(s.vocab_size),
+    )
     init = {"weight": lambda w: nn.init.trunc_normal_(w, std=BASE_STD, a=-3 * BASE_STD, b=3 * BASE_STD)}  # fmt: skip
     norm_init = {"weight": nn.init.ones_}
     blocks = build_mla_moe_layers(
@@ -422,7 +404,7 @@ def kimi_linear_config(
         },
         rope=NoPE.Config(dim=s.qk_rope_head_dim, max_seq_len=s.max_seq_len),
     )  # fmt: skip
-    inner = RoutedInnerAttention.Config(backend=attention_backend, cp_mode=attention_cp)
+    inner = opts.inner_attention()
     layers = []
     for i, b in enumerate(blocks):
         attention = kda = None
@@ -437,7 +419,7 @@ def kimi_linear_config(
             )
             attention = LatentGatherMLA.Config(**mla)
         else:
-            kda = _kda_config(s, i, linear_attention_backend)
+            kda = _kda_config(s, i, opts.linear_attention_backend)
         moe = b.moe
         if moe is not None:
             experts = moe.routed_experts
@@ -475,7 +457,7 @@ def kimi_linear_config(
         norm=RMSNorm.Config(normalized_shape=s.dim, eps=s.norm_eps, param_init=norm_init),
         lm_head=Linear.Config(in_features=s.dim, out_features=s.vocab_size, param_init=init),
         layers=layers,
-        **options,
+        **opts.config_fields(),
     )
 
 

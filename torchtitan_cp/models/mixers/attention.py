@@ -14,6 +14,9 @@ Two backends, chosen by ``[model] attention_backend``:
   The default on CUDA. On CPU it runs forward only (flex has no CPU backward).
 * ``sdpa``: SDPA with an explicit document mask built from global token/document ids, the
   all-gather-K/V CP op ``ops.context_parallel_attention``. The default elsewhere.
+
+The choice is made by the layer's ``inner_attention``, the recipe's one attention router
+(``models/blocks/routed_attention.py``), which Qwen3.5's and Kimi Linear's attention hold too.
 """
 
 from __future__ import annotations
@@ -28,22 +31,13 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torchtitan.protocols.module import Module
 
-from torchtitan_cp.models.blocks.attention_cp import (
-    DEFAULT_ATTENTION_CP,
-    AttentionCP,
-    check_attention_cp,
-    routed_pass_kv,
-)
-from torchtitan_cp.models.blocks.flex import (
-    AttentionBackend,
-    DocumentFlexAttention,
-    resolve_attention_backend,
-)
+from torchtitan_cp.models.blocks.attention_cp import DEFAULT_ATTENTION_CP, AttentionCP
+from torchtitan_cp.models.blocks.flex import AttentionBackend
 from torchtitan_cp.models.blocks.init import linear
 from torchtitan_cp.models.blocks.rope import apply_rope
+from torchtitan_cp.models.blocks.routed_attention import RoutedInnerAttention
 from torchtitan_cp.models.blocks.tensor_parallel import tp_heads
 from torchtitan_cp.models.context import SequenceContext
-from torchtitan_cp.ops import context_parallel_attention
 
 
 class SoftmaxAttention(Module):
@@ -51,8 +45,9 @@ class SoftmaxAttention(Module):
 
     Input/output ``[B, L, D]``. Under context parallelism each rank's queries attend to the
     keys/values of the whole stream: all-gathered (flex: torchtitan's ``apply_cp_to_forward``
-    on ``self.flex``; sdpa: ``ops.context_parallel_attention``) or, with ``cp_mode =
-    "pass_kv"``, passed between ranks in rounds (``ops.pass_kv_attention``).
+    on ``inner_attention.flex``; sdpa: ``ops.context_parallel_attention``) or, with ``cp_mode =
+    "pass_kv"``, passed between ranks in rounds (``ops.pass_kv_attention``); the routed
+    ``inner_attention`` picks.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -91,7 +86,6 @@ class SoftmaxAttention(Module):
 
     def __init__(self, config: Config):
         super().__init__()
-        check_attention_cp(config.cp_mode)
         if config.n_heads % config.n_kv_heads:
             raise ValueError(
                 f"attention n_heads ({config.n_heads}) must be a multiple of "
@@ -108,12 +102,10 @@ class SoftmaxAttention(Module):
         self.wk = linear(d, config.n_kv_heads * hd)
         self.wv = linear(d, config.n_kv_heads * hd)
         self.wo = linear(config.n_heads * hd, d, std=0.02 / math.sqrt(2 * (config.layer_id + 1)))
-        resolve_attention_backend(config.backend, "cpu")  # reject a bad name at build time
-        self.backend = config.backend
-        self.cp_mode = config.cp_mode
-        # Parameter-free; present for every backend so "auto" can pick it on CUDA.
-        self.flex = DocumentFlexAttention(DocumentFlexAttention.Config())
-        self.flex_cp = False  # set by apply_flex_context_parallel once K/V are gathered
+        # Checks the backend's and the CP mode's names at build time.
+        self.inner_attention = RoutedInnerAttention(
+            RoutedInnerAttention.Config(backend=config.backend, cp_mode=config.cp_mode)
+        )
 
     def parallelize_heads(self, mesh: DeviceMesh) -> None:
         """Tensor parallelism over heads on the TP ``mesh``: wq/wk/wv column-wise, wo
@@ -139,46 +131,9 @@ class SoftmaxAttention(Module):
                 raise ValueError("SoftmaxAttention with RoPE needs the document positions")
             pos = positions.reshape(-1)
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
-        backend = resolve_attention_backend(self.backend, x.device)
-        if ctx.cp_enabled and self.cp_mode == "pass_kv":
-            o = routed_pass_kv(q, k, v, ctx, backend)
-        elif backend == "flex":
-            o = self._flex(q, k, v, ctx, bsz, seqlen)
-        else:
-            # Every CP rank holds B·L/W tokens (torch's load balancers split evenly), so the
-            # gather size is known without asking the other ranks.
-            o = context_parallel_attention(
-                q, k, v, token_ids=ctx.token_ids, doc_ids=ctx.doc_ids, group=ctx.group,
-                max_tokens=ctx.routing.num_tokens,
-            )  # fmt: skip
+        # Rows back for the router: its flex mask is per row (under CP torchtitan gathers K/V
+        # along dim 1); sdpa and pass-KV flatten them again.
+        q, k, v = (t.reshape(bsz, seqlen, -1, self.head_dim) for t in (q, k, v))
+        o = self.inner_attention.route(q, k, v, ctx, enable_gqa=self.n_heads != self.n_kv_heads)
         # Rows back before the output projection: under TP it reduce-scatters over them.
         return self.wo(o.reshape(bsz, seqlen, -1))
-
-    def _flex(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        ctx: SequenceContext,
-        bsz: int,
-        seqlen: int,
-    ) -> torch.Tensor:
-        if ctx.block_mask is None:
-            raise ValueError(
-                "attention_backend 'flex' needs a SequenceContext with a document block_mask "
-                "(SequencePreprocessor(flex_attention=True) builds one)"
-            )
-        if ctx.cp_enabled and not self.flex_cp:
-            raise RuntimeError(
-                "flex attention under context parallelism needs its K/V all-gather: call "
-                "apply_flex_context_parallel(model, cp_mesh) (parallelize_hybrid does)"
-            )
-        # Rows back: the mask is per row, and under CP torchtitan gathers K/V along dim 1.
-        o = self.flex(
-            q.reshape(bsz, seqlen, -1, self.head_dim),
-            k.reshape(bsz, seqlen, -1, self.head_dim),
-            v.reshape(bsz, seqlen, -1, self.head_dim),
-            attention_masks=ctx.block_mask,
-            enable_gqa=self.n_heads != self.n_kv_heads,
-        )
-        return o.reshape(1, bsz * seqlen, -1, self.head_dim)

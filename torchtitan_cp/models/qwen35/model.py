@@ -40,28 +40,22 @@ from torchtitan.models.qwen3_5.sharding import _set_shared_expert_gate_sharding
 from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder
 from torchtitan.protocols.module import Module
 
-from torchtitan_cp.models.blocks.attention_cp import (
-    DEFAULT_ATTENTION_CP,
-    AttentionCP,
-)
 from torchtitan_cp.models.blocks.experts import check_expert_parallel
-from torchtitan_cp.models.blocks.flex import AttentionBackend
 
 # Shared with models.kimi_linear, so they live in blocks/ (re-exported for existing callers).
 from torchtitan_cp.models.blocks.norm import L2NORM_EPS as L2NORM_EPS
 from torchtitan_cp.models.blocks.norm import fla_l2norm
 from torchtitan_cp.models.blocks.routed_attention import (
-    RoutedInnerAttention,
-    routed_varlen_metadata,
-    seq_ctx_of,
+    RoutedVarlenMetadata as RoutedVarlenMetadata,
 )
 from torchtitan_cp.models.blocks.routed_attention import (
-    RoutedVarlenMetadata as RoutedVarlenMetadata,
+    routed_varlen_metadata,
+    seq_ctx_of,
 )
 from torchtitan_cp.models.blocks.routed_decoder import (
     RoutedDecoder,
     RoutedDecoderConfig,
-    routed_decoder_options,
+    RoutedOptions,
 )
 from torchtitan_cp.models.blocks.tensor_parallel import local
 from torchtitan_cp.models.context import SequenceContext
@@ -238,24 +232,18 @@ class Qwen35TextModel(RoutedDecoder, Qwen35Model):  # pyrefly: ignore[inconsiste
         )  # fmt: skip
 
 
-_QWEN35_OVERRIDES = ("vocab_size", "attention_backend", "attention_cp")
-
-
 def qwen35_config(
     flavor: str,
     *,
-    n_layers: int | None = None,
     vision: bool = False,
-    vocab_size: int | None = None,
     enable_weight_tying: bool | None = None,
-    attention_backend: AttentionBackend = "auto",
-    attention_cp: AttentionCP = DEFAULT_ATTENTION_CP,
-    linear_attention_backend: Literal["auto", "torch", "fla"] = "auto",
+    **options: Any,
 ) -> Qwen35TextModel.Config:
-    """torchtitan's Qwen3.5 ``flavor`` as a ``Qwen35TextModel.Config``.
+    """torchtitan's Qwen3.5 ``flavor`` as a ``Qwen35TextModel.Config``, with ``options`` (the
+    ``RoutedOptions`` of every torchtitan decoder here: ``n_layers`` keeps the first layers, the
+    3:1 GatedDeltaNet/attention pattern being positional; ``vocab_size`` resizes embedding and
+    head, e.g. to a smaller tokenizer; the attention and linear-attention backends).
 
-    ``n_layers`` keeps the first layers (the 3:1 GatedDeltaNet/attention pattern is
-    positional); ``vocab_size`` resizes embedding and head (e.g. to a smaller tokenizer);
     ``vision`` keeps the vision encoder (no context parallelism then); ``enable_weight_tying``
     shares embedding and head as HF's ``tie_word_embeddings`` does (Qwen3.5 0.8B/2B/4B), so the
     HF folder's missing ``lm_head.weight`` is neither read nor written.
@@ -265,16 +253,10 @@ def qwen35_config(
             f"unknown model.flavor {flavor!r} for model.name 'qwen3_5'; choose one of "
             f"{list(QWEN35_FLAVORS)}"
         )
+    opts = RoutedOptions(**options)
     base = qwen3_5_configs[flavor](attn_backend="flex")
-    layers = list(base.layers)
-    if n_layers is not None:
-        if not 1 <= n_layers <= len(layers):
-            raise ValueError(
-                f"model.n_layers must be in [1, {len(layers)}] for qwen3_5 {flavor}, got {n_layers}"
-            )
-        layers = layers[:n_layers]
-    options = routed_decoder_options(attention_backend, attention_cp, linear_attention_backend)
-    inner = RoutedInnerAttention.Config(backend=attention_backend, cp_mode=attention_cp)
+    layers = list(base.layers)[: opts.layers(len(base.layers), f"qwen3_5 {flavor}")]
+    inner = opts.inner_attention()
     layers = [
         dataclasses.replace(
             lay, attention=dataclasses.replace(lay.attention, inner_attention=inner)
@@ -285,9 +267,8 @@ def qwen35_config(
     ]
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
     fields.update(layers=layers, vision_encoder=base.vision_encoder if vision else None)
-    if vocab_size is not None:
-        if vocab_size < 1:
-            raise ValueError(f"model.vocab_size must be >= 1, got {vocab_size}")
+    vocab_size = opts.vocab(base.vocab_size)
+    if vocab_size != base.vocab_size:
         fields["vocab_size"] = vocab_size
         fields["tok_embeddings"] = dataclasses.replace(
             base.tok_embeddings, num_embeddings=vocab_size
@@ -295,7 +276,7 @@ def qwen35_config(
         fields["lm_head"] = dataclasses.replace(base.lm_head, out_features=vocab_size)
     if enable_weight_tying is not None:
         fields["enable_weight_tying"] = enable_weight_tying
-    return Qwen35TextModel.Config(**fields, **options)
+    return Qwen35TextModel.Config(**fields, **opts.config_fields())
 
 
 def layer_types(cfg: Qwen35Model.Config) -> list[str]:

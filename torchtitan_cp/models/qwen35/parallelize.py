@@ -26,7 +26,7 @@ from torchtitan_cp.models.blocks.tensor_parallel import (
     read_locally,
     sequence_parallel_block,
 )
-from torchtitan_cp.models.qwen35.model import RoutedInnerAttention, check_qwen35_tensor_parallel
+from torchtitan_cp.models.qwen35.model import check_qwen35_tensor_parallel
 
 __all__ = ["apply_tensor_parallel_qwen35", "parallelize_qwen35"]
 
@@ -110,7 +110,7 @@ def parallelize_qwen35(
     if parallel_dims.cp_enabled:
         if vision is not None:
             raise NotImplementedError("Qwen3.5's vision encoder cannot run under CP")
-        apply_flex_context_parallel(model, parallel_dims.get_mesh("cp"), RoutedInnerAttention)
+        apply_flex_context_parallel(model, parallel_dims.get_mesh("cp"))
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:

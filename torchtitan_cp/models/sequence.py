@@ -1,9 +1,13 @@
-"""Per-microbatch preprocessing: document boundaries, CP layout, sharding and the routing.
+"""Per-microbatch preprocessing: document boundaries, CP layout, sharding and the context.
 
-One ``SequencePreprocessor`` serves the trainer and the validator. For every microbatch it
-finds the global document boundaries and every rank's fragments, shards ``input``, ``labels`` and
-``positions`` for this CP rank, and builds the ``SequenceContext`` every KDA/GDN/attention layer
-of that microbatch shares.
+The one room that builds a microbatch's ``SequenceContext``. One ``SequencePreprocessor``
+serves the trainer and the validator (``preprocess``: one call per microbatch); for every
+microbatch it finds the global document boundaries and every rank's fragments (the *layout*),
+shards ``input``, ``labels`` and ``positions`` for this CP rank, and builds from the layout
+everything the KDA/GDN/attention layers of that microbatch share: the device routing tensors,
+the per-token global and document ids, the flex document mask and the pass-KV schedule with
+its handle. A direct model call without a context (``context_from_device_positions``) is the
+same preprocessor at world 1 on the readback source.
 
 Two sources, chosen by ``[linear_attention] routing_source``:
 
@@ -24,7 +28,6 @@ pass-KV schedule instead (``SequenceContext.pass_kv``; the layers build per-pair
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,10 +38,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask
 
-from torchtitan_cp.data.host_metadata import HostMetadata
-from torchtitan_cp.models.blocks.attention_cp import ATTENTION_CP_MODES
-from torchtitan_cp.models.context import SequenceContext, build_sequence_context
-from torchtitan_cp.ops import flex_document_mask
+from torchtitan_cp.models.context import SequenceContext, check_attention_cp
+from torchtitan_cp.ops import flex_document_mask, pass_kv_handle
+from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
 from torchtitan_cp.routing import (
     Layout,
     LoadBalancer,
@@ -50,6 +52,7 @@ from torchtitan_cp.routing import (
     readback_layout,
     row_document_index,
 )
+from torchtitan_cp.routing.host_metadata import HostMetadata, pop_host_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +135,7 @@ class SequencePreprocessor:
         self.cap_keys = dict(cap_keys or {})
         # Under CP with pass-KV attention every context carries the plan's pass-KV schedule,
         # and the attention layers build their own per-pair masks.
-        if attention_cp not in ATTENTION_CP_MODES:
-            raise ValueError(
-                f"model.attention_cp must be one of {ATTENTION_CP_MODES}, got {attention_cp!r}"
-            )
+        check_attention_cp(attention_cp)
         self.pass_kv = attention_cp == "pass_kv" and self.world > 1
         # Flex attention layers take a document BlockMask per microbatch (without CP, or under
         # the all-gather CP path); under CP torch's mask sharding asks a DeviceMesh for this
@@ -172,7 +172,39 @@ class SequencePreprocessor:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, SequenceContext]:
         """Shard ``inputs``/``labels``/``positions`` ``[B, L]`` for this CP rank and build the
         microbatch's ``SequenceContext``. Returns local ``[B, L / W]`` tensors."""
-        bsz, seqlen = inputs.shape
+        ctx, layout = self.context(inputs.shape, positions, host)
+        if self.world > 1:
+            inputs = shard_rows(inputs, layout.index, self.rank, self.world)
+            labels = shard_rows(labels, layout.index, self.rank, self.world)
+            if positions is not None:
+                positions = shard_rows(positions, layout.index, self.rank, self.world)
+        return inputs, labels, positions, ctx
+
+    def preprocess(
+        self, input_dict: dict[str, Any], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """A loader batch (``input``, ``positions`` and the ``HostMetadata``, which is taken
+        out of ``input_dict``) as this rank's ``(inputs, labels, model kwargs)``: the model's
+        ``forward(inputs, positions=..., seq_ctx=...)``. The trainer's and the validator's one
+        call per microbatch."""
+        host = pop_host_metadata(input_dict)
+        unknown = sorted(set(input_dict) - {"input", "positions"})
+        if unknown:
+            raise ValueError(f"batch has keys the hybrid model does not take: {unknown}")
+        inputs, labels, positions, ctx = self(
+            input_dict["input"], labels, input_dict.get("positions"), host
+        )
+        return inputs, labels, {"positions": positions, "seq_ctx": ctx}
+
+    def context(
+        self,
+        shape: tuple[int, ...] | torch.Size,
+        positions: torch.Tensor | None,
+        host: HostMetadata | None,
+    ) -> tuple[SequenceContext, Layout]:
+        """The layout of a ``[B, L]`` microbatch from this preprocessor's source, and the
+        ``SequenceContext`` built from it (``build``)."""
+        bsz, seqlen = shape
         source = self._source_for(host)
         self.balancer.check(seqlen, self.world)
         t0 = time.perf_counter()
@@ -192,33 +224,66 @@ class SequencePreprocessor:
                 positions, (bsz, seqlen), load_balancer=self.balancer,
                 world_size=self.world, on_readback=self._count_readback,
             )  # fmt: skip
+        return self.build(layout, (bsz, seqlen), source, host, positions, t0=t0), layout
+
+    def build(
+        self,
+        layout: Layout,
+        shape: tuple[int, int],
+        source: str,
+        host: HostMetadata | None,
+        positions: torch.Tensor | None,
+        *,
+        t0: float | None = None,
+    ) -> SequenceContext:
+        """Everything the layers read about the ``[B, L]`` microbatch, from its ``layout`` (and,
+        for the flex mask, the rows' documents from ``source``: ``host`` or ``positions``,
+        or one document per row without either): this rank's
+        plan (cached) materialised on the device (the routing with fla's chunk tables, padded
+        to ``caps``), the per-token global and document ids, the pass-KV schedule and its
+        handle (under CP with pass-KV), and the flex document mask (flex attention).
+
+        Every call creates new device tensors (copied non-blocking from host memory), so no
+        two microbatches share storage. ``t0`` (``time.perf_counter()`` where the layout's
+        build began) times the routing for ``stats``."""
+        t0 = time.perf_counter() if t0 is None else t0
         plan = self.cache.get(layout.cu_seqlens, layout.fragments, self.rank)
         try:
-            ctx = build_sequence_context(
-                plan,
-                self.device,
-                self.group if self.world > 1 else None,  # no group: the layers run unsharded
-                source=source,
-                conv_history=self.conv_history,
-                caps=self.caps,
-                pass_kv=self.pass_kv,
-            )
+            # Chunk tables for fla's kernels come with the routing (no host sync inside fla).
+            routing = plan.to_device(
+                self.device, conv_history=self.conv_history, caps=self.caps,
+                chunk_size=FLA_CHUNK_SIZE,
+            )  # fmt: skip
         except RoutingCapsExceeded as e:
             key = self.cap_keys.get(e.cap)
             hint = f"; raise {key}" if key else ""
             raise ValueError(f"CP rank {self.rank}: {e}{hint}") from None
+        subs = plan.subsequences
+        lengths = subs[:, 2] - subs[:, 1]
+        doc_ids = torch.repeat_interleave(subs[:, 0], lengths)
+        token_ids = torch.repeat_interleave(
+            subs[:, 1] - plan.cu_seqlens[:-1], lengths
+        ) + torch.arange(plan.num_tokens, dtype=torch.int64)
+        ids = torch.stack([token_ids, doc_ids])
+        if self.device.type == "cuda":
+            ids = ids.pin_memory()
+        ids = ids.to(self.device, non_blocking=True)
+        schedule = handle = None
+        if self.pass_kv:
+            schedule = plan.pass_kv.to_device(self.device, ids[0], ids[1])
+            handle = pass_kv_handle(schedule)
         self.stats.build_ms += (time.perf_counter() - t0) * 1e3
         self.stats.microbatches += 1
         self.stats.sources.add(source)
+        mask = None
         if self.flex_attention:
-            mask = self._flex_mask(layout, source, host, positions, (bsz, seqlen))
-            ctx = dataclasses.replace(ctx, block_mask=mask)
-        if self.world > 1:
-            inputs = shard_rows(inputs, layout.index, self.rank, self.world)
-            labels = shard_rows(labels, layout.index, self.rank, self.world)
-            if positions is not None:
-                positions = shard_rows(positions, layout.index, self.rank, self.world)
-        return inputs, labels, positions, ctx
+            mask = self._flex_mask(layout, source, host, positions, shape)
+        return SequenceContext(
+            routing=routing,
+            group=self.group if self.world > 1 else None,  # no group: the layers run unsharded
+            token_ids=ids[0], doc_ids=ids[1], source=source, block_mask=mask,
+            pass_kv=schedule, pass_kv_handle=handle,
+        )  # fmt: skip
 
     def _flex_mask(
         self,
@@ -242,3 +307,34 @@ class SequencePreprocessor:
         else:  # every row is one document
             row_doc = torch.zeros(shape, dtype=torch.int32, device=self.device)
         return flex_document_mask(row_doc, index=layout.index, mesh=self._mesh)
+
+
+_warned_no_host_metadata = False
+
+
+def context_from_device_positions(
+    tokens: torch.Tensor, positions: torch.Tensor | None, *, flex_mask: bool = False
+) -> SequenceContext:
+    """Single-rank context for a direct model call that brings no ``SequenceContext``: the
+    preprocessor at world 1 on the readback source (its layout from the device ``positions``,
+    its context from the one builder).
+
+    Documents come from ``positions`` (a document starts where ``positions == 0`` and at every
+    row start); without positions each row is one document. Reading device positions back
+    blocks the host, so this warns once per process. ``flex_mask`` adds the document
+    ``BlockMask`` flex attention layers need.
+    """
+    global _warned_no_host_metadata
+    if positions is not None and not _warned_no_host_metadata:
+        logger.warning(
+            "HybridDecoder called without a SequenceContext: deriving document boundaries "
+            "from device positions (a device->host copy per forward). Pass host metadata "
+            "to avoid it."
+        )
+        _warned_no_host_metadata = True
+    preprocessor = SequencePreprocessor(
+        device=tokens.device, cp_group=None, load_balancer=None,
+        routing_source="device_readback", flex_attention=flex_mask,
+    )  # fmt: skip
+    ctx, _ = preprocessor.context(tokens.shape, positions, None)
+    return ctx

@@ -1,7 +1,8 @@
 """Host (CPU) copy of a batch's positions that survives the trainer's move to the device.
 
-Kept free of dataset and torchtitan imports so the routing path (``torchtitan_cp.trainer.sequence``)
-and tools can use it without the data pipeline.
+It sits in ``routing`` (torch only), below the data loader that fills it and the models'
+``SequencePreprocessor`` that reads it, so the positions go from the loader to the kernels
+without passing through the trainer or the data pipeline.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_cp.routing import cu_seqlens_tensor_from_positions
+from .layouts import cu_seqlens_tensor_from_positions
 
 HOST_METADATA_KEY = "host_metadata"
 """The batch key under which the data loader stores ``HostMetadata``."""
