@@ -738,7 +738,7 @@ def _seal_truncated(env: Env) -> str:
 
 @case("wandb: no credentials")
 def _wandb(env: Env) -> str:
-    from torchtitan_cp.trainer.trainer import wandb_offline_fallback
+    from torchtitan_cp.trainer.metrics import wandb_offline_fallback
 
     for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC", "WANDB_BASE_URL"):
         env.mp.delenv(key, raising=False)
