@@ -55,8 +55,14 @@ def _pairs(cu: list[int], table: list[list[tuple[int, int]]]):
     """The layout's pair tables (the same call RoutingPlan.pass_kv makes) and the host time of
     one rank's whole schedule (tables, rounds, visiting ids) for the rank receiving the most."""
     plan = RoutingPlan.build(cu, table, 0)
-    args = (plan._global_cu, plan._sorted_start, plan._sorted_stop, plan._sorted_rank,
-            plan._sorted_local, len(table))  # fmt: skip
+    args = (
+        plan._global_cu,
+        plan._sorted_start,
+        plan._sorted_stop,
+        plan._sorted_rank,
+        plan._sorted_local,
+        len(table),
+    )
     pairs = pass_kv_pairs(*args)
     busiest = max(range(len(table)), key=lambda r: pairs.traffic(r)["received"])
     best = float("inf")
@@ -99,7 +105,7 @@ def memory_rows(args: argparse.Namespace) -> list[dict]:
                         "pkv_sent_fwd": sent_fwd * row_bytes,
                         "pkv_sent": sent_all * row_bytes,
                         "build_ms": 1e3 * build_s,
-                    })  # fmt: skip
+                    })  # fmt: skip # a table, laid out by hand to read across
     return out
 
 
@@ -132,8 +138,9 @@ def _step_worker(rank: int, world: int, port: int, args: argparse.Namespace, que
     from torchtitan_cp.models.sequence import SequencePreprocessor
     from torchtitan_cp.routing.host_metadata import HostMetadata
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     torch.manual_seed(0)
     model = model_config("debug", layer_pattern=args.pattern).build()
     model.init_states()
@@ -145,7 +152,7 @@ def _step_worker(rank: int, world: int, port: int, args: argparse.Namespace, que
         mode: SequencePreprocessor(device="cpu", cp_group=dist.group.WORLD,
                                    load_balancer="headtail", attention_cp=mode)
         for mode in ("all_gather", "pass_kv")
-    }  # fmt: skip
+    }  # fmt: skip # a table, laid out by hand to read across
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in seqs}
     for step in range(args.steps + 2):
         for mode, seq in seqs.items():  # interleaved: both modes see the same machine load
@@ -180,11 +187,14 @@ def step_time(args: argparse.Namespace) -> None:
     results = dict(queue.get(timeout=1800) for _ in procs)
     for p in procs:
         p.join()
-    print(f"debug model {args.pattern}, CP=2 head-tail, {args.batch} x {args.seq_len} tokens, "
-          f"documents ~{args.doc_mean}, forward + backward, {args.steps} steps (median):")  # fmt: skip
+    print(
+        f"debug model {args.pattern}, CP=2 head-tail, {args.batch} x {args.seq_len} tokens, "
+        f"documents ~{args.doc_mean}, forward + backward, {args.steps} steps (median):"
+    )
     for mode in ("all_gather", "pass_kv"):
-        wall = statistics.median(max(results[r][mode][i][0] for r in results)
-                                 for i in range(args.steps))  # fmt: skip
+        wall = statistics.median(
+            max(results[r][mode][i][0] for r in results) for i in range(args.steps)
+        )
         cpu = statistics.median(results[0][mode][i][1] for i in range(args.steps))
         print(f"| {mode} | {1e3 * wall:.0f} ms | {1e3 * cpu:.0f} ms |")
 
@@ -197,8 +207,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=_ints, default=[2, 4, 8, 16, 32])
     p.add_argument("--tokens", type=_ints, default=[65536, 262144, 1048576])
-    p.add_argument("--docs", type=lambda s: [None if x == "one" else int(x) for x in s.split(",")],
-                   default=[1024, 8192, 65536, None], help="mean document lengths, or 'one'")  # fmt: skip
+    p.add_argument(
+        "--docs",
+        type=lambda s: [None if x == "one" else int(x) for x in s.split(",")],
+        default=[1024, 8192, 65536, None],
+        help="mean document lengths, or 'one'",
+    )
     p.add_argument("--layouts", type=lambda s: s.split(","), default=["headtail"])
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)

@@ -318,8 +318,12 @@ def _in_flight_cpu(cp, xs) -> dict[str, float]:
         t1 = time.thread_time()
         o.backward(torch.ones_like(o))
         t2 = time.thread_time()
-    return {"fwd_cpu": t1 - t0, "in_flight_cpu": m.flight("gather"),
-            "bwd_cpu": t2 - t1, "bwd_in_flight_cpu": m.flight("scatter")}  # fmt: skip
+    return {
+        "fwd_cpu": t1 - t0,
+        "in_flight_cpu": m.flight("gather"),
+        "bwd_cpu": t2 - t1,
+        "bwd_in_flight_cpu": m.flight("scatter"),
+    }
 
 
 def _overlap(cp, xs, cfg: dict, group) -> dict:
@@ -468,8 +472,15 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
             row = dict(kind=kind, dim=D, tokens=tokens)
             # Local kernel, fwd + bwd, with an entry state.
             counter.take()
-            o, fin = chunk_delta_rule(*xs, kind=kind, initial_state=h, output_final_state=True,
-                                      cu_seqlens=cu, cu_seqlens_cpu=cu, backend="fla")  # fmt: skip
+            o, fin = chunk_delta_rule(
+                *xs,
+                kind=kind,
+                initial_state=h,
+                output_final_state=True,
+                cu_seqlens=cu,
+                cu_seqlens_cpu=cu,
+                backend="fla",
+            )
             fwd = counter.take()
             assert fin is not None
             (o.sum() + (fin * dS).sum()).backward()
@@ -480,17 +491,28 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
             vs = torch.cat([v, v.new_zeros(*v.shape[:3], D)], -1)
             h0 = torch.cat([torch.zeros(1, H, D, D), torch.eye(D).expand(1, H, D, D)], -1)
             counter.take()
-            o, fin = chunk_delta_rule(q, k, vs, g, beta, kind=kind, initial_state=h0,
-                                      output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu,
-                                      backend="fla")  # fmt: skip
+            o, fin = chunk_delta_rule(
+                q,
+                k,
+                vs,
+                g,
+                beta,
+                kind=kind,
+                initial_state=h0,
+                output_final_state=True,
+                cu_seqlens=cu,
+                cu_seqlens_cpu=cu,
+                backend="fla",
+            )
             assert fin is not None
             (fin * cot).sum().backward()
             row["summary_before"] = list(counter.take())
             # Now: the states-only pass the recurrence runs (its backward from the entry h).
             prepared = FlaPrepared(tuple(xs), tables, {"entry": h})
             one = torch.zeros(1, dtype=torch.int32)
-            s = summaries_fla(prepared, SummaryRows(one, one, torch.arange(tokens), tables),
-                              kind=kind, scale=None)  # fmt: skip
+            s = summaries_fla(
+                prepared, SummaryRows(one, one, torch.arange(tokens), tables), kind=kind, scale=None
+            )
             (s * cot).sum().backward()
             row["summary_now"] = list(counter.take())
             rows.append(row)
@@ -528,8 +550,9 @@ def _compile_count_row(kind: str, D: int, tokens: int) -> dict:
     dS = torch.randn(1, H, D, D, generator=gen)
     cot = torch.cat([dS, dS @ h.transpose(-1, -2)], -1)  # what the driver sends
     ins = tuple(x.detach() for x in xs)
-    kernel = partial(chunk_delta_rule_torch, kind=kind, scale=D**-0.5,
-                     output_final_state=True, cu_seqlens_cpu=cu)  # fmt: skip
+    kernel = partial(
+        chunk_delta_rule_torch, kind=kind, scale=D**-0.5, output_final_state=True, cu_seqlens_cpu=cu
+    )
 
     def eager_local():
         o, fin = kernel(*xs, initial_state=h)
@@ -591,13 +614,17 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=["contiguous", "headtail", "packed"])
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--delay", type=float, default=0.0,
-                    help="ms added to every all-gather and reduce-scatter")  # fmt: skip
+    ap.add_argument(
+        "--delay", type=float, default=0.0, help="ms added to every all-gather and reduce-scatter"
+    )
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     ap.add_argument("--fla-count", action="store_true", help="count the fla path (interpreter)")
-    ap.add_argument("--compile-count", action="store_true",
-                    help="count the compiled path's summaries (torch backend)")  # fmt: skip
+    ap.add_argument(
+        "--compile-count",
+        action="store_true",
+        help="count the compiled path's summaries (torch backend)",
+    )
     args = ap.parse_args()
     if args.compile_count or args.fla_count:
         kinds = [k for k in args.kinds if k != "ssd"]
@@ -614,8 +641,14 @@ def main() -> None:
         for dim in args.dims:
             for world in args.worlds:
                 for layout in args.layouts:
-                    cfg = dict(kind=kind, dim=dim, layout=layout, tokens=args.tokens,
-                               repeats=args.repeats, delay_ms=args.delay)  # fmt: skip
+                    cfg = dict(
+                        kind=kind,
+                        dim=dim,
+                        layout=layout,
+                        tokens=args.tokens,
+                        repeats=args.repeats,
+                        delay_ms=args.delay,
+                    )
                     ranks = run_config(cfg, world)
                     if args.delay:
                         for r in ranks:

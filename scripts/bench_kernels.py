@@ -104,8 +104,10 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"device={device} backend={args.backend} torch={torch.__version__} "
-          f"threads={torch.get_num_threads()} dtype=float32\n")  # fmt: skip
+    print(
+        f"device={device} backend={args.backend} torch={torch.__version__} "
+        f"threads={torch.get_num_threads()} dtype=float32\n"
+    )
     print(
         "| op | size | H | K=V | T | docs | fwd ms | fwd+bwd ms | fwd+bwd tokens/s "
         "| fwd+bwd CPU ms | fwd+bwd tokens/CPU-s |"

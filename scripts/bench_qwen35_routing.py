@@ -62,9 +62,13 @@ def main() -> None:
                     host.cu_seqlens()  # the loader's collate computes this, off the loop
                     for name, source in (("host", "host"), ("readback", "device_readback")):
                         seq = SequencePreprocessor(
-                            device="cpu", cp_group=None, load_balancer="headtail",
-                            cp_rank=world - 1, cp_world_size=world, routing_source=source,
-                        )  # fmt: skip
+                            device="cpu",
+                            cp_group=None,
+                            load_balancer="headtail",
+                            cp_rank=world - 1,
+                            cp_world_size=world,
+                            routing_source=source,
+                        )
                         t0 = time.perf_counter()
                         _, _, _, ctx = seq(tok, tok, pos, host if source == "host" else None)
                         routed_varlen_metadata(ctx)
@@ -77,8 +81,10 @@ def main() -> None:
                 for name, ts in times.items():
                     if ts:
                         ms = 1e3 * statistics.median(ts)
-                        print(f"| {bsz} x {seqlen} | {world} | {docs} | {name} | "
-                              f"{reads[name]} | {ms:.3f} |")  # fmt: skip
+                        print(
+                            f"| {bsz} x {seqlen} | {world} | {docs} | {name} | "
+                            f"{reads[name]} | {ms:.3f} |"
+                        )
 
 
 if __name__ == "__main__":

@@ -164,9 +164,13 @@ def bench_host_pipeline(args: argparse.Namespace) -> None:
                         tc = time.perf_counter()
                         cu_t = cu_seqlens_tensor_from_positions(positions)  # in the loader
                         t0 = time.perf_counter()
-                        lay = host_layout(positions, cu_seqlens=cu_t,
-                                          load_balancer=layout,
-                                          world_size=world, device="cpu")  # fmt: skip
+                        lay = host_layout(
+                            positions,
+                            cu_seqlens=cu_t,
+                            load_balancer=layout,
+                            world_size=world,
+                            device="cpu",
+                        )
                         t1 = time.perf_counter()
                         cu_ms.append(t0 - tc)
                         plan = cache.get(lay.cu_seqlens, lay.fragments, rank)
@@ -257,11 +261,19 @@ def bench_ptrr(args: argparse.Namespace) -> None:
                     last = torch.where(starts, col, 0).cummax(0).values
                     positions = (col - last).view(bsz, seqlen)
                     cu_t = cu_seqlens_tensor_from_positions(positions)  # in the loader
-                    host = _timed(times["host"], lb.indices, positions, world, "cpu",
-                                  cu_seqlens=cu_t)  # fmt: skip
+                    host = _timed(
+                        times["host"], lb.indices, positions, world, "cpu", cu_seqlens=cu_t
+                    )
                     _timed(times["back"], lb.indices, positions, world, "cpu")
-                    _timed(times["lay"], host_layout, positions, cu_seqlens=cu_t,
-                           load_balancer=lb, world_size=world, device="cpu")  # fmt: skip
+                    _timed(
+                        times["lay"],
+                        host_layout,
+                        positions,
+                        cu_seqlens=cu_t,
+                        load_balancer=lb,
+                        world_size=world,
+                        device="cpu",
+                    )
                     if dense and rep < args.dense_reps:
                         ref = _timed(times["dense"], _dense_ptrr, positions, block, world)
                         assert torch.equal(ref, host)  # the same index, or nothing is compared
@@ -286,15 +298,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipeline", action="store_true", help="also time the whole host path")
     parser.add_argument("--ptrr", action="store_true", help="also time PTRR against the dense path")
     parser.add_argument("--ptrr-only", action="store_true", help="time only PTRR")
-    parser.add_argument("--ptrr-shapes", type=_shapes,
-                        default=[(1, 4096), (1, 8192), (2, 8192), (1, 16384), (8, 16384),
-                                 (8, 131072)])  # fmt: skip
+    parser.add_argument(
+        "--ptrr-shapes",
+        type=_shapes,
+        default=[(1, 4096), (1, 8192), (2, 8192), (1, 16384), (8, 16384), (8, 131072)],
+    )
     parser.add_argument("--ptrr-worlds", type=_ints, default=[8])
     parser.add_argument("--ptrr-docs", type=_ints, default=[64, 1024])
     parser.add_argument("--ptrr-block-size", type=int, default=128)
     parser.add_argument("--dense-reps", type=int, default=3)
-    parser.add_argument("--dense-max-pairs", type=float, default=2**28,
-                        help="skip the dense path above B*L*L token pairs (~10 bytes each)")  # fmt: skip
+    parser.add_argument(
+        "--dense-max-pairs",
+        type=float,
+        default=2**28,
+        help="skip the dense path above B*L*L token pairs (~10 bytes each)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # host-side planning runs next to the data loader, on one core
     if args.ptrr_only:

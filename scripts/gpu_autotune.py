@@ -52,7 +52,7 @@ RULES: dict[str, tuple[Callable[[list[Any]], Any], str]] = {
     "smallest": (smallest, "one config per fla-core autotuner, its smallest: the fewest tile "
                  "elements, then the fewest stages, first in fla's order among equals"),
     "first": (first, "one config per fla-core autotuner, fla's first (its preferred)"),
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 choose = smallest  # the correctness parts' rule (tests/test_gpu_check_fla.py)
 RULE = RULES["smallest"][1]
 

@@ -72,10 +72,18 @@ from torchtitan_cp.routing.host_metadata import HostMetadata  # noqa: E402
 # The trainer run of trainer_sync: the debug config, head_dim 64 (the parity tests' fla shapes,
 # so their compiled kernels serve it), a log step only at 1 (warm-up) and 4.
 TRAINER_ARGS = (
-    "--config_file", str(ROOT / "configs/debug_cpu.toml"), "--model.head_dim", "64",
-    "--training.steps", "4", "--metrics.log_freq", "4", "--metrics.no-enable_wandb",
-    "--validator.no-enable", "--checkpoint.no-enable",
-)  # fmt: skip
+    "--config_file",
+    str(ROOT / "configs/debug_cpu.toml"),
+    "--model.head_dim",
+    "64",
+    "--training.steps",
+    "4",
+    "--metrics.log_freq",
+    "4",
+    "--metrics.no-enable_wandb",
+    "--validator.no-enable",
+    "--checkpoint.no-enable",
+)
 STRICT_STEPS = (2, 3)  # must not synchronise on the host path
 LOG_STEP = 4
 PARITY_TESTS = ("tests/test_gpu_parity.py",)
@@ -106,9 +114,17 @@ class Results:
 
     def add(self, name: str, ok: bool, seconds: float, **data: Any) -> None:
         self.ok &= ok
-        row = {"part": self.part, "name": name, "ok": ok, "seconds": round(seconds, 1),
-               "call": self.call, "device": self.device, "torch": torch.__version__,
-               "fla_autotune": gpu_autotune.applied()["rule"], **data}  # fmt: skip
+        row = {
+            "part": self.part,
+            "name": name,
+            "ok": ok,
+            "seconds": round(seconds, 1),
+            "call": self.call,
+            "device": self.device,
+            "torch": torch.__version__,
+            "fla_autotune": gpu_autotune.applied()["rule"],
+            **data,
+        }
         line = json.dumps(row, default=str)
         for p in self.paths:
             with open(p, "a") as f:
@@ -170,9 +186,11 @@ class Step:
         self.dtype = _dtype(args)
         torch.manual_seed(0)
         cfg = model_config(
-            args.flavor, layer_pattern=args.pattern, attention_backend=args.attention_backend,
+            args.flavor,
+            layer_pattern=args.pattern,
+            attention_backend=args.attention_backend,
             **({"head_dim": args.head_dim} if args.head_dim else {}),
-        )  # fmt: skip
+        )
         with torch.device(self.device):
             self.model = cfg.build()
         self.model.init_states()
@@ -186,9 +204,13 @@ class Step:
             from torchtitan_cp.trainer.compile import routing_caps
 
             caps = routing_caps(
-                load_balancer="headtail", batch_size=args.batch, seq_len=args.seq_len,
-                cp_degree=1, ptrr_block_size=128, max_subsequences=args.max_subsequences,
-            )  # fmt: skip
+                load_balancer="headtail",
+                batch_size=args.batch,
+                seq_len=args.seq_len,
+                cp_degree=1,
+                ptrr_block_size=128,
+                max_subsequences=args.max_subsequences,
+            )
             torch._dynamo.config.automatic_dynamic_shapes = False
             for block in self.model.layers.values():
                 block.compile(fullgraph=True, backend=compile_backend)
@@ -221,7 +243,7 @@ def _frame(frames: list[traceback.FrameSummary]) -> str:
     ours = [
         f for f in frames
         if any(s in f.filename.replace("\\", "/") for s in ("torchtitan_cp/", "/fla/", "/torchtitan/"))
-    ]  # fmt: skip
+    ]  # fmt: skip # a table, laid out by hand to read across
     # Else the innermost frame outside the warnings machinery, this script and torch.
     skip = (os.path.dirname(warnings.__file__) + os.sep, __file__, os.path.dirname(torch.__file__))
     others = [f for f in frames if not f.filename.startswith(skip)]
@@ -314,8 +336,13 @@ def build_trainer(argv: list[str], dump_folder: str):
         validate(config, 1, compat.device_type(), scan_data=False)
     except (compat.TorchVersionError, ConfigError) as e:
         raise TrainerUnavailable(str(e)) from None
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():  # fmt: skip
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }.items():
         os.environ[key] = value
     os.environ["MASTER_PORT"] = _free_port()
     if not compat.accelerator_available():
@@ -400,10 +427,16 @@ def model_step_sync_check(args, gen) -> dict[str, list[str]]:
     out = {}
     for source in ("host", "device_readback"):
         step = Step(args, source)
-        step(*(t.pin_memory() for t in packed_batch(gen, args.batch, args.seq_len, step.vocab,
-                                                   args.mean_doc)))  # fmt: skip
-        pinned = [t.pin_memory() for t in packed_batch(gen, args.batch, args.seq_len, step.vocab,
-                                                       args.mean_doc)]  # fmt: skip
+        step(
+            *(
+                t.pin_memory()
+                for t in packed_batch(gen, args.batch, args.seq_len, step.vocab, args.mean_doc)
+            )
+        )
+        pinned = [
+            t.pin_memory()
+            for t in packed_batch(gen, args.batch, args.seq_len, step.vocab, args.mean_doc)
+        ]
         with cuda_syncs() as found:
             step(*pinned)
         out[source] = _counted(found)
@@ -418,8 +451,12 @@ def part_trainer_sync(args, res: Results, gen) -> None:
         res.add("trainer_imports", False, 0.0, error=error)
         fallback_model_step(args, res, gen)
         return
-    runs = (("host", False, None), ("host", False, "torch"), ("device_readback", False, None),
-            ("host", True, None))  # fmt: skip
+    runs = (
+        ("host", False, None),
+        ("host", False, "torch"),
+        ("device_readback", False, None),
+        ("host", True, None),
+    )
     for source, control, backend in runs:
         with timed() as t:
             try:
@@ -437,9 +474,18 @@ def fallback_model_step(args, res: Results, gen) -> None:
     if args.device != "cuda":
         res.add("model_step_sync", True, 0.0, skipped="the model-step check needs CUDA")
         return
-    a = argparse.Namespace(**{**vars(args), "flavor": "debug", "pattern": "KGKA",
-                              "head_dim": 64, "dtype": "float32", "batch": 2, "seq_len": 256,
-                              "mean_doc": 40})  # fmt: skip
+    a = argparse.Namespace(
+        **{
+            **vars(args),
+            "flavor": "debug",
+            "pattern": "KGKA",
+            "head_dim": 64,
+            "dtype": "float32",
+            "batch": 2,
+            "seq_len": 256,
+            "mean_doc": 40,
+        }
+    )
     with timed() as t:
         out = model_step_sync_check(a, gen)
     res.add("model_step_sync", out["host"] == [] and out["device_readback"] != [], t(), **out)
@@ -455,18 +501,37 @@ def _pytest(args, res: Results, targets: tuple[str, ...], extra: list[str], rule
     line per test to the results files and prunes fla's autotune by ``rule`` there."""
     xdist = subprocess.run([sys.executable, "-c", "import xdist"], capture_output=True)
     par = ["-n", "8"] if xdist.returncode == 0 and args.device == "cuda" else []
-    env = dict(os.environ, GPU_CHECK_RESULTS=os.pathsep.join(args.results),
-               GPU_CHECK_PART=res.part, GPU_CHECK_FLA_AUTOTUNE=rule,
-               GPU_CHECK_CALL=str(res.call))  # fmt: skip
+    env = dict(
+        os.environ,
+        GPU_CHECK_RESULTS=os.pathsep.join(args.results),
+        GPU_CHECK_PART=res.part,
+        GPU_CHECK_FLA_AUTOTUNE=rule,
+        GPU_CHECK_CALL=str(res.call),
+    )
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "scripts"), str(ROOT), env.get("PYTHONPATH", "")]
     )
     with timed() as t:
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-             "gpu_check_pytest", "-rs", *par, *extra, *targets],
-            cwd=ROOT, capture_output=True, text=True, env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "gpu_check_pytest",
+                "-rs",
+                *par,
+                *extra,
+                *targets,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
     sys.stdout.write(proc.stdout[-6000:])
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
     res.add(res.part, proc.returncode == 0, t(), exit_code=proc.returncode, summary=summary)
@@ -491,13 +556,24 @@ def part_timing(args, res: Results, gen) -> None:
     with timed() as t:
         out = timing(args, gen)
     ok = out["host"]["readbacks_per_step"] == 0 and out["device_readback"]["readbacks_per_step"] > 0
-    res.add("step_time", ok, t(), flavor=args.flavor, pattern=args.pattern,
-            tokens=args.batch * args.seq_len, **out)  # fmt: skip
-    print(f"\n| routing_source | median ms | min ms | tokens/s | readbacks/step |  "
-          f"({args.flavor} {args.pattern}, {args.batch}x{args.seq_len})")  # fmt: skip
+    res.add(
+        "step_time",
+        ok,
+        t(),
+        flavor=args.flavor,
+        pattern=args.pattern,
+        tokens=args.batch * args.seq_len,
+        **out,
+    )
+    print(
+        f"\n| routing_source | median ms | min ms | tokens/s | readbacks/step |  "
+        f"({args.flavor} {args.pattern}, {args.batch}x{args.seq_len})"
+    )
     for k, v in out.items():
-        print(f"| {k} | {v['median_ms']:.2f} | {v['min_ms']:.2f} | {v['tokens_per_s']:,.0f} | "
-              f"{v['readbacks_per_step']:.1f} |")  # fmt: skip
+        print(
+            f"| {k} | {v['median_ms']:.2f} | {v['min_ms']:.2f} | {v['tokens_per_s']:,.0f} | "
+            f"{v['readbacks_per_step']:.1f} |"
+        )
 
 
 def timing(args, gen) -> dict[str, dict[str, float]]:
@@ -535,8 +611,10 @@ def part_compile(args, res: Results, gen) -> None:
     ok = out["compiled"]["frames_compiled_after_warmup"] == 0
     res.add("compile", ok, t(), backend=args.compile_backend, **out)
     for k, v in out.items():
-        print(f"| {k} | first step {v['first_step_ms']:.0f} ms | median {v['median_ms']:.2f} ms "
-              f"| {v['tokens_per_s']:,.0f} tokens/s | {v['frames_compiled_after_warmup']} |")  # fmt: skip
+        print(
+            f"| {k} | first step {v['first_step_ms']:.0f} ms | median {v['median_ms']:.2f} ms "
+            f"| {v['tokens_per_s']:,.0f} tokens/s | {v['frames_compiled_after_warmup']} |"
+        )
 
 
 def compile_timing(args, gen) -> dict[str, dict[str, float]]:
@@ -580,8 +658,14 @@ def compile_timing(args, gen) -> dict[str, dict[str, float]]:
 
 CP_OP_WORLD = 4
 # FLA #691 (GDN, 32k tokens, CP over 4 H800s): 5.73 ms per rank against 15.56 ms unsharded.
-FLA_691 = {"kernel": "gdn", "tokens": 32768, "world": 4, "cp_ms_per_rank": 5.73,
-           "unsharded_ms": 15.56, "gpu": "H800"}  # fmt: skip
+FLA_691 = {
+    "kernel": "gdn",
+    "tokens": 32768,
+    "world": 4,
+    "cp_ms_per_rank": 5.73,
+    "unsharded_ms": 15.56,
+    "gpu": "H800",
+}
 
 
 def _bench_ms(device: str, fn: Callable[[], Any], reps: int) -> float:
@@ -605,8 +689,17 @@ def _bench_ms(device: str, fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
-def cp_op_timing(device: str, T: int, *, heads: int, head_dim: int, dtype: torch.dtype,
-                 backend: str, world: int = CP_OP_WORLD, reps: int = 5) -> dict[str, Any]:  # fmt: skip
+def cp_op_timing(
+    device: str,
+    T: int,
+    *,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    backend: str,
+    world: int = CP_OP_WORLD,
+    reps: int = 5,
+) -> dict[str, Any]:
     """KDA over one document of ``T`` tokens cut into ``world`` contiguous rank spans, simulated
     in one process as ``cp_gradients`` does (the spans in reverse order in one span on the
     world-1 path, so every continuation goes through a summary and the fold): forward and
@@ -641,25 +734,42 @@ def cp_op_timing(device: str, T: int, *, heads: int, head_dim: int, dtype: torch
 
     def local() -> torch.Tensor:
         return chunk_delta_rule(
-            *leaves, kind="kda", initial_state=h0, cu_seqlens=routing.cu_seqlens,
-            cu_seqlens_cpu=routing.cu_seqlens_cpu, chunk_indices=routing.chunk_indices,
-            chunk_offsets=routing.chunk_offsets, backend=backend,
-        )[0]  # fmt: skip
+            *leaves,
+            kind="kda",
+            initial_state=h0,
+            cu_seqlens=routing.cu_seqlens,
+            cu_seqlens_cpu=routing.cu_seqlens_cpu,
+            chunk_indices=routing.chunk_indices,
+            chunk_offsets=routing.chunk_offsets,
+            backend=backend,
+        )[0]
 
     def cp() -> torch.Tensor:
-        return context_parallel_delta_rule(*leaves, kind="kda", routing=routing, group=None,
-                                           backend=backend)[0]  # fmt: skip
+        return context_parallel_delta_rule(
+            *leaves, kind="kda", routing=routing, group=None, backend=backend
+        )[0]
 
     whole = RoutingPlan.build([0, T], [[(0, T)]], 0).to_device(dev)  # its chunk tables
 
     def unsharded() -> torch.Tensor:
         return chunk_delta_rule(
-            *leaves, kind="kda", cu_seqlens=whole.cu_seqlens, cu_seqlens_cpu=whole.cu_seqlens_cpu,
-            chunk_indices=whole.chunk_indices, chunk_offsets=whole.chunk_offsets, backend=backend,
-        )[0]  # fmt: skip
+            *leaves,
+            kind="kda",
+            cu_seqlens=whole.cu_seqlens,
+            cu_seqlens_cpu=whole.cu_seqlens_cpu,
+            chunk_indices=whole.chunk_indices,
+            chunk_offsets=whole.chunk_offsets,
+            backend=backend,
+        )[0]
 
-    out: dict[str, Any] = {"tokens": T, "world": world, "heads": H, "head_dim": K,
-                           "dtype": str(dtype).split(".")[-1], "backend": backend}  # fmt: skip
+    out: dict[str, Any] = {
+        "tokens": T,
+        "world": world,
+        "heads": H,
+        "head_dim": K,
+        "dtype": str(dtype).split(".")[-1],
+        "backend": backend,
+    }
     for name, fn in (("local", local), ("cp", cp), ("unsharded", unsharded)):
         with torch.no_grad():
             out[f"{name}_fwd_ms"] = _bench_ms(device, fn, reps)
@@ -685,14 +795,20 @@ def part_cp_op_ms(args, res: Results, gen) -> None:
     lengths = args.cp_tokens if cuda else [256, 512]
     for T in lengths:
         with timed() as t:
-            out = cp_op_timing(args.device, T, heads=16 if cuda else 2,
-                               head_dim=128 if cuda else 16,
-                               dtype=torch.bfloat16 if cuda else torch.float32,
-                               backend="fla" if cuda else "torch")  # fmt: skip
+            out = cp_op_timing(
+                args.device,
+                T,
+                heads=16 if cuda else 2,
+                head_dim=128 if cuda else 16,
+                dtype=torch.bfloat16 if cuda else torch.float32,
+                backend="fla" if cuda else "torch",
+            )
         res.add(f"kda_{T}", True, t(), **out, reference=FLA_691)
-        print(f"| KDA {T} W={out['world']} | local {out['local_fwd_bwd_ms_per_rank']:.2f} | CP "
-              f"{out['cp_fwd_bwd_ms_per_rank']:.2f} ms/rank ({out['cp_over_local_fwd_bwd']:.2f}x) "
-              f"| unsharded {out['unsharded_fwd_bwd_ms']:.2f} ms |")  # fmt: skip
+        print(
+            f"| KDA {T} W={out['world']} | local {out['local_fwd_bwd_ms_per_rank']:.2f} | CP "
+            f"{out['cp_fwd_bwd_ms_per_rank']:.2f} ms/rank ({out['cp_over_local_fwd_bwd']:.2f}x) "
+            f"| unsharded {out['unsharded_fwd_bwd_ms']:.2f} ms |"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -705,11 +821,23 @@ def part_autotune_reuse(args, res: Results, gen) -> None:
     backward with fla's full autotune kept in one new folder (``fla_autotune.persist``): the
     first tunes, the second must tune nothing; each records its first call's seconds."""
     if args.device != "cuda":
-        res.add("autotune_reuse", True, 0.0, skipped="Triton's autotuner benchmarks on a GPU; "
-                "on CPU tests/test_fla_autotune.py checks the mechanism")  # fmt: skip
+        res.add(
+            "autotune_reuse",
+            True,
+            0.0,
+            skipped="Triton's autotuner benchmarks on a GPU; "
+            "on CPU tests/test_fla_autotune.py checks the mechanism",
+        )
         return
-    me = [sys.executable, str(Path(__file__).resolve()), "--device", "cuda", "--part",
-          "autotune_probe", *(a for p in args.results for a in ("--results", p))]  # fmt: skip
+    me = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--device",
+        "cuda",
+        "--part",
+        "autotune_probe",
+        *(a for p in args.results for a in ("--results", p)),
+    ]
     with tempfile.TemporaryDirectory() as folder, timed() as t:
         codes = [subprocess.run([*me, "--autotune-dir", folder]).returncode for _ in range(2)]
     res.add("autotune_reuse", not any(codes), t(), exit_codes=codes)
@@ -732,8 +860,15 @@ def part_autotune_probe(args, res: Results, gen) -> None:
     stats = fla_autotune.stats()
     first = not stats["loaded"]
     ok = stats["tuned"] > 0 if first else stats["tuned"] == 0
-    res.add("first_process" if first else "second_process", ok, t(), first_call_s=t(),
-            conv_dim=D, tokens=T, **stats)  # fmt: skip
+    res.add(
+        "first_process" if first else "second_process",
+        ok,
+        t(),
+        first_call_s=t(),
+        conv_dim=D,
+        tokens=T,
+        **stats,
+    )
 
 
 def model_shapes(flavor: str, head_dim: int | None) -> dict[str, int]:
@@ -771,9 +906,13 @@ def environment(device: str) -> dict[str, Any]:
     )
 
     facts = device_facts()
-    env: dict[str, Any] = {"torch_version": torch.__version__, "cuda": torch.version.cuda,
-                           "triton": facts.triton, "tilelang": facts.tilelang,
-                           "nvcc": facts.nvcc}  # fmt: skip
+    env: dict[str, Any] = {
+        "torch_version": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": facts.triton,
+        "tilelang": facts.tilelang,
+        "nvcc": facts.nvcc,
+    }
     try:
         from importlib.metadata import version
 
@@ -830,12 +969,31 @@ def run_all(args, res: Results) -> None:
     """Every part of ``PARTS`` in order, each its own process, killed at its box or the
     deadline; one line (under the part's name) per part that did not finish by itself."""
     deadline = args.started_at + args.budget
-    me = [sys.executable, str(Path(__file__).resolve()), "--device", args.device,
-          "--started-at", str(args.started_at), "--budget", str(args.budget)]  # fmt: skip
+    me = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--device",
+        args.device,
+        "--started-at",
+        str(args.started_at),
+        "--budget",
+        str(args.budget),
+    ]
     passthrough = []
-    for flag in ("flavor", "pattern", "head_dim", "dtype", "attention_backend", "batch",
-                 "seq_len", "mean_doc", "steps", "warmup", "compile_backend",
-                 "max_subsequences"):  # fmt: skip
+    for flag in (
+        "flavor",
+        "pattern",
+        "head_dim",
+        "dtype",
+        "attention_backend",
+        "batch",
+        "seq_len",
+        "mean_doc",
+        "steps",
+        "warmup",
+        "compile_backend",
+        "max_subsequences",
+    ):
         passthrough += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     passthrough += ["--cp-tokens", *map(str, args.cp_tokens)]
     results = [a for p in args.results for a in ("--results", p)]
@@ -857,8 +1015,13 @@ def run_all(args, res: Results) -> None:
                 proc.wait()
                 code = None
         if code is None:
-            mine.add(name, False, t(), timed_out=f"killed after its {box:.0f} s box "
-                    f"({'the deadline' if box < part.box_s * args.box_scale else 'its own'})")  # fmt: skip
+            mine.add(
+                name,
+                False,
+                t(),
+                timed_out=f"killed after its {box:.0f} s box "
+                f"({'the deadline' if box < part.box_s * args.box_scale else 'its own'})",
+            )
         elif code != 0:
             mine.add(name, False, t(), exit_code=code)
 
@@ -869,14 +1032,27 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--all", action="store_true", help="every part, in order (the one call)")
     which.add_argument("--part", choices=sorted({*PARTS, *HELPERS}))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--results", action="append", default=[],
-                   help="JSON-lines file to append to (repeatable)")  # fmt: skip
-    p.add_argument("--started-at", type=float, default=None,
-                   help="epoch seconds the call started (gpu_check.sh); default now")  # fmt: skip
-    p.add_argument("--budget", type=float, default=480.0,
-                   help="seconds from --started-at to the deadline of every part")  # fmt: skip
-    p.add_argument("--box-scale", type=float, default=1.0,
-                   help="scale every part's time box (the CPU dry run is slower)")  # fmt: skip
+    p.add_argument(
+        "--results", action="append", default=[], help="JSON-lines file to append to (repeatable)"
+    )
+    p.add_argument(
+        "--started-at",
+        type=float,
+        default=None,
+        help="epoch seconds the call started (gpu_check.sh); default now",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=480.0,
+        help="seconds from --started-at to the deadline of every part",
+    )
+    p.add_argument(
+        "--box-scale",
+        type=float,
+        default=1.0,
+        help="scale every part's time box (the CPU dry run is slower)",
+    )
     p.add_argument("--skip", action="append", default=[], help="a part --all leaves out")
     p.add_argument("--flavor", default="150M")
     p.add_argument("--pattern", default="KKKAKKKAKKKA")
@@ -888,12 +1064,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mean-doc", type=int, default=2048)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--compile-backend", default="inductor",
-                   help="torch.compile backend of the compile part")  # fmt: skip
-    p.add_argument("--max-subsequences", type=int, default=256,
-                   help="routing cap of the compiled run (linear_attention.max_subsequences)")  # fmt: skip
-    p.add_argument("--cp-tokens", type=int, nargs="+", default=[32768, 131072],
-                   help="stream lengths of the cp_op_ms part")  # fmt: skip
+    p.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend of the compile part"
+    )
+    p.add_argument(
+        "--max-subsequences",
+        type=int,
+        default=256,
+        help="routing cap of the compiled run (linear_attention.max_subsequences)",
+    )
+    p.add_argument(
+        "--cp-tokens",
+        type=int,
+        nargs="+",
+        default=[32768, 131072],
+        help="stream lengths of the cp_op_ms part",
+    )
     p.add_argument("--autotune-dir", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -911,8 +1097,9 @@ def main(argv: list[str] | None = None) -> int:
             import gpu_imports
 
             error = gpu_imports.check()
-        res.add("imports", error is None, t(), error=error,
-                count=len(gpu_imports.CUDA_PATH_IMPORTS))  # fmt: skip
+        res.add(
+            "imports", error is None, t(), error=error, count=len(gpu_imports.CUDA_PATH_IMPORTS)
+        )
         if error is None:
             run_all(args, res)
         ok = _all_ok(args.results, args.started_at)
@@ -929,8 +1116,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             part.run(args, res, gen)
         except Exception as e:  # recorded, so the next part still runs
-            res.add("error", False, t(), error=f"{type(e).__name__}: {str(e)[:300]}",
-                    site=sync_site(e))  # fmt: skip
+            res.add(
+                "error", False, t(), error=f"{type(e).__name__}: {str(e)[:300]}", site=sync_site(e)
+            )
             traceback.print_exc()
     return 0 if res.ok else 1
 

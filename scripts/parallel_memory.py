@@ -30,7 +30,7 @@ MODELS = {
     "Kimi-48B-A3B": dict(params=49.123e9, experts=47.110e9, layers=27, dim=2304, vocab=163840,
                          linear=5 * 4096, attn=6144 + 576 + 8192,
                          kv=576 + 32 * (192 + 128), ffn=8 * 1024 + 1024),
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 
 STATE_BYTES = 16  # fp32 parameter + gradient + AdamW's two moments
 ACT_BYTES = 2  # bf16 activations
@@ -57,13 +57,21 @@ def per_rank(model: dict, seq: int, cp: int, tp: int, dp_shard: int) -> dict[str
 
 
 def main() -> None:
-    layouts = [("27B", 131072, 8, 1, 1), ("27B", 131072, 4, 2, 1), ("27B", 1048576, 32, 1, 1),
-               ("27B", 1048576, 16, 4, 1), ("27B", 1048576, 8, 8, 1),
-               ("35B-A3B", 131072, 8, 1, 1), ("35B-A3B", 131072, 4, 2, 1),
-               ("35B-A3B", 131072, 8, 1, 2),
-               ("35B-A3B", 1048576, 32, 1, 1), ("35B-A3B", 1048576, 16, 2, 1),
-               ("Kimi-48B-A3B", 131072, 8, 1, 2), ("Kimi-48B-A3B", 1048576, 32, 1, 1),
-               ("Kimi-48B-A3B", 1048576, 32, 1, 2)]  # fmt: skip
+    layouts = [
+        ("27B", 131072, 8, 1, 1),
+        ("27B", 131072, 4, 2, 1),
+        ("27B", 1048576, 32, 1, 1),
+        ("27B", 1048576, 16, 4, 1),
+        ("27B", 1048576, 8, 8, 1),
+        ("35B-A3B", 131072, 8, 1, 1),
+        ("35B-A3B", 131072, 4, 2, 1),
+        ("35B-A3B", 131072, 8, 1, 2),
+        ("35B-A3B", 1048576, 32, 1, 1),
+        ("35B-A3B", 1048576, 16, 2, 1),
+        ("Kimi-48B-A3B", 131072, 8, 1, 2),
+        ("Kimi-48B-A3B", 1048576, 32, 1, 1),
+        ("Kimi-48B-A3B", 1048576, 32, 1, 2),
+    ]
     print(
         "| model | tokens | CP x TP (ranks) | state | saved inputs | one layer | K/V | "
         "logits | total GiB |"

@@ -45,11 +45,11 @@ _FACTORIES = {
     torch.arange, torch.rand, torch.randn, torch.randint, torch.randperm, torch.linspace,
     torch.logspace, torch.eye, torch.empty_strided, torch.scalar_tensor, torch.from_numpy,
     torch.frombuffer,
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 _LIKE = {
     torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
     torch.randn_like, torch.randint_like,
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 _NEW = {"new_tensor", "new_zeros", "new_ones", "new_empty", "new_full"}
 
 

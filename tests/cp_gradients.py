@@ -64,8 +64,9 @@ def cp_gradients(
     cu_t = torch.tensor(cu, dtype=torch.int32)
     leaves = [x.clone().requires_grad_(True) for x in full]
     o_ref, _ = run_local(ref_rec, tuple(leaves), SequenceTables(cu_t.to(device), cu_t, None, None))
-    d_o = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(seed + 1),
-                      dtype=torch.float64).to(device)  # fmt: skip
+    d_o = torch.randn(
+        o_ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64
+    ).to(device)
     ref_grads = torch.autograd.grad((o_ref * d_o).sum(), leaves)
 
     span_frags = [f for r in reversed(range(world)) for f in table[r]]
@@ -87,7 +88,7 @@ def cp_gradients(
             "o": (o.index_select(1, pos), o_ref.index_select(1, tokens)),
             **{n: (gr.index_select(1, pos), ref.index_select(1, tokens))
                for n, gr, ref in zip(names, grads, ref_grads)},
-        })  # fmt: skip
+        })  # fmt: skip # a table, laid out by hand to read across
     return {
         "ranks": ranks,
         "names": names,

@@ -85,10 +85,14 @@ def _rank(job: dict, rank: int, port: int) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-    )  # fmt: skip
+    )
     if job.get("entry"):  # "module:function", called as main is (e.g. tests.host_syncs:main)
         module, name = job["entry"].split(":")
         main = getattr(importlib.import_module(module), name)

@@ -59,9 +59,14 @@ def dense_document_block_mask(positions: torch.Tensor, block_size: int = 128):
 
     bsz, seqlen = positions.shape
     return create_block_mask(
-        document_mask_mod(row_document_index(positions)), bsz, None, seqlen, seqlen,
-        device=positions.device, BLOCK_SIZE=block_size,
-    )  # fmt: skip
+        document_mask_mod(row_document_index(positions)),
+        bsz,
+        None,
+        seqlen,
+        seqlen,
+        device=positions.device,
+        BLOCK_SIZE=block_size,
+    )
 
 
 def flip(path: Path, offset: int = 100, n: int = 64) -> None:

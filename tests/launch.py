@@ -61,7 +61,7 @@ def torchrun_cmd(
         f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "-m", module, *args,
-    ]  # fmt: skip
+    ]  # fmt: skip # a table, laid out by hand to read across
     return cmd, repo_env(PYTHONUNBUFFERED="1")
 
 
@@ -147,8 +147,19 @@ def train_sh_cmd(args: list[str], **env: str) -> tuple[list[str], dict[str, str]
     """The command line and environment of ``./scripts/train.sh ARGS`` with ``env`` added
     (``NPROC``, ``NNODES``, ... unset unless given)."""
     base = repo_env(PYTHONUNBUFFERED="1")
-    for key in ("NPROC", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "MASTER_ADDR", "MASTER_PORT",
-                "NPROC_PER_NODE", "RDZV_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # fmt: skip
+    for key in (
+        "NPROC",
+        "NNODES",
+        "NODE_RANK",
+        "RDZV_ENDPOINT",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "NPROC_PER_NODE",
+        "RDZV_ID",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+    ):
         base.pop(key, None)
     return [str(REPO / "scripts" / "train.sh"), *args], {**base, **env}
 
@@ -156,8 +167,9 @@ def train_sh_cmd(args: list[str], **env: str) -> tuple[list[str], dict[str, str]
 def train_sh(args: list[str], *, timeout: float = 300, check: bool = True, **env: str):
     """``./scripts/train.sh ARGS`` with ``env``; ``check=False`` returns a failed run."""
     cmd, full_env = train_sh_cmd(args, **env)
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"train.sh failed (exit {proc.returncode}):\n{proc.stderr[-8000:]}")
     return proc

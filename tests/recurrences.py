@@ -68,8 +68,9 @@ def _rep(*xs: Tensor) -> list[Tensor]:
 
 
 def _delta_rule(kind: str) -> RecurrenceCase:
-    def inputs(T: int, seed: int, dtype: torch.dtype = torch.float64, *, K: int = K,
-               V: int = V) -> list[Tensor]:  # fmt: skip
+    def inputs(
+        T: int, seed: int, dtype: torch.dtype = torch.float64, *, K: int = K, V: int = V
+    ) -> list[Tensor]:
         rnd = _rnd(torch.Generator().manual_seed(seed))
         q, k = F.normalize(rnd(1, T, H, K), dim=-1), F.normalize(rnd(1, T, H, K), dim=-1)
         v = rnd(1, T, HV, V)
@@ -85,12 +86,13 @@ def _delta_rule(kind: str) -> RecurrenceCase:
         from fla.ops.kda.naive import naive_recurrent_kda
 
         if kind == "kda":
-            return naive_recurrent_kda(q, k, v, g, beta, initial_state=initial_state,
-                                       output_final_state=True)  # fmt: skip
+            return naive_recurrent_kda(
+                q, k, v, g, beta, initial_state=initial_state, output_final_state=True
+            )
         # The naive GDN has no grouped heads.
-        return naive_recurrent_gated_delta_rule(*_rep(q, k), v, beta, g,
-                                                initial_state=initial_state,
-                                                output_final_state=True)  # fmt: skip
+        return naive_recurrent_gated_delta_rule(
+            *_rep(q, k), v, beta, g, initial_state=initial_state, output_final_state=True
+        )
 
     def torch_op(xs, h0, cu_cpu, scale) -> OpCall:
         from torchtitan_cp.ops.delta_rule.custom_ops import delta_rule_torch_op
@@ -102,15 +104,23 @@ def _delta_rule(kind: str) -> RecurrenceCase:
 
         return delta_rule_fla_op, (*xs, h0, cu, cu_cpu, chunk_indices, kind, scale, True)
 
-    return RecurrenceCase(kind, kind, inputs, ("q", "k", "v", "g", "beta"), oracle, fla_naive,
-                          torch_op, fla_op)  # fmt: skip
+    return RecurrenceCase(
+        kind, kind, inputs, ("q", "k", "v", "g", "beta"), oracle, fla_naive, torch_op, fla_op
+    )
 
 
 # ----------------------------------------------------------------------------- SSD
 
 
-def ssd_inputs(T: int, seed: int, dtype: torch.dtype = torch.float64, *, K: int = K,
-               V: int = V, per_key: bool = False) -> list[Tensor]:  # fmt: skip
+def ssd_inputs(
+    T: int,
+    seed: int,
+    dtype: torch.dtype = torch.float64,
+    *,
+    K: int = K,
+    V: int = V,
+    per_key: bool = False,
+) -> list[Tensor]:
     """``(q, k, v, g)`` for SSD: q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, g ``[1, T, HV]``
     (``[1, T, HV, K]`` with ``per_key``: GLA)."""
     rnd = _rnd(torch.Generator().manual_seed(seed))
@@ -139,8 +149,9 @@ def _ssd_fla_naive(*xs: Tensor, initial_state: Tensor) -> tuple[Tensor, Tensor]:
     q, k, v, g = _gated(xs)
     if g.dim() == 4:  # a gate per key: fla's GLA
         return naive_recurrent_gla(*_rep(q, k), v, g, initial_state, output_final_state=True)
-    return naive_recurrent_simple_gla(*_rep(q, k), v, g, initial_state=initial_state,
-                                      output_final_state=True)  # fmt: skip
+    return naive_recurrent_simple_gla(
+        *_rep(q, k), v, g, initial_state=initial_state, output_final_state=True
+    )
 
 
 def _ssd_torch_op(xs, h0, cu_cpu, scale) -> OpCall:
@@ -154,8 +165,18 @@ def _ssd_fla_op(xs, h0, cu, cu_cpu, chunk_indices, chunk_offsets, scale) -> OpCa
 
     q, k, v, g = _gated(xs)
     # As chunk_ssd calls it: q/k repeated to the value heads, both chunk tables.
-    return ssd_fla_op, (*_rep(q, k), v, g, h0, cu, cu_cpu, chunk_indices, chunk_offsets, scale,
-                        True)  # fmt: skip
+    return ssd_fla_op, (
+        *_rep(q, k),
+        v,
+        g,
+        h0,
+        cu,
+        cu_cpu,
+        chunk_indices,
+        chunk_offsets,
+        scale,
+        True,
+    )
 
 
 def _fixed_decay_inputs(T: int, seed: int, dtype: torch.dtype = torch.float64, **kw: int):
@@ -171,12 +192,14 @@ def _gla_inputs(T: int, seed: int, dtype: torch.dtype = torch.float64, **kw: Any
     return ssd_inputs(T, seed, dtype, per_key=True, **kw)
 
 
-def _diagonal(id: str, name: str, inputs: Callable[..., list[Tensor]], oracle=ssd_reference,
-              **options: Any) -> RecurrenceCase:  # fmt: skip
+def _diagonal(
+    id: str, name: str, inputs: Callable[..., list[Tensor]], oracle=ssd_reference, **options: Any
+) -> RecurrenceCase:
     """A case of the diagonal family (``ops/ssd``): its fla naive recurrence and custom ops."""
     names = ("q", "k", "v", "g") if oracle is ssd_reference else ("q", "k", "v")
-    return RecurrenceCase(id, name, inputs, names, oracle, _ssd_fla_naive, _ssd_torch_op,
-                          _ssd_fla_op, options)  # fmt: skip
+    return RecurrenceCase(
+        id, name, inputs, names, oracle, _ssd_fla_naive, _ssd_torch_op, _ssd_fla_op, options
+    )
 
 
 CASES: list[RecurrenceCase] = [
@@ -186,7 +209,7 @@ CASES: list[RecurrenceCase] = [
     # SSD with a fixed decay per head instead of the gate input (what retention runs).
     _diagonal(
         "ssd-fixed-decay", "ssd", _fixed_decay_inputs, _fixed_decay_oracle, fixed_decay=head_decay
-    ),  # fmt: skip
+    ),
     # SSD with a gate per head and key (FLA's GLA): the registered "gla".
     _diagonal("gla", "gla", _gla_inputs),
 ]

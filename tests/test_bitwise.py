@@ -28,9 +28,12 @@ def _train(pattern: str, balancer: str, source: str) -> list[dict]:
     model.init_states()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     pre = SequencePreprocessor(
-        device="cpu", cp_group=dist.group.WORLD, load_balancer=balancer,
-        routing_source=source, ptrr_block_size=16,
-    )  # fmt: skip
+        device="cpu",
+        cp_group=dist.group.WORLD,
+        load_balancer=balancer,
+        routing_source=source,
+        ptrr_block_size=16,
+    )
     history = []
     gen = torch.Generator().manual_seed(7)
     for step in range(STEPS):

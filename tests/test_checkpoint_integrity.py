@@ -299,7 +299,7 @@ MALFORMED = [
     ({"format": MANIFEST_FORMAT, "files": {"../x": {"bytes": 3, "sha256": "0" * 64}}},
      "not a file inside the step folder"),
     ({"format": "other/1", "files": {}}, "has format 'other/1'"),
-]  # fmt: skip
+]  # fmt: skip # a table, laid out by hand to read across
 
 
 @pytest.mark.parametrize("manifest, why", MALFORMED, ids=[w for _, w in MALFORMED])
@@ -391,8 +391,11 @@ def test_checkpoint_that_does_not_fit_names_the_first_parameter(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    saved = {"layers.0.w": torch.zeros(4, 3), "layers.1.wq": torch.zeros(2),
-             "dataloader": {"dp_rank_0": b"a", "dp_rank_1": b"b", "world_size": 2}}  # fmt: skip
+    saved = {
+        "layers.0.w": torch.zeros(4, 3),
+        "layers.1.wq": torch.zeros(2),
+        "dataloader": {"dp_rank_0": b"a", "dp_rank_1": b"b", "world_size": 2},
+    }
     dcp.save(saved, checkpoint_id=str(tmp_path))
     same = {"layers.0.w": torch.ones(4, 3), "layers.1.wq": torch.ones(2), "dataloader": {}}
     assert fit_problem(same, str(tmp_path), dp_world_size=2) is None
@@ -447,8 +450,12 @@ def test_lock_of_another_host_or_a_live_process_is_refused(tmp_path):
     lock = tmp_path / "run.lock"
 
     def holder(**kw) -> None:
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": "r-old",
-                  "start_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())} | kw  # fmt: skip
+        record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "run_id": "r-old",
+            "start_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        } | kw
         lock.write_text(json.dumps(record) + "\n")
 
     holder(host="other-host")

@@ -62,17 +62,33 @@ def test_trainer_collectives_use_the_training_device(tmp_path):
     from tests.launch import torchrun_train
 
     torchrun_train(
-        ["--config_file", "configs/debug_cpu.toml", "--training.steps", "2",
-         "--parallelism.context_parallel_degree", "2", "--validator.freq", "2",
-         "--validator.steps", "1", "--metrics.no-enable-wandb"],
-        nproc=2, dump_folder=tmp_path, module="tests.collective_devices",
-    )  # fmt: skip
+        [
+            "--config_file",
+            "configs/debug_cpu.toml",
+            "--training.steps",
+            "2",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--validator.freq",
+            "2",
+            "--validator.steps",
+            "1",
+            "--metrics.no-enable-wandb",
+        ],
+        nproc=2,
+        dump_folder=tmp_path,
+        module="tests.collective_devices",
+    )
     for rank in range(2):
         report = json.loads((tmp_path / f"collective_devices_rank{rank}.json").read_text())
         assert report["violations"] == [], (rank, report["violations"])
         callers = " ".join(report["calls"])
         # Checked: the routing metrics' reduction, the CP layers' gathers, FSDP's gradient
         # reduce-scatter (in torchtitan's forward-backward), the loss metrics' reduction.
-        for caller in ("_routing_metrics", "ops/cp/collectives.py",
-                       "_reduce_scatter_base_ @ torchtitan/trainer.py", "_dist_reduce_tensor"):  # fmt: skip
+        for caller in (
+            "_routing_metrics",
+            "ops/cp/collectives.py",
+            "_reduce_scatter_base_ @ torchtitan/trainer.py",
+            "_dist_reduce_tensor",
+        ):
             assert caller in callers, (caller, sorted(report["calls"]))

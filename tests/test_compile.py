@@ -94,8 +94,9 @@ def test_torch_op_opcheck(case):
     torch.library.opcheck(*case.torch_op(ins[:-1], None, None, 0.4))
     # Dense but permuted inputs (a head-major buffer seen token-major): the fakes promise
     # contiguous outputs and gradients, as the real ops return them (issue 25).
-    permuted = [x.detach().movedim(1, -1).contiguous().movedim(-1, 1).requires_grad_(True)
-                for x in ins[:-1]]  # fmt: skip
+    permuted = [
+        x.detach().movedim(1, -1).contiguous().movedim(-1, 1).requires_grad_(True) for x in ins[:-1]
+    ]
     assert not permuted[0].is_contiguous()
     torch.library.opcheck(*case.torch_op(permuted, ins[-1], CU, 0.4))
 
@@ -113,8 +114,18 @@ def test_summaries_torch_op_opcheck_and_matches_the_kernel(kind):
     entry = torch.zeros(3, HV, K, V + K, dtype=torch.float64)
     entry[..., V:] = torch.eye(K, dtype=torch.float64)
     vs = torch.cat([v, v.new_zeros(1, T, HV, K)], -1)
-    _, fin = chunk_delta_rule_torch(q, k, vs, g, beta, kind=kind, scale=0.4, initial_state=entry,
-                                    output_final_state=True, cu_seqlens_cpu=CU)  # fmt: skip
+    _, fin = chunk_delta_rule_torch(
+        q,
+        k,
+        vs,
+        g,
+        beta,
+        kind=kind,
+        scale=0.4,
+        initial_state=entry,
+        output_final_state=True,
+        cu_seqlens_cpu=CU,
+    )
     assert fin is not None
     torch.testing.assert_close(S, fin, rtol=0, atol=1e-12)
     dS = torch.randn_like(S)
@@ -137,8 +148,9 @@ def test_summaries_torch_op_opcheck_and_matches_the_kernel(kind):
     torch.library.opcheck(op, (*xs, CU, None, kind, 0.4))
     torch.library.opcheck(op, (*xs, CU, rows, kind, 0.4))
     torch.library.opcheck(op, (*xs, None, None, kind, 0.4))
-    permuted = [x.detach().movedim(1, -1).contiguous().movedim(-1, 1).requires_grad_(True)
-                for x in xs]  # fmt: skip
+    permuted = [
+        x.detach().movedim(1, -1).contiguous().movedim(-1, 1).requires_grad_(True) for x in xs
+    ]
     torch.library.opcheck(op, (*permuted, CU, None, kind, 0.4))
 
 
@@ -208,15 +220,21 @@ def test_fla_fake_impls_give_fla_shapes(case: RecurrenceCase):
     dtype. Every registered recurrence, from its case's fla op call."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    xs = [x.float() if name == "g" else x.to(torch.bfloat16)
-          for name, x in zip(case.names, case.inputs(T, 0))]  # fmt: skip
+    xs = [
+        x.float() if name == "g" else x.to(torch.bfloat16)
+        for name, x in zip(case.names, case.inputs(T, 0))
+    ]
     h0 = torch.zeros(3, HV, K, V)
     op, args = case.fla_op(xs, h0, CU, CU, None, None, 0.3)
     with FakeTensorMode() as mode:
-        args = [mode.from_tensor(a).requires_grad_(True)
-                if isinstance(a, torch.Tensor) and a.is_floating_point() else
-                mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
-                for a in args]  # fmt: skip
+        args = [
+            mode.from_tensor(a).requires_grad_(True)
+            if isinstance(a, torch.Tensor) and a.is_floating_point()
+            else mode.from_tensor(a)
+            if isinstance(a, torch.Tensor)
+            else a
+            for a in args
+        ]
         o, fin, g_cum, *scores = op(*args)
         assert (o.shape, o.dtype) == ((1, T, HV, V), torch.bfloat16)
         assert (fin.shape, fin.dtype) == ((3, HV, K, V), torch.float32)
@@ -314,17 +332,29 @@ def _cp_compiled(rank: int, world: int) -> dict:
 
     group = dist.group.WORLD
     rows, row_len = 2, 48
-    caps = routing_caps(load_balancer="headtail", batch_size=rows, seq_len=row_len,
-                        cp_degree=world, ptrr_block_size=128, max_subsequences=32)  # fmt: skip
+    caps = routing_caps(
+        load_balancer="headtail",
+        batch_size=rows,
+        seq_len=row_len,
+        cp_degree=world,
+        ptrr_block_size=128,
+        max_subsequences=32,
+    )
     table = headtail_fragments(row_len, rows, world)
 
     def step(x, w, q, k, g, beta, routing):
         hist = context_parallel_conv_history(x, routing=routing, group=group)
-        y = causal_conv1d(x, w, cu_seqlens=routing.cu_seqlens,
-                          cu_seqlens_cpu=routing.cu_seqlens_cpu, initial_state=hist)  # fmt: skip
+        y = causal_conv1d(
+            x,
+            w,
+            cu_seqlens=routing.cu_seqlens,
+            cu_seqlens_cpu=routing.cu_seqlens_cpu,
+            initial_state=hist,
+        )
         v = y.unflatten(-1, (HV, V))
-        o, _ = context_parallel_delta_rule(q, k, v, g, beta, kind="gdn", routing=routing,
-                                           group=group)  # fmt: skip
+        o, _ = context_parallel_delta_rule(
+            q, k, v, g, beta, kind="gdn", routing=routing, group=group
+        )
         o_ssd, _ = context_parallel_ssd(q, k, v, g, routing=routing, group=group, scale=1.0)
         return o + o_ssd
 
@@ -381,8 +411,14 @@ def _cp_summaries_compiled(rank: int, world: int) -> dict:
 
     group = dist.group.WORLD
     rows, row_len = 2, 48
-    caps = routing_caps(load_balancer="headtail", batch_size=rows, seq_len=row_len,
-                        cp_degree=world, ptrr_block_size=128, max_subsequences=32)  # fmt: skip
+    caps = routing_caps(
+        load_balancer="headtail",
+        batch_size=rows,
+        seq_len=row_len,
+        cp_degree=world,
+        ptrr_block_size=128,
+        max_subsequences=32,
+    )
     table = headtail_fragments(row_len, rows, world)
 
     def layer(q, k, v, g_kda, g_gdn, beta, routing, grp):
@@ -400,12 +436,14 @@ def _cp_summaries_compiled(rank: int, world: int) -> dict:
     for _ in range(2):
         # Long documents (up to a row): most spans publish and fold summaries.
         cu = random_cu_seqlens(gen, rows, row_len, max_doc=row_len)
-        full = [F.normalize(torch.randn(1, total, H, K, generator=gen), dim=-1),
-                F.normalize(torch.randn(1, total, H, K, generator=gen), dim=-1),
-                torch.randn(1, total, HV, V, generator=gen),
-                -F.softplus(torch.randn(1, total, HV, K, generator=gen)) * 0.3,
-                -F.softplus(torch.randn(1, total, HV, generator=gen)) * 0.3,
-                torch.rand(1, total, HV, generator=gen)]  # fmt: skip
+        full = [
+            F.normalize(torch.randn(1, total, H, K, generator=gen), dim=-1),
+            F.normalize(torch.randn(1, total, H, K, generator=gen), dim=-1),
+            torch.randn(1, total, HV, V, generator=gen),
+            -F.softplus(torch.randn(1, total, HV, K, generator=gen)) * 0.3,
+            -F.softplus(torch.randn(1, total, HV, generator=gen)) * 0.3,
+            torch.rand(1, total, HV, generator=gen),
+        ]
         d_o = torch.randn(1, total, HV, V, generator=gen)
         ref = [x.clone().requires_grad_(True) for x in full]
         o_ref = layer(*ref, device_routing(cu, [[(0, total)]], 0), None)
@@ -437,26 +475,40 @@ def test_cp_summaries_op_compiled_matches_unsharded():
 def test_routing_caps_bound_every_layout(lb, world):
     """Random documents, every rank: slots and predecessors never exceed the derived caps."""
     rows, row_len = 2, 256
-    caps = routing_caps(load_balancer=lb, batch_size=rows, seq_len=row_len, cp_degree=world,
-                        ptrr_block_size=32, max_subsequences=rows * row_len)  # fmt: skip
+    caps = routing_caps(
+        load_balancer=lb,
+        batch_size=rows,
+        seq_len=row_len,
+        cp_degree=world,
+        ptrr_block_size=32,
+        max_subsequences=rows * row_len,
+    )
     gen = torch.Generator().manual_seed(world)
     for _ in range(6):
         cu = random_cu_seqlens(gen, rows, row_len, max_doc=200)
         positions = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])]).view(
             rows, row_len
         )
-        layout = host_layout(positions, load_balancer=lb, world_size=world, device="cpu",
-                             block_size=32)  # fmt: skip
+        layout = host_layout(
+            positions, load_balancer=lb, world_size=world, device="cpu", block_size=32
+        )
         for rank in range(world):
             RoutingPlan.build(layout.cu_seqlens, layout.fragments, rank).to_device("cpu", caps=caps)
 
 
 def test_too_many_subsequences_names_the_config_key():
     rows, row_len = 1, 64
-    caps = routing_caps(load_balancer="headtail", batch_size=rows, seq_len=row_len,
-                        cp_degree=1, ptrr_block_size=128, max_subsequences=4)  # fmt: skip
-    seq = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="headtail",
-                               caps=caps, cap_keys=CAP_KEYS)  # fmt: skip
+    caps = routing_caps(
+        load_balancer="headtail",
+        batch_size=rows,
+        seq_len=row_len,
+        cp_degree=1,
+        ptrr_block_size=128,
+        max_subsequences=4,
+    )
+    seq = SequencePreprocessor(
+        device="cpu", cp_group=None, load_balancer="headtail", caps=caps, cap_keys=CAP_KEYS
+    )
     from torchtitan_cp.routing.host_metadata import HostMetadata
 
     positions = torch.arange(8).repeat(8).view(1, 64)  # 8 documents > 4
@@ -480,8 +532,13 @@ def test_check_compile_rejects_unsupported_combinations():
     with pytest.raises(ConfigError, match="compile.backend 'nope'"):
         _config("--compile.enable", "--compile.backend", "nope")
     with pytest.raises(ConfigError, match=r"linear_attention\.max_subsequences = 2 is below"):
-        _config("--compile.enable", "--parallelism.context_parallel_degree", "2",
-                "--linear_attention.max_subsequences", "2")  # fmt: skip
+        _config(
+            "--compile.enable",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--linear_attention.max_subsequences",
+            "2",
+        )
     # A section's own __post_init__ check, reported as one line by load_config.
     with pytest.raises(ConfigError, match=r"linear_attention\.max_subsequences must be >= 1"):
         _config("--compile.enable", "--linear_attention.max_subsequences", "0")
@@ -512,7 +569,7 @@ TRAIN_COMPILE = {
     # flag compat's shim 8 pins (test_compat.py has the mechanism).
     "hybrid_pass_kv": (["--config_file", "configs/debug_cpu.toml",
                         "--model.attention_cp", "pass_kv"], "inductor"),
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 
 
 @pytest.mark.slow
@@ -524,11 +581,22 @@ def test_compiled_training_matches_eager_without_recompiles(tmp_path, model):
     from tests.launch import read_metrics, torchrun_train
 
     config, backend = TRAIN_COMPILE[model]
-    common = [*config, "--training.steps", "4", "--validator.no-enable",
-              "--metrics.no-enable-wandb", "--parallelism.context_parallel_degree", "2"]  # fmt: skip
+    common = [
+        *config,
+        "--training.steps",
+        "4",
+        "--validator.no-enable",
+        "--metrics.no-enable-wandb",
+        "--parallelism.context_parallel_degree",
+        "2",
+    ]
     torchrun_train(common, nproc=2, dump_folder=tmp_path / "eager")
-    torchrun_train([*common, "--compile.enable", "--compile.backend", backend], nproc=2,
-                   dump_folder=tmp_path / "compiled", timeout=900)  # fmt: skip
+    torchrun_train(
+        [*common, "--compile.enable", "--compile.backend", backend],
+        nproc=2,
+        dump_folder=tmp_path / "compiled",
+        timeout=900,
+    )
     eager, compiled = read_metrics(tmp_path / "eager"), read_metrics(tmp_path / "compiled")
     assert [r["step"] for r in compiled] == [1, 2, 3, 4]
     for a, b in zip(eager, compiled, strict=True):

@@ -51,14 +51,17 @@ def test_shipped_configs_load():
         ("[training]\nsteps = 'three'\n", ConfigError, "key 'training.steps' expects int"),
         ("[metrics]\nenable_wandb = 1\n", ConfigError, "key 'metrics.enable_wandb' expects bool"),
         ("[nonsense]\nx = 1\n", ConfigError, "unknown key 'nonsense'"),
-        ("[linear_attention]\nrouting_source = 'gpu'\n", ConfigError,
-         "linear_attention.routing_source"),
+        (
+            "[linear_attention]\nrouting_source = 'gpu'\n",
+            ConfigError,
+            "linear_attention.routing_source",
+        ),
         ("[training\n", ConfigError, "invalid TOML"),
         ('[model]\nflavor = "huge"\n', ValueError, "unknown model.flavor 'huge'"),
         ('[model]\nlayer_pattern = "KXA"\n', ValueError, "unknown layer letter(s) X"),
         ("[linear_attention]\nplan_cache_size = 0\n", ValueError, "plan_cache_size must be >= 1"),
     ],
-)  # fmt: skip
+)
 def test_bad_config_is_a_clear_error(tmp_path, text, error, message):
     path = write(tmp_path, text)
     with pytest.raises(error, match=re.escape(message)):
@@ -74,7 +77,7 @@ def test_bad_config_is_a_clear_error(tmp_path, text, error, message):
         ("linear_attention.backend", "'auto', 'torch', 'fla'", ""),
         ("linear_attention.routing_source", "'host', 'device_readback'", ""),
     ],
-)  # fmt: skip
+)
 def test_enum_keys_list_their_values_in_a_stable_order(tmp_path, key, allowed, cli_extra):
     section, name = key.split(".")
     path = write(tmp_path, f'[{section}]\n{name} = "passkv"\n')

@@ -103,9 +103,11 @@ def _start_worker(rank: int, world: int) -> tuple[float, list[str]]:
     with _RecordReduceScatter(events):
         loss.backward()
     expect = weights.reshape(world, world, 2, 3, 4)[:, rank].sum(0)
-    err = max((out - rows.reshape(world * 2, 3, 4)).abs().max().item(),
-              (x.grad - expect).abs().max().item(),
-              (y.grad - 3).abs().max().item())  # fmt: skip
+    err = max(
+        (out - rows.reshape(world * 2, 3, 4)).abs().max().item(),
+        (x.grad - expect).abs().max().item(),
+        (y.grad - 3).abs().max().item(),
+    )
     return err, events
 
 

@@ -151,9 +151,11 @@ def test_flex_matches_sdpa_on_cuda_forward_and_backward() -> None:
         # head_dim 64: the fla shapes of the GPU check's correctness part (one compile for both).
         model = _model(backend, "KAGA", head_dim=64).cuda()
         seq = SequencePreprocessor(
-            device="cuda", cp_group=None, load_balancer="contiguous",
+            device="cuda",
+            cp_group=None,
+            load_balancer="contiguous",
             flex_attention=backend == "flex",
-        )  # fmt: skip
+        )
         from torchtitan_cp.routing.host_metadata import HostMetadata
 
         inp, lab, pos, ctx = seq(tokens, labels, positions, HostMetadata(positions.cpu()))

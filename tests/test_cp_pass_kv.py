@@ -35,7 +35,7 @@ def _layouts(world: int):
         ("short documents", du.random_cu_seqlens(gen, rows, row_len, 3),
          headtail_fragments(row_len, rows, world)),
         ("one-token documents", list(range(total + 1)), du.random_layout(gen, total, world)),
-    ]  # fmt: skip
+    ]  # fmt: skip # a table, laid out by hand to read across
     if world == 3:
         cases.append(("empty rank", [0, 7, 30, total], du.empty_rank_layout(total)))
     if world == 4:
@@ -45,8 +45,12 @@ def _layouts(world: int):
 
 def _tensors(batch: int, total: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    shapes = [(batch, total, HQ, DK), (batch, total, HKV, DK), (batch, total, HKV, DV),
-              (batch, total, HQ, DV)]  # fmt: skip
+    shapes = [
+        (batch, total, HQ, DK),
+        (batch, total, HKV, DK),
+        (batch, total, HKV, DV),
+        (batch, total, HQ, DV),
+    ]
     return [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
 
 

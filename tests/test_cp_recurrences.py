@@ -216,15 +216,20 @@ def _overlap_worker(rank: int, world: int) -> dict[str, tuple[float, float]]:
     shares = {}
     for rc in CASES:
         rec = recurrence(rc.name, backend="torch", **rc.options)
-        loc = [x.index_select(1, span).requires_grad_(True)
-               for x in rc.inputs(cu[-1], 0, torch.float32, K=32, V=32)]  # fmt: skip
+        loc = [
+            x.index_select(1, span).requires_grad_(True)
+            for x in rc.inputs(cu[-1], 0, torch.float32, K=32, V=32)
+        ]
         with _FlightCounter() as fwd:
-            o, _ = context_parallel_recurrence(rec, tuple(loc), routing=routing,
-                                               group=dist.group.WORLD)  # fmt: skip
+            o, _ = context_parallel_recurrence(
+                rec, tuple(loc), routing=routing, group=dist.group.WORLD
+            )
         with _FlightCounter() as bwd:
             o.sum().backward()
-        shares[rc.id] = (fwd.flops["all-gather"] / fwd.flops["all"],
-                         bwd.flops["reduce-scatter"] / bwd.flops["all"])  # fmt: skip
+        shares[rc.id] = (
+            fwd.flops["all-gather"] / fwd.flops["all"],
+            bwd.flops["reduce-scatter"] / bwd.flops["all"],
+        )
     return shares
 
 

@@ -53,8 +53,9 @@ def test_fla_backend_matches_oracle() -> None:
     o_ref, f_ref = ssd_reference(q, k, v, g, cu_seqlens=cu)
     dev = [x.float().cuda() for x in (q, k, v, g)]
     cu_t = torch.tensor(cu, dtype=torch.int32)
-    o, f = chunk_ssd(*dev, cu_seqlens=cu_t.cuda(), cu_seqlens_cpu=cu_t, output_final_state=True,
-                     backend="fla")  # fmt: skip
+    o, f = chunk_ssd(
+        *dev, cu_seqlens=cu_t.cuda(), cu_seqlens_cpu=cu_t, output_final_state=True, backend="fla"
+    )
 
     def rel(a, b):
         return ((a.double().cpu() - b).abs().max() / b.abs().max().clamp(min=1.0)).item()

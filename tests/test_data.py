@@ -292,7 +292,7 @@ BAD_JSONL = [
     (b'{"text": "a"}\n{"text": "caf\xe9"}\n', ":2: not UTF-8"),
     (b'{"text": "a"}\n\n{"text": "b"}\n', ":2: blank line"),
     (b'{"text": ""}\n{"text": ""}\n', ': all 2 documents have an empty "text"'),
-]  # fmt: skip
+]  # fmt: skip # a table, laid out by hand to read across
 
 
 @pytest.mark.parametrize("data, message", BAD_JSONL, ids=[m for _, m in BAD_JSONL])

@@ -61,7 +61,7 @@ PLACES = [
     Place("docs/architecture.md", "HybridDecoder(tokens, positions, seq_ctx)\n     ├─ ", " block:",
           r"(\w+)", "linear kinds"),
     Place("docs/CONTRACTS.md", "# name: recurrence(", ", **options)", r'"(\w+)"', "recurrences"),
-]  # fmt: skip
+]  # fmt: skip # a table, laid out by hand to read across
 
 
 def passage(text: str, place: Place) -> str:

@@ -171,10 +171,21 @@ def test_export_script_refuses_a_corrupted_step_in_one_line(tmp_path, step):
     shutil.copytree(step[0], d)
     flip(d / ".metadata", offset=10)
     proc = subprocess.run(
-        [sys.executable, "scripts/export_hf.py", *CONFIG, "--checkpoint", str(d),
-         "--out", str(tmp_path / "hf")],
-        cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "scripts/export_hf.py",
+            *CONFIG,
+            "--checkpoint",
+            str(d),
+            "--out",
+            str(tmp_path / "hf"),
+        ],
+        cwd=REPO,
+        env=repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if "Warning" not in x and x.strip()]
     assert lines[-1].startswith(f"export_hf.py: error: --checkpoint {d} fails verification: ")
@@ -211,23 +222,35 @@ def test_an_export_never_replaces_its_source_or_a_run(capsys, tmp_path, step):
     link.symlink_to(run)
     for overwrite in ([], ["--overwrite"]):
         code, err = export(capsys, "--checkpoint", str(src), "--out", str(run), *overwrite)
-        one_line(code, err, f"--out {run} contains the --checkpoint step {src}",
-                 "never replaces its own source")  # fmt: skip
+        one_line(
+            code,
+            err,
+            f"--out {run} contains the --checkpoint step {src}",
+            "never replaces its own source",
+        )
         code, err = export(capsys, "--checkpoint", str(src), "--out", str(src), *overwrite)
         one_line(code, err, f"--out {src} contains the --checkpoint step {src}")
         code, err = export(capsys, "--checkpoint", str(src), "--out", str(link), *overwrite)
         one_line(code, err, f"--out {link} (= {run}) contains the --checkpoint step")
         # another run's folder (the step exported is elsewhere): a run, never replaced
         code, err = export(capsys, "--checkpoint", str(step[0]), "--out", str(run), *overwrite)
-        one_line(code, err, f"--out {run} is a training run's folder (4 other entries: "
-                 "checkpoint/, metrics.jsonl, run.lock, tb/)", "only replaces a previous HF")  # fmt: skip
+        one_line(
+            code,
+            err,
+            f"--out {run} is a training run's folder (4 other entries: "
+            "checkpoint/, metrics.jsonl, run.lock, tb/)",
+            "only replaces a previous HF",
+        )
         code, err = export(capsys, "--checkpoint", str(step[0]), "--out", str(link), *overwrite)
         one_line(code, err, f"--out {link} (= {run}) is a training run's folder")
         code, err = export(
             capsys, "--checkpoint", str(step[0]), "--out", str(run / "checkpoint"), *overwrite
         )
-        one_line(code, err, f"--out {run}/checkpoint is a training run's folder (1 other entries: "
-                 "step-10/)")  # fmt: skip
+        one_line(
+            code,
+            err,
+            f"--out {run}/checkpoint is a training run's folder (1 other entries: step-10/)",
+        )
         code, err = export(capsys, "--checkpoint", str(step[0]), "--out", str(src / "hf"))
         one_line(code, err, f"--out {src}/hf lies inside the checkpoint step {src}")
     assert _listing(run) == before
@@ -256,10 +279,15 @@ def test_overwrite_replaces_only_a_previous_export(capsys, tmp_path, step):
 
 def test_another_model_names_the_export_fix(capsys, tmp_path, step):
     """Before: the resume's hint "or start a new --dump_folder", meaningless for an export."""
-    code, err = export(capsys, "--checkpoint", str(step[0]), "--out", str(tmp_path / "hf"),
-                       "--model.n_layers", "2")  # fmt: skip
-    one_line(code, err, f"--checkpoint {step[0]} does not fit this model: ",
-             "pass the --config_file and --model.* options of the run that saved it")  # fmt: skip
+    code, err = export(
+        capsys, "--checkpoint", str(step[0]), "--out", str(tmp_path / "hf"), "--model.n_layers", "2"
+    )
+    one_line(
+        code,
+        err,
+        f"--checkpoint {step[0]} does not fit this model: ",
+        "pass the --config_file and --model.* options of the run that saved it",
+    )
     assert "--dump_folder" not in err and not (tmp_path / "hf").exists()
 
 
@@ -306,8 +334,12 @@ def test_a_misgathered_shard_is_caught(capsys, tmp_path, step):
 
     column = "layers.0.attn.in_proj_q.weight"  # column-wise under TP: rank r holds rows r/2
     swapped = torch.cat(state[column].chunk(2)[::-1])
-    gap, where = export_gap(ref, export_tensors(saved("swapped", {**state, column: swapped}),
-                                                tmp_path / "swapped-hf", *CONFIG))  # fmt: skip
+    gap, where = export_gap(
+        ref,
+        export_tensors(
+            saved("swapped", {**state, column: swapped}), tmp_path / "swapped-hf", *CONFIG
+        ),
+    )
     assert gap > 1e-2 and where.endswith("layers.0.linear_attn.in_proj_qkv.weight"), (gap, where)
     row = "layers.0.attn.out_proj.weight"  # row-wise under TP: rank 0 holds the first columns
     local = saved("local", {**state, row: state[row].chunk(2, dim=1)[0].clone()})

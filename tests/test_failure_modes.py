@@ -45,8 +45,24 @@ from tests.test_checkpoint_integrity import make_step  # noqa: E402
 from torchtitan_cp.train import main  # noqa: E402
 
 DOC = REPO / "docs" / "configuration.md"
-PLACEHOLDERS = ("FILE", "DIR", "PATH", "PARENT", "RUN", "D", "N", "M", "P", "H", "T", "R", "O",
-                "L", "X", "<run_id>")  # fmt: skip
+PLACEHOLDERS = (
+    "FILE",
+    "DIR",
+    "PATH",
+    "PARENT",
+    "RUN",
+    "D",
+    "N",
+    "M",
+    "P",
+    "H",
+    "T",
+    "R",
+    "O",
+    "L",
+    "X",
+    "<run_id>",
+)
 QWEN = "configs/qwen35_debug_cpu.toml"
 KIMI = "configs/kimi_linear_debug_cpu.toml"
 TOKENIZER = REPO / "torchtitan_cp" / "assets" / "tokenizer"
@@ -147,8 +163,10 @@ class Shared:
 
             model = recipe_model_spec(load_config(["--config_file", QWEN]).model).model.build()
             model.init_states()
-            dcp.save({k: v.detach().clone() for k, v in model.state_dict().items()},
-                     checkpoint_id=str(path))  # fmt: skip
+            dcp.save(
+                {k: v.detach().clone() for k, v in model.state_dict().items()},
+                checkpoint_id=str(path),
+            )
             write_manifest(str(path), step=10, run_id="r")
 
         return self._once("ckpt/step-10", make)
@@ -161,17 +179,22 @@ def shared(tmp_path_factory) -> Shared:
 
 def check(env: Env, *argv: str, nproc: str = "2", dump: str | None = None) -> str:
     """``train --check`` in this process: exit 2 and one line, which it returns."""
-    code = main(["--check", "--nproc", nproc, "--dump_folder", dump or str(env.tmp / "run"),
-                 *argv])  # fmt: skip
+    code = main(["--check", "--nproc", nproc, "--dump_folder", dump or str(env.tmp / "run"), *argv])
     err = env.capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     return err.strip()
 
 
 def hf_check(env: Env, config: str, folder: Path) -> str:
-    return check(env, "--config_file", config, "--checkpoint.enable",
-                 "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
-                 str(folder))  # fmt: skip
+    return check(
+        env,
+        "--config_file",
+        config,
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path",
+        str(folder),
+    )
 
 
 def copied(env: Env, folder: Path) -> Path:
@@ -296,10 +319,11 @@ def _no_rendezvous(env: Env) -> str:
     env.mp.setattr(launch.time, "monotonic", lambda: float(next(ticks)))
     env.mp.setattr(launch.time, "sleep", lambda s: None)
     message = raised(
-        lambda: launch.wait_for_endpoint("127.0.0.1", free_port(), node=1, nnodes=2,
-                                         timeout=300, out=io.StringIO()),
+        lambda: launch.wait_for_endpoint(
+            "127.0.0.1", free_port(), node=1, nnodes=2, timeout=300, out=io.StringIO()
+        ),
         launch.LaunchError,
-    )  # fmt: skip
+    )
     return launch.LAUNCH_PREFIX + message
 
 
@@ -314,9 +338,7 @@ def _rendezvous_timeout(env: Env) -> str:
 
 
 case("parallelism.context_parallel_degree (2) and the 3 processes")(
-    lambda env: check(
-        env, "--parallelism.context_parallel_degree", "2", "--nnodes", "2", nproc="3"
-    )  # fmt: skip
+    lambda env: check(env, "--parallelism.context_parallel_degree", "2", "--nnodes", "2", nproc="3")
 )
 
 
@@ -327,8 +349,11 @@ def _rope_theta(env: Env) -> str:
     def multimodal(text: dict[str, Any]) -> dict[str, Any]:
         text["rope_parameters"]["rope_theta"] = 1000000.0
         tie = text.pop("tie_word_embeddings")
-        return {"model_type": "qwen3_5", "tie_word_embeddings": tie,
-                "text_config": {**text, "model_type": "qwen3_5_text"}}  # fmt: skip
+        return {
+            "model_type": "qwen3_5",
+            "tie_word_embeddings": tie,
+            "text_config": {**text, "model_type": "qwen3_5_text"},
+        }
 
     edit_config(folder, multimodal)
     return hf_check(env, QWEN, folder)
@@ -337,8 +362,13 @@ def _rope_theta(env: Env) -> str:
 @case("... is absent, so transformers uses 10000.0")
 def _rope_absent(env: Env) -> str:
     folder = copied(env, env.shared.folder(QWEN))
-    edit_config(folder, lambda c: {**c, "rope_parameters": {
-        k: v for k, v in c["rope_parameters"].items() if k != "rope_theta"}})  # fmt: skip
+    edit_config(
+        folder,
+        lambda c: {
+            **c,
+            "rope_parameters": {k: v for k, v in c["rope_parameters"].items() if k != "rope_theta"},
+        },
+    )
     return hf_check(env, QWEN, folder)
 
 
@@ -368,9 +398,14 @@ def _rope_string(env: Env) -> str:
 
 
 case("DIR: missing safetensors shard(s)")(
-    lambda env: _qwen_file(env, "model.safetensors.index.json", json.dumps(
-        {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
-)  # fmt: skip
+    lambda env: _qwen_file(
+        env,
+        "model.safetensors.index.json",
+        json.dumps(
+            {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}
+        ),
+    )
+)
 
 
 @case("DIR: weights named model.layers.*")
@@ -393,8 +428,10 @@ case("DIR/config.json: vocab_size is 1024")(
 @case("DIR/config.json: num_experts is 16")
 def _kimi_experts(env: Env) -> str:
     folder = copied(env, env.shared.folder(KIMI))
-    edit_config(folder, lambda c: {**{k: v for k, v in c.items() if k != "num_local_experts"},
-                                   "num_experts": 16})  # fmt: skip
+    edit_config(
+        folder,
+        lambda c: {**{k: v for k, v in c.items() if k != "num_local_experts"}, "num_experts": 16},
+    )
     return hf_check(env, KIMI, folder)
 
 
@@ -416,11 +453,22 @@ def _kimi_no_weights(env: Env) -> str:
 def _no_fla_kernel(env: Env) -> str:
     from torchtitan_cp.models.hybrid.layers import LAYERS, Kernels
 
-    only_torch = dataclasses.replace(LAYERS["M"], name="torch-only", description="SSD, torch only",
-                                     kernels=Kernels(("torch",), compiles=False))  # fmt: skip
+    only_torch = dataclasses.replace(
+        LAYERS["M"],
+        name="torch-only",
+        description="SSD, torch only",
+        kernels=Kernels(("torch",), compiles=False),
+    )
     env.mp.setitem(LAYERS, "T", only_torch)
-    return check(env, "--config_file", "configs/debug_mamba2_cpu.toml",
-                 "--model.layer_pattern", "MTA", "--linear_attention.backend", "fla")  # fmt: skip
+    return check(
+        env,
+        "--config_file",
+        "configs/debug_mamba2_cpu.toml",
+        "--model.layer_pattern",
+        "MTA",
+        "--linear_attention.backend",
+        "fla",
+    )
 
 
 @case("compile.enable: model.layer_pattern has layers without")
@@ -438,8 +486,15 @@ case("dump_folder PATH: not writable")(lambda env: check(env, dump="/proc/torcht
 def _data(env: Env, texts: list[str], *argv: str) -> str:
     path = env.tmp / "data.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return check(env, "--dataloader.dataset", "jsonl", "--dataloader.dataset_path", str(path),
-                 "--validator.no-enable", *argv)  # fmt: skip
+    return check(
+        env,
+        "--dataloader.dataset",
+        "jsonl",
+        "--dataloader.dataset_path",
+        str(path),
+        "--validator.no-enable",
+        *argv,
+    )
 
 
 case('FILE: all N documents have an empty "text"')(lambda env: _data(env, ["", "", ""]))
@@ -515,8 +570,9 @@ def _misshaped_tensor(env: Env) -> str:
 @case("DIR/config.json: torch_dtype is a string ('int8')")
 def _int_dtype(env: Env) -> str:
     folder = copied(env, env.shared.folder(KIMI))
-    edit_config(folder, lambda c: {**{k: v for k, v in c.items() if k != "dtype"},
-                                   "torch_dtype": "int8"})  # fmt: skip
+    edit_config(
+        folder, lambda c: {**{k: v for k, v in c.items() if k != "dtype"}, "torch_dtype": "int8"}
+    )
     return hf_check(env, KIMI, folder)
 
 
@@ -539,7 +595,7 @@ case("dump folder D is in use by another run")(lambda env: _busy(env, env.tmp / 
 case("checkpoint folder D/checkpoint is in use")(
     lambda env: _busy(
         env, env.tmp / "run" / "checkpoint", what="checkpoint folder", option="--checkpoint.folder"
-    )  # fmt: skip
+    )
 )
 
 
@@ -641,7 +697,7 @@ case("checkpoint D/checkpoint/step-4 does not fit this run: it was")(
         {"layers.0.w": W, "dataloader.dp_rank_0": torch.zeros(1)},
         {"layers.0.w": W, "dataloader": object()},
         dp=2,
-    )  # fmt: skip
+    )
 )
 
 
@@ -671,8 +727,9 @@ def _torchrun_signal(env: Env) -> str:
     """torchrun's own words for a rank a signal ended (its ProcessFailure)."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    failure = ProcessFailure(local_rank=1, pid=4242, exitcode=-signal.SIGSEGV,
-                             error_file=str(env.tmp / "none.json"))  # fmt: skip
+    failure = ProcessFailure(
+        local_rank=1, pid=4242, exitcode=-signal.SIGSEGV, error_file=str(env.tmp / "none.json")
+    )
     return failure.message
 
 
@@ -687,8 +744,9 @@ def _crashed_rank(env: Env) -> str:
         path = logs / "run_x" / "attempt_0" / "1" / "stderr.log"
         path.parent.mkdir(parents=True)
         path.write_text("Fatal Python error: Segmentation fault\n")
-        failure = ProcessFailure(local_rank=1, pid=4242, exitcode=-signal.SIGSEGV,
-                                 error_file=str(env.tmp / "none.json"))  # fmt: skip
+        failure = ProcessFailure(
+            local_rank=1, pid=4242, exitcode=-signal.SIGSEGV, error_file=str(env.tmp / "none.json")
+        )
         out = io.StringIO()
         report_silent_failures({1: failure}, str(logs), out)
         return out.getvalue()
@@ -905,7 +963,7 @@ def _out_in_step(env: Env) -> str:
 case("--out O: cannot write into PARENT")(
     lambda env: export(
         env, "--checkpoint", str(env.shared.qwen_step()), "--out", "/proc/torchtitan_cp_x/hf"
-    )  # fmt: skip
+    )
 )
 case("--checkpoint D/step-10 does not fit this model")(
     lambda env: export(
@@ -916,7 +974,7 @@ case("--checkpoint D/step-10 does not fit this model")(
         str(env.tmp / "o"),
         "--model.n_layers",
         "5",
-    )  # fmt: skip
+    )
 )
 
 
@@ -947,8 +1005,11 @@ def test_every_documented_line_has_a_case_and_every_case_a_line():
 
 
 # Cases that start a process (./scripts/train.sh, about 2 s of CPU each): the slow tier.
-STARTS_A_PROCESS = {"train.sh: error: NODE_RANK=2", "NNODES=2 needs the rendezvous endpoint",
-                    "RDZV_ENDPOINT=[::1:29500 must be"}  # fmt: skip
+STARTS_A_PROCESS = {
+    "train.sh: error: NODE_RANK=2",
+    "NNODES=2 needs the rendezvous endpoint",
+    "RDZV_ENDPOINT=[::1:29500 must be",
+}
 
 
 @pytest.mark.parametrize(
@@ -980,6 +1041,8 @@ def test_the_match_is_not_vacuous():
     assert not pattern("holds step-N, beyond training.steps = 12").search(wrote)
     assert not pattern("NPROC must be >= N").search("NPROC must be a whole number >= 1")
     assert not pattern("a ... b").search("a\nb"), "one line of output"
-    rows = documented_lines("## Failure modes\n| fault | says | do |\n| --- |\n| x | "
-                            "`one two three four` and `short one` | y |\n")  # fmt: skip
+    rows = documented_lines(
+        "## Failure modes\n| fault | says | do |\n| --- |\n| x | "
+        "`one two three four` and `short one` | y |\n"
+    )
     assert rows == [("x", "one two three four")]

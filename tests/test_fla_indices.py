@@ -137,8 +137,11 @@ def check_launches(rec: Recorder, cu_expected: list[torch.Tensor] | None) -> dic
         if cu_expected is not None:
             assert any(cu is c for c in cu_expected), f"{ln.kernel} got foreign cu_seqlens"
         bt = ln.kwargs.get("BT")
-        for key, ref_fn in (("chunk_indices", REF_CHUNK_INDICES), ("chunk_offsets", REF_CHUNK_OFFSETS),
-                            ("split_offsets", REF_CHUNK_OFFSETS)):  # fmt: skip
+        for key, ref_fn in (
+            ("chunk_indices", REF_CHUNK_INDICES),
+            ("chunk_offsets", REF_CHUNK_OFFSETS),
+            ("split_offsets", REF_CHUNK_OFFSETS),
+        ):
             if key not in ln.kwargs:
                 continue
             got = ln.kwargs[key]
@@ -174,11 +177,18 @@ def _ssd_inputs(T: int, N: int, H=1, HV=2, K=32, V=16):
 
 # What SSD's fla path launches (fla's simple GLA): the gate cumsum, the state pass, the output;
 # backward: the state pass again, the state gradients, dq/dk/dg, dv and the reverse cumsum.
-SSD_FWD = {"chunk_local_cumsum_scalar_kernel:chunk_indices", "chunk_fwd_kernel_h:split_offsets",
-           "chunk_fwd_kernel_o:chunk_indices"}  # fmt: skip
-SSD_BWD = {"chunk_fwd_kernel_h:split_offsets", "chunk_bwd_kernel_dh:split_offsets",
-           "chunk_bwd_kernel_dqkwg:chunk_indices", "chunk_bwd_kernel_dv:chunk_indices",
-           "chunk_local_cumsum_scalar_kernel:chunk_indices"}  # fmt: skip
+SSD_FWD = {
+    "chunk_local_cumsum_scalar_kernel:chunk_indices",
+    "chunk_fwd_kernel_h:split_offsets",
+    "chunk_fwd_kernel_o:chunk_indices",
+}
+SSD_BWD = {
+    "chunk_fwd_kernel_h:split_offsets",
+    "chunk_bwd_kernel_dh:split_offsets",
+    "chunk_bwd_kernel_dqkwg:chunk_indices",
+    "chunk_bwd_kernel_dv:chunk_indices",
+    "chunk_local_cumsum_scalar_kernel:chunk_indices",
+}
 
 
 def _backward(*outs: torch.Tensor | None) -> None:
@@ -200,10 +210,19 @@ def test_delta_rule_adapter_gets_precomputed_tables(fla_recorder, kind):
     N = r.cu_seqlens.numel() - 1
     q, k, v, g, beta, h0 = _inputs(kind, r.num_tokens, N)
     o, fin = chunk_delta_rule_fla(
-        q, k, v, g, beta, kind=kind, initial_state=h0, output_final_state=True,
-        cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu,
-        chunk_indices=r.chunk_indices, chunk_offsets=r.chunk_offsets,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        kind=kind,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=r.cu_seqlens,
+        cu_seqlens_cpu=r.cu_seqlens_cpu,
+        chunk_indices=r.chunk_indices,
+        chunk_offsets=r.chunk_offsets,
+    )
     fla_recorder.phase = "bwd"
     _backward(o, fin)
     assert all(x.grad is not None for x in (q, k, v, g, beta, h0))
@@ -211,7 +230,9 @@ def test_delta_rule_adapter_gets_precomputed_tables(fla_recorder, kind):
     assert len(checked["fwd"]) >= 3 and len(checked["bwd"]) >= 4, checked
     # With caps the table is padded; the kernels get a view of its first NT rows, not a copy.
     assert r.chunk_indices.shape[0] == chunk_bound(r.num_tokens, N, FLA_CHUNK_SIZE)
-    tables = [ln.kwargs["chunk_indices"] for ln in fla_recorder.launches if "chunk_indices" in ln.kwargs]  # fmt: skip
+    tables = [
+        ln.kwargs["chunk_indices"] for ln in fla_recorder.launches if "chunk_indices" in ln.kwargs
+    ]
     storage = r.chunk_indices.untyped_storage().data_ptr()
     assert all(t.untyped_storage().data_ptr() == storage for t in tables)
     if kind == "kda":  # the shim also hands fla its chunk offsets
@@ -230,9 +251,14 @@ def test_conv_adapter_gets_precomputed_tables(fla_recorder):
     w = torch.randn(D, W, requires_grad=True)
     h0 = torch.randn(N, D, W - 1, requires_grad=True)
     y = causal_conv1d_fla(
-        x, w, None, cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu,
-        chunk_indices=r.chunk_indices, initial_state=h0,
-    )  # fmt: skip
+        x,
+        w,
+        None,
+        cu_seqlens=r.cu_seqlens,
+        cu_seqlens_cpu=r.cu_seqlens_cpu,
+        chunk_indices=r.chunk_indices,
+        initial_state=h0,
+    )
     fla_recorder.phase = "bwd"
     _backward(y)
     checked = check_launches(fla_recorder, [r.cu_seqlens])
@@ -255,15 +281,26 @@ def test_ssd_adapter_gets_precomputed_tables(fla_recorder):
     N = r.cu_seqlens.numel() - 1
     q, k, v, g, h0 = _ssd_inputs(r.num_tokens, N)
     o, fin = chunk_ssd_fla(
-        q, k, v, g, 1.0, h0, True, r.cu_seqlens, r.cu_seqlens_cpu,
-        chunk_indices=r.chunk_indices, chunk_offsets=r.chunk_offsets,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        1.0,
+        h0,
+        True,
+        r.cu_seqlens,
+        r.cu_seqlens_cpu,
+        chunk_indices=r.chunk_indices,
+        chunk_offsets=r.chunk_offsets,
+    )
     fla_recorder.phase = "bwd"
     _backward(o, fin)
     assert all(x.grad is not None for x in (q, k, v, g, h0))
     checked = check_launches(fla_recorder, [r.cu_seqlens])
     assert checked == {"fwd": SSD_FWD, "bwd": SSD_BWD}
-    offsets = [ln.kwargs["split_offsets"] for ln in fla_recorder.launches if "split_offsets" in ln.kwargs]  # fmt: skip
+    offsets = [
+        ln.kwargs["split_offsets"] for ln in fla_recorder.launches if "split_offsets" in ln.kwargs
+    ]
     assert len(offsets) == 3 and all(t is r.chunk_offsets for t in offsets)
     assert fla_recorder.offsets_calls == []
 
@@ -296,7 +333,7 @@ def test_cp_driver_passes_tables_for_both_passes(fla_recorder, monkeypatch, kind
                 ln for ln in fla_recorder.launches
                 if ln.phase == phase and ln.kwargs.get("cu_seqlens") is cu
                 and "chunk_indices" in ln.kwargs
-            ]  # fmt: skip
+            ]  # fmt: skip # a table, laid out by hand to read across
             assert hits, f"no {phase} launch for {'main' if cu is r.cu_seqlens else 'summary'}"
 
 
@@ -334,8 +371,17 @@ def test_capped_tables_have_layout_independent_shapes():
     shapes = set()
     for cu, table in layouts:
         r = RoutingPlan.build(cu, table, 0).to_device("cpu", caps=caps)
-        shapes.add(tuple(tuple(getattr(r, f).shape) for f in (
-            "chunk_indices", "chunk_offsets", "summary_chunk_indices", "summary_chunk_offsets")))  # fmt: skip
+        shapes.add(
+            tuple(
+                tuple(getattr(r, f).shape)
+                for f in (
+                    "chunk_indices",
+                    "chunk_offsets",
+                    "summary_chunk_indices",
+                    "summary_chunk_offsets",
+                )
+            )
+        )
     assert len(shapes) == 1, shapes
 
 
@@ -366,9 +412,16 @@ def test_adapter_rejects_tables_for_another_chunk_size():
     q, k, v, g, beta, _ = _inputs("gdn", r.num_tokens, 1)
     with pytest.raises(ValueError, match=r"chunk_indices must be \[\d+, 2\].*chunk size 64"):
         chunk_delta_rule_fla(
-            q, k, v, g, beta, kind="gdn", cu_seqlens=r.cu_seqlens,
-            cu_seqlens_cpu=r.cu_seqlens_cpu, chunk_indices=r.chunk_indices,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            g,
+            beta,
+            kind="gdn",
+            cu_seqlens=r.cu_seqlens,
+            cu_seqlens_cpu=r.cu_seqlens_cpu,
+            chunk_indices=r.chunk_indices,
+        )
 
 
 @pytest.mark.parametrize("op", ["kda", "gdn", "conv", "ssd"])
@@ -403,9 +456,14 @@ def test_model_layers_pass_tables(fla_recorder, monkeypatch):
     _backward(logits)
     checked = check_launches(fla_recorder, None)
     names = {c.split(":")[0] for phase in ("fwd", "bwd") for c in checked[phase]}
-    for kernel in ("causal_conv1d_fwd_kernel", "causal_conv1d_bwd_kernel",
-                   "chunk_kda_bwd_kernel_intra", "chunk_bwd_kernel_dqkwg", "chunk_fwd_kernel_h",
-                   "chunk_bwd_kernel_dh"):  # fmt: skip
+    for kernel in (
+        "causal_conv1d_fwd_kernel",
+        "causal_conv1d_bwd_kernel",
+        "chunk_kda_bwd_kernel_intra",
+        "chunk_bwd_kernel_dqkwg",
+        "chunk_fwd_kernel_h",
+        "chunk_bwd_kernel_dh",
+    ):
         assert kernel in names, kernel
 
 
@@ -418,7 +476,9 @@ class _Transfers(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        devices_in = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}  # fmt: skip
+        devices_in = {
+            t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
         devices_out = {t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
         if {"cpu", "meta"} <= devices_in | devices_out and devices_in != devices_out:
             self.seen.append(f"{func} {sorted(devices_in)} -> {sorted(devices_out)}")
@@ -436,7 +496,9 @@ def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
     monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")
     r = RoutingPlan.build(CU, TABLE, 0).to_device("meta", chunk_size=FLA_CHUNK_SIZE)
     assert r.chunk_indices.is_meta and not r.cu_seqlens_cpu.is_meta
-    q, k, v, g, beta, _ = (t.detach().to("meta").requires_grad_() for t in _inputs(kind, r.num_tokens, 1))  # fmt: skip
+    q, k, v, g, beta, _ = (
+        t.detach().to("meta").requires_grad_() for t in _inputs(kind, r.num_tokens, 1)
+    )
     x = torch.randn(1, r.num_tokens, 64, device="meta", requires_grad=True)
     w = torch.randn(64, 4, device="meta", requires_grad=True)
     with _Transfers() as mode:
@@ -445,9 +507,13 @@ def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
         )
         history = context_parallel_conv_history(x, routing=r, group=None)
         y = causal_conv1d(
-            x, w, cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu,
-            chunk_indices=r.chunk_indices, initial_state=history,
-        )  # fmt: skip
+            x,
+            w,
+            cu_seqlens=r.cu_seqlens,
+            cu_seqlens_cpu=r.cu_seqlens_cpu,
+            chunk_indices=r.chunk_indices,
+            initial_state=history,
+        )
         (o.sum() + fin.sum() + y.sum()).backward()
     assert mode.seen == []
     assert q.grad is not None and x.grad is not None
@@ -457,8 +523,9 @@ def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
     for mod in (sys.modules["fla.ops.gated_delta_rule.chunk"], sys.modules["fla.ops.kda.chunk"]):
         monkeypatch.setattr(mod, "prepare_chunk_indices", REF_CHUNK_INDICES)
     with _Transfers() as mode:
-        chunk_delta_rule_fla(q, k, v, g, beta, kind=kind, cu_seqlens=r.cu_seqlens,
-                             cu_seqlens_cpu=r.cu_seqlens_cpu)  # fmt: skip
+        chunk_delta_rule_fla(
+            q, k, v, g, beta, kind=kind, cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu
+        )
     assert mode.seen and all("_to_copy" in s for s in mode.seen), mode.seen
 
 
@@ -468,7 +535,7 @@ def test_ssd_no_host_device_transfer_on_meta(fla_recorder, monkeypatch):
     # passes do (``.item()`` of the chunk count: impossible on meta).
     monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")
     r = RoutingPlan.build(CU, TABLE, 0).to_device("meta", chunk_size=FLA_CHUNK_SIZE)
-    q, k, v, g, _ = (t.detach().to("meta").requires_grad_() for t in _ssd_inputs(r.num_tokens, 1))  # fmt: skip
+    q, k, v, g, _ = (t.detach().to("meta").requires_grad_() for t in _ssd_inputs(r.num_tokens, 1))
     with _Transfers() as mode:
         o, fin = context_parallel_ssd(q, k, v, g, routing=r, group=None, output_final_state=True)
         assert fin is not None
@@ -480,7 +547,7 @@ def test_ssd_no_host_device_transfer_on_meta(fla_recorder, monkeypatch):
     # that no helper raises), still reads its chunk count from the device.
     import fla.ops.simple_gla.chunk as simple_gla_chunk
 
-    monkeypatch.setattr(simple_gla_chunk, "prepare_chunk_indices", lambda *a, **kw: r.chunk_indices)  # fmt: skip
+    monkeypatch.setattr(simple_gla_chunk, "prepare_chunk_indices", lambda *a, **kw: r.chunk_indices)
     with pytest.raises(RuntimeError, match=r"item\(\) cannot be called on meta tensors"):
         chunk_ssd_fla(q, k, v, g, 1.0, None, False, r.cu_seqlens, r.cu_seqlens_cpu)
 
@@ -505,9 +572,22 @@ def test_compiled_path_ops_get_the_routing_table(fla_recorder, kind):
     conv_ops.causal_conv1d_fla_op(x, w, None, None, cu, cu_cpu, ci, "silu")
     fla_recorder.phase = "bwd"
     custom_ops.delta_rule_fla_bwd_op(
-        q, k, v, beta, g_cum, a1, a2, h0, cu, cu_cpu, ci, torch.zeros_like(o),
-        torch.zeros_like(fin), kind, 0.3,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        beta,
+        g_cum,
+        a1,
+        a2,
+        h0,
+        cu,
+        cu_cpu,
+        ci,
+        torch.zeros_like(o),
+        torch.zeros_like(fin),
+        kind,
+        0.3,
+    )
     conv_ops.causal_conv1d_fla_bwd_op(x, w, None, None, cu, cu_cpu, ci, torch.zeros_like(x), "silu")
     checked = check_launches(fla_recorder, [cu])
     for phase in ("fwd", "bwd"):
@@ -546,9 +626,12 @@ def test_qwen35_layers_pass_tables(fla_recorder, monkeypatch):
     monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")
     torch.manual_seed(0)
     model = qwen35_config(
-        "debugmodel", n_layers=2, vocab_size=97, attention_backend="sdpa",
+        "debugmodel",
+        n_layers=2,
+        vocab_size=97,
+        attention_backend="sdpa",
         linear_attention_backend="torch",
-    ).build()  # fmt: skip
+    ).build()
     model.init_states()
     positions = torch.cat([torch.arange(n) for n in (70, 1, 129)]).unsqueeze(0)
     tokens = torch.randint(0, 97, (1, 200))

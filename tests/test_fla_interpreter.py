@@ -137,8 +137,9 @@ def test_retention_on_fla_matches_torch_and_fla_chunk_retention():
     def fla_own(q, k, v, h0):
         rep = HV // H
         q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
-        return chunk_retention(q, k, v, initial_state=h0, output_final_state=True,
-                               cu_seqlens=cu_t.long())  # fmt: skip
+        return chunk_retention(
+            q, k, v, initial_state=h0, output_final_state=True, cu_seqlens=cu_t.long()
+        )
 
     got = run(ours("fla"))
     for ref_name, ref in (("torch", run(ours("torch"))), ("chunk_retention", run(fla_own))):
@@ -286,8 +287,9 @@ def _block(recs, x, w, h0, cu, ci, co, *gates):
     from the registry, one per case) on those q, k, v, its own gates and a shared ``h0``, final
     states requested. ``gates``: every case's inputs after (q, k, v), in case order."""
     T = x.shape[1]
-    y = causal_conv1d(x, w, cu_seqlens=cu, cu_seqlens_cpu=cu, chunk_indices=ci,
-                      backend=recs[0].backend)  # fmt: skip
+    y = causal_conv1d(
+        x, w, cu_seqlens=cu, cu_seqlens_cpu=cu, chunk_indices=ci, backend=recs[0].backend
+    )
     q, k, v = y.split([H * K, H * K, HV * V], dim=-1)
     q = F.normalize(q.view(1, T, H, K), dim=-1)
     k = F.normalize(k.view(1, T, H, K), dim=-1)
@@ -306,8 +308,11 @@ def _block_leaves() -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(13)
     T, N = CU_OP[-1], len(CU_OP) - 1
     D = 2 * H * K + HV * V
-    xs = [torch.randn(1, T, D, generator=gen), torch.randn(D, 4, generator=gen) * 0.5,
-          torch.randn(N, HV, K, V, generator=gen) * 0.1]  # fmt: skip
+    xs = [
+        torch.randn(1, T, D, generator=gen),
+        torch.randn(D, 4, generator=gen) * 0.5,
+        torch.randn(N, HV, K, V, generator=gen) * 0.1,
+    ]
     for case in CASES:
         xs += case.inputs(T, 13, torch.float32, K=K, V=V)[3:]
     return [x.requires_grad_(True) for x in xs]
@@ -331,7 +336,7 @@ BLOCK_NAMES = [
     *(f"{out}_{c.id}" for c in CASES for out in ("o", "final")),
     "dx", "dw", "dh0",
     *(f"d{name}_{c.id}" for c in CASES for name in c.names[3:]),
-]  # fmt: skip
+]  # fmt: skip # a table, laid out by hand to read across
 
 
 @functools.cache
@@ -356,8 +361,10 @@ def test_compiled_block_matches_eager(compiler):
     compiled = torch.compile(_block, backend=compiler, fullgraph=True)
     got, ref = _block_grads(compiled), _eager_block()
     assert len(got) == len(ref) == len(BLOCK_NAMES)
-    errs = {n: rel_err(a, b) if torch.isfinite(a).all() else float("inf")
-            for n, a, b in zip(BLOCK_NAMES, got, ref, strict=True)}  # fmt: skip
+    errs = {
+        n: rel_err(a, b) if torch.isfinite(a).all() else float("inf")
+        for n, a, b in zip(BLOCK_NAMES, got, ref, strict=True)
+    }
     for name, err in errs.items():  # every error first, then the verdict
         print(f"[fla_interpreter] compiled ({compiler}) vs eager {name}: {err:.2e}")
     report(f"compiled ({compiler}) vs eager, worst", max(errs.values()), COMPILE_TOL)
@@ -388,8 +395,9 @@ def _out_of_order_span(case: RecurrenceCase, compiled: bool = False) -> None:
         rec = registered(case.name, backend=backend, **case.options)
 
         def run(*xs, rec=rec):
-            return context_parallel_recurrence(rec, xs, routing=routing, group=None,
-                                               output_final_state=True)  # fmt: skip
+            return context_parallel_recurrence(
+                rec, xs, routing=routing, group=None, output_final_state=True
+            )
 
         if compiled and backend == "fla":
             torch._dynamo.reset()
@@ -433,8 +441,13 @@ def _cp_layouts(world: int) -> list[tuple[str, str, list[int], list]]:
     gen = torch.Generator().manual_seed(100 + world)
     cus = [random_cu_seqlens(gen, CP_ROWS, CP_ROW_LEN, max_doc=40) for _ in range(4)]
     positions = torch.cat([torch.arange(b - a) for a, b in zip(cus[2][:-1], cus[2][1:])])
-    ptrr = host_layout(positions.view(CP_ROWS, CP_ROW_LEN), load_balancer="ptrr",
-                       world_size=world, device="cpu", block_size=8)  # fmt: skip
+    ptrr = host_layout(
+        positions.view(CP_ROWS, CP_ROW_LEN),
+        load_balancer="ptrr",
+        world_size=world,
+        device="cpu",
+        block_size=8,
+    )
     layouts = [
         ("contiguous", cus[0], contiguous_fragments(CP_ROW_LEN, CP_ROWS, world)),
         ("head-tail", cus[1], headtail_fragments(CP_ROW_LEN, CP_ROWS, world)),
@@ -480,8 +493,10 @@ def _cp_case(rank, group, case_id, cu, table) -> dict[str, float]:
     def err(a, b):  # a rank may hold no terminal subsequence
         return rel_err(a, b) if a.numel() else 0.0
 
-    errs = {"o": err(o, o_ref.detach().index_select(1, span)),
-            "final": err(fin * live, f_ref.detach()[docs] * live)}  # fmt: skip
+    errs = {
+        "o": err(o, o_ref.detach().index_select(1, span)),
+        "final": err(fin * live, f_ref.detach()[docs] * live),
+    }
     for name, x, r in zip(case.names, loc, ref, strict=True):
         assert x.grad is not None and r.grad is not None
         errs["d" + name] = err(x.grad, r.grad.index_select(1, span))
@@ -515,8 +530,11 @@ def test_cp_driver_on_fla_matches_unsharded():
             worst[label] = max(worst.get(label, 0.0), err)
     cases = sorted({label.rsplit(" ", 1)[0] for label in worst})
     for case in cases:
-        report(f"CP {case} (worst of o, final, grads)",
-               max(e for lab, e in worst.items() if lab.startswith(case + " ")), TOL)  # fmt: skip
+        report(
+            f"CP {case} (worst of o, final, grads)",
+            max(e for lab, e in worst.items() if lab.startswith(case + " ")),
+            TOL,
+        )
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -531,17 +549,34 @@ def test_trainer_fla_matches_torch_at_cp2(tmp_path):
     tests/fla_interpreter_train.py) gives the torch backend's loss and gradient norm."""
     from tests.launch import read_metrics, torchrun_train
 
-    common = ["--config_file", "configs/debug_cpu.toml",
-              "--parallelism.context_parallel_degree", "2", "--training.steps", "1",
-              "--training.seq_len", "128", "--training.local_batch_size", "1",
-              "--validator.no-enable", "--metrics.no-enable-wandb"]  # fmt: skip
-    torchrun_train([*common, "--linear_attention.backend", "torch"], nproc=2,
-                   dump_folder=tmp_path / "torch")  # fmt: skip
-    torchrun_train([*common, "--linear_attention.backend", "fla"], nproc=2,
-                   dump_folder=tmp_path / "fla", module="tests.fla_interpreter_train",
-                   timeout=600)  # fmt: skip
+    common = [
+        "--config_file",
+        "configs/debug_cpu.toml",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--training.steps",
+        "1",
+        "--training.seq_len",
+        "128",
+        "--training.local_batch_size",
+        "1",
+        "--validator.no-enable",
+        "--metrics.no-enable-wandb",
+    ]
+    torchrun_train(
+        [*common, "--linear_attention.backend", "torch"], nproc=2, dump_folder=tmp_path / "torch"
+    )
+    torchrun_train(
+        [*common, "--linear_attention.backend", "fla"],
+        nproc=2,
+        dump_folder=tmp_path / "fla",
+        module="tests.fla_interpreter_train",
+        timeout=600,
+    )
     (ref,), (got,) = read_metrics(tmp_path / "torch"), read_metrics(tmp_path / "fla")
-    report("trainer CP=2 fla vs torch |loss diff|", abs(got["loss"] - ref["loss"]),
-           TRAIN_LOSS_TOL)  # fmt: skip
-    report("trainer CP=2 fla vs torch grad_norm rel diff",
-           abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"], TRAIN_GRAD_NORM_TOL)  # fmt: skip
+    report("trainer CP=2 fla vs torch |loss diff|", abs(got["loss"] - ref["loss"]), TRAIN_LOSS_TOL)
+    report(
+        "trainer CP=2 fla vs torch grad_norm rel diff",
+        abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"],
+        TRAIN_GRAD_NORM_TOL,
+    )

@@ -23,10 +23,15 @@ def test_refusal_follows_fla_s_own_condition():
     assert reason is not None and "\n" not in reason
     assert "triton 3.6.0" in reason and "capability 9.0" in reason and "#640" in reason
     assert fla_gdn_backward_refusal(DeviceFacts((9, 0), "3.4.0", False)) is not None
-    for ok in (DeviceFacts((9, 0), "3.7.1", False), DeviceFacts((9, 0), "3.3.1", False),
-               DeviceFacts((9, 0), "3.6.0", True, NVCC), DeviceFacts((8, 0), "3.6.0", False),
-               DeviceFacts((10, 0), "3.6.0", False), DeviceFacts(None, "3.6.0", False),
-               DeviceFacts((9, 0), None, False)):  # fmt: skip
+    for ok in (
+        DeviceFacts((9, 0), "3.7.1", False),
+        DeviceFacts((9, 0), "3.3.1", False),
+        DeviceFacts((9, 0), "3.6.0", True, NVCC),
+        DeviceFacts((8, 0), "3.6.0", False),
+        DeviceFacts((10, 0), "3.6.0", False),
+        DeviceFacts(None, "3.6.0", False),
+        DeviceFacts((9, 0), None, False),
+    ):
         assert fla_gdn_backward_refusal(ok) is None, ok
     # fla takes its TileLang route only with an nvcc for TileLang's JIT (fla #1026).
     no_nvcc = fla_gdn_backward_refusal(DeviceFacts((9, 0), "3.6.0", True))
@@ -50,8 +55,10 @@ def test_faked_h200_refuses_fla_for_gdn_and_auto_falls_back(monkeypatch, caplog)
         LAYERS["G"].backend("fla")
     # The pre-launch check (as on the CUDA machine): one line with the versions, for the
     # hybrid's G layers and for Qwen3.5's GatedDeltaNets; KDA-only models pass it.
-    for argv in (["--config_file", "configs/debug_cpu.toml", "--model.layer_pattern", "KGKA"],
-                 ["--config_file", "configs/qwen35_debug_cpu.toml"]):  # fmt: skip
+    for argv in (
+        ["--config_file", "configs/debug_cpu.toml", "--model.layer_pattern", "KGKA"],
+        ["--config_file", "configs/qwen35_debug_cpu.toml"],
+    ):
         config = load_config(argv)
         config.linear_attention.backend = "fla"
         from torchtitan_cp.models.recipe import recipe_model_spec

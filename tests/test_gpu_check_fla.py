@@ -43,8 +43,9 @@ def _stage_case(kind: str, gen: torch.Generator) -> float:
         if kind == "conv":
             y = causal_conv1d(*xs, None, cu_seqlens=cu, cu_seqlens_cpu=cu, backend=backend)
         else:
-            y, _ = chunk_delta_rule(*xs, kind=kind, cu_seqlens=cu, cu_seqlens_cpu=cu,
-                                    backend=backend)  # fmt: skip
+            y, _ = chunk_delta_rule(
+                *xs, kind=kind, cu_seqlens=cu, cu_seqlens_cpu=cu, backend=backend
+            )
         out[backend] = [y, *torch.autograd.grad(y.square().sum(), xs)]
     return max(rel_err(a, b) for a, b in zip(out["fla"], out["torch"]))
 
@@ -74,7 +75,7 @@ def test_pruned_autotune_runs_one_config_per_kernel_and_stays_correct(monkeypatc
                 cp_gradients.cp_gradients(c, "fla", torch.device("cpu"), tokens_per_rank=32,
                                           K=16, V=16), 2e-5)
             for c in CASES if c.name in ("kda", "gdn")
-        }  # fmt: skip
+        }  # fmt: skip # a table, laid out by hand to read across
         record = gpu_autotune.applied()
         pruned = {t.base_fn.__name__: t for t in gpu_autotune._state["pruned"]}
     finally:

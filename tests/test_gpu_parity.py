@@ -89,8 +89,9 @@ def test_cp_gradient_check_fails_on_wrong_non_last_rank_gradients(case):
     # The check of the check: a fold whose backward is 10 % off (forward exact) fails every rank
     # that publishes a summary and passes the last one (measured 2-6e-2 against 2e-7 on KDA).
     inner = recurrence(case.name, backend="torch", **case.options)
-    cmp = cp_gradients.cp_gradients(case, "torch", DEVICE, tokens_per_rank=32, K=16, V=16,
-                                    rec=cp_gradients.PerturbedFold(inner))  # fmt: skip
+    cmp = cp_gradients.cp_gradients(
+        case, "torch", DEVICE, tokens_per_rank=32, K=16, V=16, rec=cp_gradients.PerturbedFold(inner)
+    )
     res = cp_gradients.compare(cmp, CP_TOL["torch"])
     grad, fwd = res["max_rel_grad_err_per_rank"], res["max_rel_out_err_per_rank"]
     assert not res["within_tol"]
@@ -103,8 +104,12 @@ def _local(case, inputs, backend, cu, backward: bool = True):
     """(o, final, every input's gradient) of the local kernel through the registry, on the
     routing's chunk tables (``routing.chunks``), forward and (``backward``) backward."""
     cu_cpu = torch.tensor(cu, dtype=torch.int32)
-    tables = SequenceTables(cu_cpu.to(DEVICE), cu_cpu, chunk_indices(cu_cpu, 64).to(DEVICE),
-                            chunk_offsets(cu_cpu, 64).to(DEVICE))  # fmt: skip
+    tables = SequenceTables(
+        cu_cpu.to(DEVICE),
+        cu_cpu,
+        chunk_indices(cu_cpu, 64).to(DEVICE),
+        chunk_offsets(cu_cpu, 64).to(DEVICE),
+    )
     leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
     rec = recurrence(case.name, backend=backend, **case.options)
     o, final = run_local(rec, tuple(leaves[:-1]), tables, leaves[-1], output_final_state=True)
@@ -166,10 +171,15 @@ def test_fla_conv_matches_torch(_, dtype, record_property):
     for backend in ("fla", "torch"):
         leaves = [t.clone().requires_grad_() for t in (x, w, h0)]
         y = causal_conv1d(
-            leaves[0], leaves[1], None, cu_seqlens=cu_cpu.to(DEVICE), cu_seqlens_cpu=cu_cpu,
+            leaves[0],
+            leaves[1],
+            None,
+            cu_seqlens=cu_cpu.to(DEVICE),
+            cu_seqlens_cpu=cu_cpu,
             chunk_indices=chunk_indices(cu_cpu, 64).to(DEVICE),
-            initial_state=leaves[2], backend=backend,
-        )  # fmt: skip
+            initial_state=leaves[2],
+            backend=backend,
+        )
         out[backend] = [y, *torch.autograd.grad(y.float().square().mean(), leaves)]
     names = ("o", "dx", "dweight", "dh0")
     errs = {n: rel_err(a.float(), b.float()) for n, a, b in zip(names, out["fla"], out["torch"])}

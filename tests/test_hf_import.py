@@ -34,7 +34,7 @@ MODELS = {
                 "model.language_model.layers.1.linear_attn.in_proj_qkv.weight"),
     "kimi_linear": ("configs/kimi_linear_debug_cpu.toml", "model.embed_tokens.weight",
                     "model.layers.3.self_attn.kv_b_proj.weight"),
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -59,10 +59,22 @@ def folder(request, tmp_path_factory) -> tuple[str, Path]:
 def check(capsys, name: str, path: Path, tmp_path: Path) -> tuple[int, str]:
     """``python -m torchtitan_cp.train --check`` of a run that starts from the HF folder
     ``path`` (in this process): (status, stderr)."""
-    code = main(["--check", "--nproc", "2", "--config_file", MODELS[name][0], "--dump_folder",
-                 str(tmp_path / "run"), "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
-                 "--checkpoint.initial_load_model_only", "--checkpoint.initial_load_path",
-                 str(path)])  # fmt: skip
+    code = main(
+        [
+            "--check",
+            "--nproc",
+            "2",
+            "--config_file",
+            MODELS[name][0],
+            "--dump_folder",
+            str(tmp_path / "run"),
+            "--checkpoint.enable",
+            "--checkpoint.initial_load_in_hf",
+            "--checkpoint.initial_load_model_only",
+            "--checkpoint.initial_load_path",
+            str(path),
+        ]
+    )
     return code, capsys.readouterr().err
 
 
@@ -99,8 +111,12 @@ def test_a_floating_tensor_stored_as_integer_or_bool_is_refused(capsys, tmp_path
     key = MODELS[folder[0]][1]
     name, path = edited(folder, tmp_path, lambda t: t.update({key: (t[key] * 100).to(dtype)}))
     line = one_line(*check(capsys, name, path, tmp_path))
-    stored = {torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
-              torch.float8_e4m3fn: "F8_E4M3"}[dtype]  # fmt: skip
+    stored = {
+        torch.int32: "I32",
+        torch.int64: "I64",
+        torch.bool: "BOOL",
+        torch.float8_e4m3fn: "F8_E4M3",
+    }[dtype]
     assert f"{path}/model.safetensors: tensor {key} is stored as {stored}, " in line, line
     assert "but it loads into a floating parameter (float32)" in line, line
     assert "convert the folder's weights to a floating dtype" in line, line
@@ -108,8 +124,9 @@ def test_a_floating_tensor_stored_as_integer_or_bool_is_refused(capsys, tmp_path
 
 
 def test_bfloat16_tensors_load_by_a_cast_within_rounding(capsys, tmp_path, folder):
-    name, path = edited(folder, tmp_path, lambda t: t.update(
-        {k: v.to(torch.bfloat16) for k, v in t.items()}))  # fmt: skip
+    name, path = edited(
+        folder, tmp_path, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()})
+    )
     assert check(capsys, name, path, tmp_path)[0] == 0
 
 

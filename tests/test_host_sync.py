@@ -144,9 +144,17 @@ def test_a_custom_functions_backward_is_watched_too():
 
 # The trainer's whole step, every layer kind and layout (issue 34): the real trainer forked per
 # launch (tests/fork_launch.py) with each rank's step 2 under the recorder (tests/host_syncs.py).
-_COMMON = ("--training.steps", "2", "--metrics.log_freq", "10", "--metrics.no-enable_wandb",
-           "--validator.no-enable", "--checkpoint.no-enable", "--linear_attention.backend",
-           "torch")  # fmt: skip
+_COMMON = (
+    "--training.steps",
+    "2",
+    "--metrics.log_freq",
+    "10",
+    "--metrics.no-enable_wandb",
+    "--validator.no-enable",
+    "--checkpoint.no-enable",
+    "--linear_attention.backend",
+    "torch",
+)
 
 
 def _launches():
@@ -154,16 +162,27 @@ def _launches():
     from torchtitan_cp.models.hybrid.layers import LAYERS
     from torchtitan_cp.routing.balancers import balancer_names
 
-    every_kind = ("--config_file", "configs/debug_cpu.toml", "--model.layer_pattern",
-                  "".join(LAYERS))  # fmt: skip
-    models = {"hybrid": every_kind, "qwen35": ("--config_file", "configs/qwen35_debug_cpu.toml"),
-              "kimi_linear": ("--config_file", "configs/kimi_linear_debug_cpu.toml")}  # fmt: skip
+    every_kind = (
+        "--config_file",
+        "configs/debug_cpu.toml",
+        "--model.layer_pattern",
+        "".join(LAYERS),
+    )
+    models = {
+        "hybrid": every_kind,
+        "qwen35": ("--config_file", "configs/qwen35_debug_cpu.toml"),
+        "kimi_linear": ("--config_file", "configs/kimi_linear_debug_cpu.toml"),
+    }
     runs = [(name, args, 1, ()) for name, args in models.items()]
     for i, balancer in enumerate(balancer_names()):
         # The first layout passes K/V between ranks in the attention layers, the others gather.
-        cp = ("--parallelism.context_parallel_degree", "2",
-              "--parallelism.context_parallel_load_balancer", balancer,
-              *(("--model.attention_cp", "pass_kv") if i == 0 else ()))  # fmt: skip
+        cp = (
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.context_parallel_load_balancer",
+            balancer,
+            *(("--model.attention_cp", "pass_kv") if i == 0 else ()),
+        )
         runs.append((f"hybrid_cp2_{balancer}", every_kind, 2, cp))
     head_tail = ("--parallelism.context_parallel_degree", "2")  # the configs' head-tail
     runs += [(f"{name}_cp2", models[name], 2, head_tail) for name in ("qwen35", "kimi_linear")]

@@ -53,9 +53,11 @@ def test_delta_rule_argument_errors(interpreter_off):
         chunk_delta_rule(**_args(), kind="kda", cu_seqlens=torch.tensor([0, 4, 9]))
     with pytest.raises(ValueError, match=r"initial_state must be \[2, 2, 4, 3\], got shape \[3,"):
         chunk_delta_rule(
-            **_args(), kind="kda", cu_seqlens=torch.tensor([0, 4, 10]),
+            **_args(),
+            kind="kda",
+            cu_seqlens=torch.tensor([0, 4, 10]),
             initial_state=torch.zeros(3, H, K, V),
-        )  # fmt: skip
+        )
 
 
 def test_conv_errors(interpreter_off):

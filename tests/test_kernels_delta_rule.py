@@ -163,9 +163,17 @@ def test_all_empty_and_cpu_offsets():
     h0 = torch.randn(3, H, K, V)
     cu = torch.tensor([0, 0, 0, 0], dtype=torch.int32)
     o, ht = chunk_delta_rule(
-        q, q, v, torch.zeros(1, 0, H, K), torch.zeros(1, 0, H), kind="kda",
-        initial_state=h0, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu,
-    )  # fmt: skip
+        q,
+        q,
+        v,
+        torch.zeros(1, 0, H, K),
+        torch.zeros(1, 0, H),
+        kind="kda",
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu,
+    )
     assert o.shape == (1, 0, H, V) and torch.equal(ht, h0)
 
 
@@ -210,9 +218,14 @@ def test_random_layouts_and_chunkings(seed):
     new = [x.clone().requires_grad_() for x in inputs]
     o_ref, ht_ref = delta_rule_reference(*ref[:5], kind=kind, initial_state=ref[5], cu_seqlens=cu)
     o, ht = chunk_delta_rule_torch(
-        *new[:5], kind=kind, initial_state=new[5], output_final_state=True,
-        cu_seqlens_cpu=torch.tensor(cu), chunk_size=chunk, sub_chunk_size=sub,
-    )  # fmt: skip
+        *new[:5],
+        kind=kind,
+        initial_state=new[5],
+        output_final_state=True,
+        cu_seqlens_cpu=torch.tensor(cu),
+        chunk_size=chunk,
+        sub_chunk_size=sub,
+    )
     assert rel_err(o, o_ref) < 1e-12 and rel_err(ht, ht_ref) < 1e-12
     do, dht = rnd(*o.shape), rnd(*ht.shape)
     g_ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), ref)

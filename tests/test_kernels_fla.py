@@ -47,9 +47,15 @@ def test_fla_delta_rule_matches_oracle(kind, tables):
     o_ref, ht_ref = delta_rule_reference(*ref[:5], kind=kind, initial_state=ref[5], cu_seqlens=CU)
     cu = torch.tensor(CU, dtype=torch.int32)
     o, ht = chunk_delta_rule(
-        *dev[:5], kind=kind, initial_state=dev[5], output_final_state=True,
-        cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, backend="fla", **_tables(cu, tables),
-    )  # fmt: skip
+        *dev[:5],
+        kind=kind,
+        initial_state=dev[5],
+        output_final_state=True,
+        cu_seqlens=cu.cuda(),
+        cu_seqlens_cpu=cu,
+        backend="fla",
+        **_tables(cu, tables),
+    )
     assert rel_err(o, o_ref) < TOL and rel_err(ht, ht_ref) < TOL
     refused = fla_gdn_backward_refusal() if kind == "gdn" else None
     if refused is not None:  # fla raises in GDN's backward here (fla #640): forward only
@@ -75,9 +81,13 @@ def test_fla_conv_matches_oracle(tables):
     cu = torch.tensor(CU, dtype=torch.int32)
     ci = _tables(cu, tables).get("chunk_indices")
     y = causal_conv1d(
-        *dev[:3], cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, chunk_indices=ci,
-        initial_state=dev[3], backend="fla",
-    )  # fmt: skip
+        *dev[:3],
+        cu_seqlens=cu.cuda(),
+        cu_seqlens_cpu=cu,
+        chunk_indices=ci,
+        initial_state=dev[3],
+        backend="fla",
+    )
     assert rel_err(y, y_ref) < TOL
     dy = torch.randn_like(y_ref)
     g_ref = torch.autograd.grad((y_ref * dy).sum(), ref)
@@ -104,8 +114,9 @@ def _delta_and_conv_step(with_tables: bool) -> None:
     # GDN's fla backward is refused on some Hopper + Triton pairs (fla #640): KDA only there.
     for kind in ("kda",) if fla_gdn_backward_refusal() else ("kda", "gdn"):
         g = -torch.rand(*((1, T, H, K) if kind == "kda" else (1, T, H)), device="cuda")
-        o, _ = chunk_delta_rule(q, k, v, g, torch.rand(1, T, H, device="cuda"), kind=kind,
-                                **tables, **kw)  # fmt: skip
+        o, _ = chunk_delta_rule(
+            q, k, v, g, torch.rand(1, T, H, device="cuda"), kind=kind, **tables, **kw
+        )
         loss = loss + o.sum()
     # SSD on fla's simple GLA: without the tables it also reads its chunk count back (.item()).
     o, _ = chunk_ssd(q, k, v, -torch.rand(1, T, H, device="cuda"), **tables, **kw)

@@ -44,7 +44,7 @@ def test_48b_flavor_has_the_published_sizes():
     types = layer_types(cfg)
     assert len(types) == 27 and [i + 1 for i, t in enumerate(types) if t == "full_attention"] == [
         4, 8, 12, 16, 20, 24, 27,
-    ]  # fmt: skip
+    ]  # fmt: skip # a table, laid out by hand to read across
     with torch.device("meta"):
         model = cfg.build()
     n, _ = cfg.get_nparams_and_flops(model, 4096)
@@ -72,14 +72,18 @@ def test_bad_kimi_linear_recipes_are_one_line_errors(recipe, message):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--parallelism.tensor_parallel_degree", "2"],
-         "parallelism.tensor_parallel_degree = 2 is not supported for model.name = "
-         "'kimi_linear' yet"),
-        (["--parallelism.expert_parallel_degree", "3"],
-         "parallelism.expert_parallel_degree = 3 does not divide the 8 experts of kimi_linear"),
+        (
+            ["--parallelism.tensor_parallel_degree", "2"],
+            "parallelism.tensor_parallel_degree = 2 is not supported for model.name = "
+            "'kimi_linear' yet",
+        ),
+        (
+            ["--parallelism.expert_parallel_degree", "3"],
+            "parallelism.expert_parallel_degree = 3 does not divide the 8 experts of kimi_linear",
+        ),
         (["--compile.enable"], "compile.enable is not supported for model.name = 'kimi_linear'"),
     ],
-)  # fmt: skip
+)
 def test_what_is_not_built_is_refused_in_one_line(argv, message):
     from torchtitan_cp.train import load_config
 
@@ -89,8 +93,16 @@ def test_what_is_not_built_is_refused_in_one_line(argv, message):
     assert load_config(["--config_file", CONFIG]).model.name == "kimi_linear"
     cp = load_config(["--config_file", CONFIG, "--parallelism.context_parallel_degree", "2"])
     assert cp.parallelism.context_parallel_degree == 2  # CP runs (tests/test_kimi_linear_cp.py)
-    ep = load_config(["--config_file", CONFIG, "--parallelism.context_parallel_degree", "2",
-                      "--parallelism.expert_parallel_degree", "2"])  # fmt: skip
+    ep = load_config(
+        [
+            "--config_file",
+            CONFIG,
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+        ]
+    )
     assert ep.parallelism.expert_parallel_degree == 2  # EP runs (tests/test_kimi_linear_train.py)
 
 
@@ -104,8 +116,14 @@ def test_hf_folder_of_another_size_is_one_line_before_launch(tmp_path):
     model = cfg.build()
     model.init_states()
     folder = hf.write_hf_folder(model, cfg, tmp_path / "hf", tokenizer_dir=None)
-    argv = ["--config_file", CONFIG, "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
-            "--checkpoint.initial_load_path", str(folder)]  # fmt: skip
+    argv = [
+        "--config_file",
+        CONFIG,
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path",
+        str(folder),
+    ]
     with pytest.raises(ConfigError) as e:
         load_config(argv)
     msg = str(e.value)

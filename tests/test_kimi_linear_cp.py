@@ -38,9 +38,12 @@ def _model(attention_cp: str = "all_gather"):
 
     torch.manual_seed(0)
     model = kimi_linear_config(
-        "debug", vocab_size=VOCAB, attention_backend="sdpa", linear_attention_backend="torch",
+        "debug",
+        vocab_size=VOCAB,
+        attention_backend="sdpa",
+        linear_attention_backend="torch",
         attention_cp=attention_cp,
-    ).build()  # fmt: skip
+    ).build()
     model.init_states()
     return model
 
@@ -142,13 +145,15 @@ def _flex_latent_forward(rank: int, world: int, bsz: int, seqlen: int):
     try:
         for balancer in ("headtail", "contiguous"):
             common = dict(device=torch.device("cpu"), load_balancer=balancer)
-            ref, _ = _logits(sdpa, SequencePreprocessor(cp_group=None, **common),
-                             tokens, positions, labels, True)  # fmt: skip
+            ref, _ = _logits(
+                sdpa, SequencePreprocessor(cp_group=None, **common), tokens, positions, labels, True
+            )
             seq = SequencePreprocessor(cp_group=dist.group.WORLD, flex_attention=True, **common)
             out, ctx = _logits(flex, seq, tokens, positions, labels, True)
             assert ctx.block_mask is not None and seq.stats.readbacks == 0
-            layout = host_layout(positions, load_balancer=balancer, world_size=world,
-                                 device="cpu", block_size=128)  # fmt: skip
+            layout = host_layout(
+                positions, load_balancer=balancer, world_size=world, device="cpu", block_size=128
+            )
             worst[balancer] = float((out - shard_rows(ref, layout.index, rank, world)).abs().max())
     finally:
         kimi.all_gather_autograd = plain

@@ -17,8 +17,12 @@ CONFIG = ["--config_file", "configs/kimi_linear_debug_cpu.toml"]
 def test_kimi_linear_cp2_matches_cp1(tmp_path, balancer):
     """CP=2 on 2 ranks = CP=1 on 1 rank (same global batch): loss and grad norm within 1e-5
     over 10 AdamW steps; the loss falls; 0 routing readbacks."""
-    cp2 = ["--parallelism.context_parallel_degree", "2",
-           "--parallelism.context_parallel_load_balancer", balancer]  # fmt: skip
+    cp2 = [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_load_balancer",
+        balancer,
+    ]
     runs = _seeded_runs(tmp_path, [], {"cp1": (1, []), "cp2": (2, cp2)}, config=CONFIG, steps=10)
     _assert_same_curve(runs["cp1"], runs["cp2"])
     rows = runs["cp2"]
@@ -37,11 +41,17 @@ def test_kimi_linear_expert_parallel_matches_unsharded(tmp_path):
     ep2 = ["--parallelism.expert_parallel_degree", "2"]
     cp2 = ["--parallelism.context_parallel_degree", "2"]
     runs = _seeded_runs(
-        tmp_path, [],
-        {"dp1": (1, []), "cp2xep2": (2, [*cp2, *ep2]), "fsdp2": (2, []),
-         "fsdp2xcp2xep2": (4, ["--parallelism.data_parallel_shard_degree", "2", *cp2, *ep2])},
-        config=CONFIG, steps=3,
-    )  # fmt: skip
+        tmp_path,
+        [],
+        {
+            "dp1": (1, []),
+            "cp2xep2": (2, [*cp2, *ep2]),
+            "fsdp2": (2, []),
+            "fsdp2xcp2xep2": (4, ["--parallelism.data_parallel_shard_degree", "2", *cp2, *ep2]),
+        },
+        config=CONFIG,
+        steps=3,
+    )
     worst = {
         name: max(
             abs(a[key] - b[key]) / abs(a[key])

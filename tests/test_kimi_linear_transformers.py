@@ -35,14 +35,29 @@ set_spmd_backend("partial_dtensor")
 
 # The recipe's debug flavor as transformers' config (KDA, KDA, KDA, MLA; first layer dense).
 DEBUG = dict(
-    vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
-    q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-    num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1, linear_head_dim=16,
-    linear_num_heads=4, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    linear_head_dim=16,
+    linear_num_heads=4,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
     layer_types=["linear_attention"] * 3 + ["full_attention"],
     mlp_layer_types=["dense"] + ["sparse"] * 3,
-)  # fmt: skip
+)
 # float32, two implementations (different kernels and summation orders), logits of magnitude
 # ~0.75: measured max |diff| 5.7e-7 (one document and packed); the bound leaves headroom. With
 # F.normalize in place of fla's q/k norm (the recipe's default KDA) the diff is ~6e-2.
@@ -51,8 +66,12 @@ LOGITS_ATOL = 5e-6
 
 def torch_reference_kernels() -> contextlib.AbstractContextManager[None]:
     """transformers' PyTorch KDA and conv instead of fla's Triton kernels (GPU only)."""
-    names = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
-             "causal_conv1d_fn", "causal_conv1d_update")  # fmt: skip
+    names = (
+        "chunk_kimi_delta_attention",
+        "recurrent_kimi_delta_attention",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+    )
     return unwrapped(hf_modeling, names)
 
 
@@ -253,8 +272,9 @@ def test_export_script_output_runs_in_transformers_eager_and_sdpa(tmp_path, caps
             if getattr(m, "expert_bias_E", None) is not None:
                 m.expert_bias_E.uniform_(-0.05, 0.05)
     step = tmp_path / "checkpoint" / "step-1"
-    dcp.save({k: v.detach().clone() for k, v in model.state_dict().items()},
-             checkpoint_id=str(step))  # fmt: skip
+    dcp.save(
+        {k: v.detach().clone() for k, v in model.state_dict().items()}, checkpoint_id=str(step)
+    )
     write_manifest(str(step), step=1, run_id="r")
     out = tmp_path / "hf"
     assert _export_main()([*argv, "--checkpoint", str(step), "--out", str(out)]) == 0, (

@@ -23,8 +23,12 @@ def failure(tmp_path, rank: int, exitcode: int, message: str | None, at: int) ->
     ``_record_for_torchrun`` or torch's ``@record`` writes it), or none."""
     path = tmp_path / f"error-{rank}-{exitcode}-{at}.json"
     if message is not None:
-        data = {"message": {"message": message, "extraInfo": {"py_callstack": message,
-                                                              "timestamp": str(at)}}}  # fmt: skip
+        data = {
+            "message": {
+                "message": message,
+                "extraInfo": {"py_callstack": message, "timestamp": str(at)},
+            }
+        }
         path.write_text(json.dumps(data))
     return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
 
@@ -176,8 +180,10 @@ def test_report_names_each_silent_rank_and_where_its_stderr_is(tmp_path):
     import io
 
     now = int(time.time())
-    failures = {0: failure(tmp_path, 0, 1, "Traceback ...", now),
-                1: failure(tmp_path, 1, -6, None, now)}  # fmt: skip
+    failures = {
+        0: failure(tmp_path, 0, 1, "Traceback ...", now),
+        1: failure(tmp_path, 1, -6, None, now),
+    }
     logs = tmp_path / "logs"
     out = io.StringIO()
     report_silent_failures(failures, str(logs), out)

@@ -42,7 +42,7 @@ KINDS = {
         ("--config_file", "configs/debug_mamba2_cpu.toml"),
     ),
     "R": KindCases("RRA", [(2, balancer_names(), 2, 64)], ("--model.layer_pattern", "RRA")),
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 
 
 def _cp_model_balancers(rank, world, pattern, balancers, bsz, seqlen) -> dict[str, float]:
@@ -81,16 +81,40 @@ def test_trainer_cp2_matches_cp1(tmp_path, letter):
 
     opts = KINDS[letter].trainer
     run = ["--config_file", "configs/debug_cpu.toml", *opts]
-    seed = [*run, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-            "--metrics.no-enable-wandb", "--parallelism.context_parallel_degree", "1"]  # fmt: skip
-    common = [*run, "--training.steps", "3", "--validator.no-enable", "--metrics.no-enable-wandb",
-              "--debug.deterministic", "--checkpoint.enable", "--checkpoint.initial_load_path",
-              str(tmp_path / "seed" / "checkpoint" / "step-0")]  # fmt: skip
+    seed = [
+        *run,
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--metrics.no-enable-wandb",
+        "--parallelism.context_parallel_degree",
+        "1",
+    ]
+    common = [
+        *run,
+        "--training.steps",
+        "3",
+        "--validator.no-enable",
+        "--metrics.no-enable-wandb",
+        "--debug.deterministic",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "seed" / "checkpoint" / "step-0"),
+    ]
     # One process imports the trainer once and forks every launch's ranks (fork_train).
-    print(fork_train([Launch("seed", 1, seed),
-                      *(Launch(f"cp{cp}", cp, [*common, "--parallelism.context_parallel_degree",
-                                               str(cp)]) for cp in (1, 2))],
-                     folder=tmp_path))  # fmt: skip
+    print(
+        fork_train(
+            [
+                Launch("seed", 1, seed),
+                *(
+                    Launch(
+                        f"cp{cp}", cp, [*common, "--parallelism.context_parallel_degree", str(cp)]
+                    )
+                    for cp in (1, 2)
+                ),
+            ],
+            folder=tmp_path,
+        )
+    )
     ref, cp = read_metrics(tmp_path / "cp1"), read_metrics(tmp_path / "cp2")
     for a, b in zip(ref, cp, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])

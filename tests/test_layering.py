@@ -63,7 +63,7 @@ LAYERS: dict[str, dict[str, int]] = {
         "recipe": 5,
         "__init__": 6,
     },
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 # Lower-layer sub-parts a sub-part may not import even so (Qwen3.5 is torchtitan's own model).
 FORBIDDEN = {("models", "qwen35", "mixers")}
 

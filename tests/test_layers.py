@@ -81,9 +81,15 @@ def test_layer_fields_from_toml_and_cli(tmp_path) -> None:
         "[model.layer_options.mamba2]\nhead_dim = 16\nstate_dim = 8\n"
     )
     config = load_config(
-        ["--config_file", str(toml), "--model.rope_theta", "20000",
-         "--model.layer_options.mamba2.n_groups", "2"]
-    )  # fmt: skip
+        [
+            "--config_file",
+            str(toml),
+            "--model.rope_theta",
+            "20000",
+            "--model.layer_options.mamba2.n_groups",
+            "2",
+        ]
+    )
     model = recipe_model_spec(config.model).model
     assert (model.value_head_dim, model.conv_width, model.rope_theta) == (16, 3, 20000.0)
     assert model.layer_options.mamba2 == Mamba2Options(head_dim=16, state_dim=8, n_groups=2)
@@ -103,8 +109,14 @@ def test_bad_mamba2_sizes_fail_the_prelaunch_check() -> None:
     from torchtitan_cp.trainer.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"heads a multiple of n_groups = 3"):
-        load_config(["--config_file", "configs/debug_mamba2_cpu.toml",
-                     "--model.layer_options.mamba2.n_groups", "3"])  # fmt: skip
+        load_config(
+            [
+                "--config_file",
+                "configs/debug_mamba2_cpu.toml",
+                "--model.layer_options.mamba2.n_groups",
+                "3",
+            ]
+        )
 
 
 def _reference_layer(m: Mamba2Mixer, x: torch.Tensor, cu: list[int]) -> torch.Tensor:
@@ -128,9 +140,13 @@ def _reference_layer(m: Mamba2Mixer, x: torch.Tensor, cu: list[int]) -> torch.Te
     g = -torch.exp(m.A_log.double()) * dt
     xx = xx.unflatten(-1, (h, p))
     y, _ = ssd_reference(
-        C.unflatten(-1, (ng, n)), B.unflatten(-1, (ng, n)), xx * dt[..., None], g,
-        scale=1.0, cu_seqlens=cu,
-    )  # fmt: skip
+        C.unflatten(-1, (ng, n)),
+        B.unflatten(-1, (ng, n)),
+        xx * dt[..., None],
+        g,
+        scale=1.0,
+        cu_seqlens=cu,
+    )
     y = (y + m.D.double()[:, None] * xx).flatten(-2)
     u = (y * F.silu(z)).unflatten(-1, (ng, -1))
     u = (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + m.norm.eps)).flatten(-2)
@@ -220,9 +236,11 @@ def test_a_kind_has_only_its_backends(monkeypatch) -> None:
     from torchtitan_cp.trainer.config import ConfigError
 
     only_torch = dataclasses.replace(
-        LAYERS["M"], name="torch-only", description="SSD, torch only",
+        LAYERS["M"],
+        name="torch-only",
+        description="SSD, torch only",
         kernels=Kernels(("torch",), compiles=False),
-    )  # fmt: skip
+    )
     monkeypatch.setitem(LAYERS, "T", only_torch)
     want = (
         r"^linear_attention.backend = 'fla': layer T \(SSD, torch only\) has no fla kernel, "
@@ -231,8 +249,16 @@ def test_a_kind_has_only_its_backends(monkeypatch) -> None:
     with pytest.raises(ValueError, match=want):
         model_config("debug", layer_pattern="TA", linear_attention_backend="fla")
     with pytest.raises(ConfigError, match=want):
-        load_config(["--config_file", "configs/debug_mamba2_cpu.toml", "--model.layer_pattern",
-                     "MTA", "--linear_attention.backend", "fla"])  # fmt: skip
+        load_config(
+            [
+                "--config_file",
+                "configs/debug_mamba2_cpu.toml",
+                "--model.layer_pattern",
+                "MTA",
+                "--linear_attention.backend",
+                "fla",
+            ]
+        )
     opts = LayerOptions(mamba2=Mamba2Options(head_dim=16, state_dim=8))
     model = model_config("debug", layer_pattern="TMA", layer_options=opts).build()
     assert model.layers["0"].mixer.backend == "torch"

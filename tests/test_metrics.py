@@ -18,8 +18,13 @@ from torchtitan_cp.trainer.metrics import wandb_offline_fallback  # noqa: E402
 def no_credentials(tmp_path, monkeypatch):
     """A home without ~/.netrc or wandb settings, no WANDB_* credentials, wandb online."""
     monkeypatch.setenv("HOME", str(tmp_path))
-    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC", "WANDB_CONFIG_DIR",
-                "WANDB_BASE_URL"):  # fmt: skip
+    for key in (
+        "WANDB_API_KEY",
+        "WANDB_IDENTITY_TOKEN_FILE",
+        "NETRC",
+        "WANDB_CONFIG_DIR",
+        "WANDB_BASE_URL",
+    ):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("WANDB_MODE", "online")
     return tmp_path

@@ -36,9 +36,13 @@ def _model(name: str):
     set_spmd_backend("partial_dtensor")
     torch.manual_seed(0)
     model = qwen35_config(
-        "debugmodel", n_layers=4, vocab_size=97, attention_backend="sdpa",
-        linear_attention_backend="torch", attention_cp="pass_kv",
-    ).build()  # fmt: skip
+        "debugmodel",
+        n_layers=4,
+        vocab_size=97,
+        attention_backend="sdpa",
+        linear_attention_backend="torch",
+        attention_cp="pass_kv",
+    ).build()
     model.init_states()
     return model.double()
 
@@ -64,8 +68,12 @@ def _worker(rank: int, world: int) -> dict[str, tuple[float, float]]:
         for seed, (cp, balancer, bsz, seqlen) in enumerate(LAYOUTS):
             group = dist.group.WORLD
             tokens, positions, labels = random_batch(seed, bsz, seqlen, 97)
-            common = dict(device=torch.device("cpu"), load_balancer=balancer,
-                          ptrr_block_size=16, attention_cp="pass_kv")  # fmt: skip
+            common = dict(
+                device=torch.device("cpu"),
+                load_balancer=balancer,
+                ptrr_block_size=16,
+                attention_cp="pass_kv",
+            )
             ref = SequencePreprocessor(cp_group=None, **common)
             ref_loss, ref_grads = _loss_and_grads(model, ref, tokens, positions, labels)
             seq = SequencePreprocessor(cp_group=group, **common)

@@ -37,12 +37,18 @@ def tiny(monkeypatch):
 def test_a_new_model_is_one_registry_line(tiny):
     spec = recipe_model_spec(ModelRecipe(name="tiny", flavor="two-layer", vocab_size=97))
     assert spec.model.layer_pattern == "GA" and spec.model.vocab_size == 97
-    with pytest.raises(ValueError, match=r"model.dim does not apply to tiny \(its flavor fixes "
-                       r"the architecture; settable: vocab_size\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"model.dim does not apply to tiny \(its flavor fixes "
+        r"the architecture; settable: vocab_size\)",
+    ):
         recipe_model_spec(ModelRecipe(name="tiny", flavor="two-layer", dim=32))
     # the models that take a key are read from the registry too
-    with pytest.raises(ValueError, match=r"model.n_layers applies to model.name = 'qwen3_5' or "
-                       r"'kimi_linear' only"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"model.n_layers applies to model.name = 'qwen3_5' or "
+        r"'kimi_linear' only",
+    ):
         recipe_model_spec(ModelRecipe(n_layers=2))
     with pytest.raises(ValueError, match=r"choose 'hybrid', 'qwen3_5', 'kimi_linear' or 'tiny'"):
         recipe_model_spec(ModelRecipe(name="nope"))

@@ -14,8 +14,14 @@ from tests.launch import REPO, read_metrics, torchrun_train, train_sh, train_sh_
 from torchtitan_cp.train import main
 
 CONFIG = "configs/debug_cpu.toml"
-ARGS = ["--training.steps", "3", "--parallelism.context_parallel_degree", "2",
-        "--validator.no-enable", "--metrics.no-enable-wandb"]  # fmt: skip
+ARGS = [
+    "--training.steps",
+    "3",
+    "--parallelism.context_parallel_degree",
+    "2",
+    "--validator.no-enable",
+    "--metrics.no-enable-wandb",
+]
 
 
 @pytest.mark.slow
@@ -31,11 +37,18 @@ def test_two_nodes_give_the_single_node_losses(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     procs = []
     for node in (0, 1):
-        cmd, env = train_sh_cmd([CONFIG, *ARGS, "--dump_folder", str(two)], NNODES="2",
-                                NODE_RANK=str(node), NPROC_PER_NODE="1",
-                                RDZV_ENDPOINT=endpoint)  # fmt: skip
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+        cmd, env = train_sh_cmd(
+            [CONFIG, *ARGS, "--dump_folder", str(two)],
+            NNODES="2",
+            NODE_RANK=str(node),
+            NPROC_PER_NODE="1",
+            RDZV_ENDPOINT=endpoint,
+        )
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     try:
         outs = [p.communicate(timeout=300) for p in procs]
     finally:
@@ -101,7 +114,7 @@ def test_two_nodes_give_the_single_node_losses(tmp_path):
         "bad-nnodes",
         "node-rank-alone",
         "nproc-disagree",
-    ],  # fmt: skip
+    ],  # fmt: skip # a table, laid out by hand to read across
 )
 def test_bad_launch_geometry_is_one_line_before_torchrun(tmp_path, env, needle):
     proc = train_sh([CONFIG, "--dump_folder", str(tmp_path / "run")], check=False, **env)
@@ -118,16 +131,34 @@ def test_rendezvous_wait_is_bounded_and_speaks(tmp_path):
     after RDZV_TIMEOUT with one line naming the endpoint and the fix, exit 2. Loopback only."""
     endpoint = f"127.0.0.1:{free_port()}"
     for node, needles in (
-        ("1", [f"node 1 of 2: waiting for node 0 at {endpoint} (0 s of 2 s, RDZV_TIMEOUT)",
-               f"torchtitan_cp.launch: error: node 1 of 2: no rendezvous at {endpoint} within "
-               "2 s (RDZV_TIMEOUT; Connection refused): start node 0 (NODE_RANK=0)"]),
-        ("0", [f"node 0 of 2: hosting the rendezvous at {endpoint}; waiting up to 2 s",
-               f"torchtitan_cp.launch: error: node 0 of 2: the rendezvous at {endpoint} did not "
-               "complete within 2 s (RDZV_TIMEOUT; ", "1/2 clients joined"]),
-    ):  # fmt: skip
-        proc = train_sh([CONFIG, "--dump_folder", str(tmp_path / "run")], check=False,
-                        timeout=120, NNODES="2", NODE_RANK=node, NPROC_PER_NODE="1",
-                        RDZV_ENDPOINT=endpoint, RDZV_TIMEOUT="2")  # fmt: skip
+        (
+            "1",
+            [
+                f"node 1 of 2: waiting for node 0 at {endpoint} (0 s of 2 s, RDZV_TIMEOUT)",
+                f"torchtitan_cp.launch: error: node 1 of 2: no rendezvous at {endpoint} within "
+                "2 s (RDZV_TIMEOUT; Connection refused): start node 0 (NODE_RANK=0)",
+            ],
+        ),
+        (
+            "0",
+            [
+                f"node 0 of 2: hosting the rendezvous at {endpoint}; waiting up to 2 s",
+                f"torchtitan_cp.launch: error: node 0 of 2: the rendezvous at {endpoint} did not "
+                "complete within 2 s (RDZV_TIMEOUT; ",
+                "1/2 clients joined",
+            ],
+        ),
+    ):
+        proc = train_sh(
+            [CONFIG, "--dump_folder", str(tmp_path / "run")],
+            check=False,
+            timeout=120,
+            NNODES="2",
+            NODE_RANK=node,
+            NPROC_PER_NODE="1",
+            RDZV_ENDPOINT=endpoint,
+            RDZV_TIMEOUT="2",
+        )
         lines = [
             x
             for x in proc.stderr.splitlines()
@@ -188,8 +219,13 @@ def test_every_node_speaks_until_its_ranks_start(monkeypatch):
     out = io.StringIO()
     # A child from before the wait (a helper; under pytest, an earlier test's) is not a rank.
     helper = subprocess.Popen(["sleep", "30"])
-    speaker = launch.RendezvousSpeaker("node 0 of 2: waiting for the other nodes at h:1",
-                                       timeout=300, every=0.5, waited=3.0, out=out)  # fmt: skip
+    speaker = launch.RendezvousSpeaker(
+        "node 0 of 2: waiting for the other nodes at h:1",
+        timeout=300,
+        every=0.5,
+        waited=3.0,
+        out=out,
+    )
     speaker.start()
     time.sleep(2.2)
     assert speaker.is_alive(), "an older child does not end the wait"
@@ -223,11 +259,12 @@ def test_check_validates_nnodes_times_nproc(capsys, tmp_path):
     """``--check --nproc N --nnodes M`` (what train.sh runs) validates a world of N x M."""
     dump = ["--dump_folder", str(tmp_path / "run")]
     # stdout: the process count train.sh reads; stderr: only the mesh report.
-    assert check(capsys, "--nproc", "1", "--nnodes", "2", *dump,
-                 "--parallelism.context_parallel_degree", "2") == (
-        0, "1\n", "[mesh] cp 2 (2 processes)\n")  # fmt: skip
-    code, _, err = check(capsys, "--nproc", "1", "--nnodes", "3", *dump,
-                         "--parallelism.context_parallel_degree", "2")  # fmt: skip
+    assert check(
+        capsys, "--nproc", "1", "--nnodes", "2", *dump, "--parallelism.context_parallel_degree", "2"
+    ) == (0, "1\n", "[mesh] cp 2 (2 processes)\n")
+    code, _, err = check(
+        capsys, "--nproc", "1", "--nnodes", "3", *dump, "--parallelism.context_parallel_degree", "2"
+    )
     assert code == 2 and "does not divide the 3 processes" in err and err.count("\n") == 1, err
     code, _, err = check(capsys, "--nproc", "2", "--nnodes", "0", *dump)
     assert code == 2 and "NNODES must be a whole number >= 1" in err, err
@@ -237,11 +274,20 @@ def test_cp_groups_must_not_straddle_nodes(capsys, tmp_path):
     """CP is the innermost mesh axis: with 3 processes per node, CP=2 would put one group on
     two nodes; CP=3 (inside a node) and 6 processes over 2 nodes with CP=6 (whole nodes) pass."""
     dump = ["--dump_folder", str(tmp_path / "run"), "--training.seq_len", "384"]
-    code, _, err = check(capsys, "--nproc", "3", "--nnodes", "2", *dump,
-                         "--parallelism.context_parallel_degree", "2")  # fmt: skip
+    code, _, err = check(
+        capsys, "--nproc", "3", "--nnodes", "2", *dump, "--parallelism.context_parallel_degree", "2"
+    )
     assert code == 2 and err.count("\n") == 1, err
     assert "context_parallel_degree (2) and the 3 processes per node" in err
     for cp in ("3", "6"):
-        code, _, err = check(capsys, "--nproc", "3", "--nnodes", "2", *dump,
-                             "--parallelism.context_parallel_degree", cp)  # fmt: skip
+        code, _, err = check(
+            capsys,
+            "--nproc",
+            "3",
+            "--nnodes",
+            "2",
+            *dump,
+            "--parallelism.context_parallel_degree",
+            cp,
+        )
         assert code == 0, (cp, err)

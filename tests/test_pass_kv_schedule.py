@@ -100,8 +100,11 @@ def test_pairs_and_visiting_ids_match_the_token_oracle(name, cu, table):
                 if q == k:
                     assert bool(pairs.visible[q, k]) == (len(spans[q]) > 0)
                     continue
-                got = (tuple(pairs.key_rows[q, k].tolist()), tuple(pairs.query_rows[q, k].tolist()),
-                       int(pairs.exact_keys[q, k]))  # fmt: skip
+                got = (
+                    tuple(pairs.key_rows[q, k].tolist()),
+                    tuple(pairs.query_rows[q, k].tolist()),
+                    int(pairs.exact_keys[q, k]),
+                )
                 assert bool(pairs.visible[q, k]) == ((q, k) in want), (name, q, k)
                 assert got == want.get((q, k), ((0, 0), (0, 0), 0)), (name, q, k)
         # A round exists iff some rank hears from r - s; this rank's rounds follow the pairs.
@@ -131,8 +134,7 @@ EXAMPLE_CU = [0, 6, 10, 16, 22, 26, 32]
 
 def test_worked_example_skips_round_two():
     table = headtail_fragments(32, 1, 4)
-    assert table == [[(0, 4), (28, 32)], [(4, 8), (24, 28)], [(8, 12), (20, 24)],
-                     [(12, 20)]]  # fmt: skip
+    assert table == [[(0, 4), (28, 32)], [(4, 8), (24, 28)], [(8, 12), (20, 24)], [(12, 20)]]
     plans = [RoutingPlan.build(EXAMPLE_CU, table, r).pass_kv for r in range(4)]
     assert plans[0].pairs.shifts == (1, 3)  # nobody hears from r - 2
     assert plans[0].rounds == (
@@ -140,11 +142,19 @@ def test_worked_example_skips_round_two():
         PassKVRound(shift=3, recv_from=1, recv_rows=(6, 8), query_rows=(4, 8)),
     )
     assert plans[1].rounds == (
-        PassKVRound(shift=1, recv_from=0, recv_rows=(0, 4), query_rows=(0, 2), send_to=2,
-                    send_rows=(2, 4)),
-        PassKVRound(shift=3, recv_from=2, recv_rows=(6, 8), query_rows=(4, 6), visit_offset=4,
-                    send_to=0, send_rows=(6, 8)),
-    )  # fmt: skip
+        PassKVRound(
+            shift=1, recv_from=0, recv_rows=(0, 4), query_rows=(0, 2), send_to=2, send_rows=(2, 4)
+        ),
+        PassKVRound(
+            shift=3,
+            recv_from=2,
+            recv_rows=(6, 8),
+            query_rows=(4, 6),
+            visit_offset=4,
+            send_to=0,
+            send_rows=(6, 8),
+        ),
+    )
     assert [p.pairs.traffic(r)["messages"] for r, p in enumerate(plans)] == [2, 4, 4, 2]
     # One document over the whole row: every rank hears from every other one, a full ring.
     full = RoutingPlan.build([0, 32], table, 0).pass_kv
@@ -188,8 +198,15 @@ def test_host_and_readback_give_the_same_schedule_bitwise(world, balancer, bsz, 
     rank = data.draw(st.integers(0, world - 1))
     positions = positions_from_lengths(bsz, seqlen, lengths)
     tokens = torch.arange(bsz * seqlen).reshape(bsz, seqlen)
-    common = dict(device="cpu", cp_group=None, load_balancer=balancer, cp_rank=rank,
-                  cp_world_size=world, ptrr_block_size=4, attention_cp="pass_kv")  # fmt: skip
+    common = dict(
+        device="cpu",
+        cp_group=None,
+        load_balancer=balancer,
+        cp_rank=rank,
+        cp_world_size=world,
+        ptrr_block_size=4,
+        attention_cp="pass_kv",
+    )
     host = SequencePreprocessor(routing_source="host", **common)
     readback = SequencePreprocessor(routing_source="device_readback", **common)
     a = host(tokens, tokens, positions, HostMetadata(positions.clone()))[3].pass_kv
@@ -205,8 +222,14 @@ def test_host_and_readback_give_the_same_schedule_bitwise(world, balancer, bsz, 
 
 
 def test_plan_cache_hits_reuse_the_schedule():
-    pre = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="headtail", cp_rank=1,
-                               cp_world_size=2, attention_cp="pass_kv")  # fmt: skip
+    pre = SequencePreprocessor(
+        device="cpu",
+        cp_group=None,
+        load_balancer="headtail",
+        cp_rank=1,
+        cp_world_size=2,
+        attention_cp="pass_kv",
+    )
     positions = positions_from_lengths(1, 32, [5, 20, 7])
     tokens = torch.zeros(1, 32, dtype=torch.int64)
     first = pre(tokens, tokens, positions, HostMetadata(positions.clone()))[3].pass_kv
@@ -214,13 +237,21 @@ def test_plan_cache_hits_reuse_the_schedule():
     assert first is not None and again is not None
     assert again.schedule is first.schedule and again is not first  # fresh device ids per batch
     # Flex layers under pass-KV build per-pair masks: no CP-sharded BlockMask (and no mesh).
-    flex = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="headtail", cp_rank=0,
-                                cp_world_size=2, attention_cp="pass_kv", flex_attention=True)  # fmt: skip
+    flex = SequencePreprocessor(
+        device="cpu",
+        cp_group=None,
+        load_balancer="headtail",
+        cp_rank=0,
+        cp_world_size=2,
+        attention_cp="pass_kv",
+        flex_attention=True,
+    )
     ctx = flex(tokens, tokens, positions, HostMetadata(positions.clone()))[3]
     assert ctx.block_mask is None and ctx.pass_kv is not None
     # Without CP no schedule travels with the context.
-    solo = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="headtail",
-                                attention_cp="pass_kv")  # fmt: skip
+    solo = SequencePreprocessor(
+        device="cpu", cp_group=None, load_balancer="headtail", attention_cp="pass_kv"
+    )
     assert solo(tokens, tokens, positions, HostMetadata(positions.clone()))[3].pass_kv is None
 
 
@@ -249,8 +280,18 @@ def test_flex_pair_kernel_matches_the_math_kernel(dtype):
 
 # (query rows, key rows) of pairs: one-row hulls and blocks, equal and unequal lengths, both
 # sides of a 128-row boundary.
-FLEX_LAYOUTS = [(1, 5), (3, 7), (1, 1), (5, 1), (64, 64), (130, 200), (200, 300), (1, 129),
-                (256, 17), (300, 300)]  # fmt: skip
+FLEX_LAYOUTS = [
+    (1, 5),
+    (3, 7),
+    (1, 1),
+    (5, 1),
+    (64, 64),
+    (130, 200),
+    (200, 300),
+    (1, 129),
+    (256, 17),
+    (300, 300),
+]
 FLEX_FRAME_BOUND = 8  # dynamo frames for all of them (flex and its block mask together)
 
 
@@ -267,8 +308,10 @@ def test_flex_pair_kernel_compiles_a_bounded_number_of_frames(monkeypatch):
     from torchtitan_cp.ops.attention import pass_kv
 
     torch._dynamo.reset()
-    fns = (torch.compile(flex_attention, dynamic=True, backend="aot_eager"),
-           torch.compile(create_block_mask, dynamic=True, backend="aot_eager"))  # fmt: skip
+    fns = (
+        torch.compile(flex_attention, dynamic=True, backend="aot_eager"),
+        torch.compile(create_block_mask, dynamic=True, backend="aot_eager"),
+    )
     monkeypatch.setattr(pass_kv, "_flex_fns", lambda device: fns)
     gen = torch.Generator().manual_seed(4)
     start = counters["frames"]["total"]
@@ -318,8 +361,9 @@ def test_math_block_backward_saves_one_query_block_of_scores(monkeypatch):
     def grads(tq: int):
         gen = torch.Generator().manual_seed(tq)
         q_tok, k_tok = torch.arange(tq) + tk, torch.arange(tk)
-        mask = PairMask(q_tok, torch.zeros(tq, dtype=torch.long), k_tok,
-                        torch.zeros(tk, dtype=torch.long))  # fmt: skip
+        mask = PairMask(
+            q_tok, torch.zeros(tq, dtype=torch.long), k_tok, torch.zeros(tk, dtype=torch.long)
+        )
         q = torch.randn(1, 4, tq, dk, generator=gen, dtype=torch.float64)
         rows = torch.randn(tk, 1, 2, dk + dv, generator=gen, dtype=torch.float64)
         do = torch.randn(1, 4, tq, dv, generator=gen, dtype=torch.float64)
@@ -385,11 +429,27 @@ def test_attention_cp_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="model.attention_cp"):
         load_config(["--config_file", str(path)])
     # pass-KV compiles as a custom op, with CP and without (where it changes nothing).
-    load_config(["--config_file", "configs/debug_cpu.toml", "--compile.enable",
-                 "--parallelism.context_parallel_degree", "2",
-                 "--model.attention_cp", "pass_kv"])  # fmt: skip
-    load_config(["--config_file", "configs/debug_cpu.toml", "--compile.enable",
-                 "--model.attention_cp", "pass_kv"])  # fmt: skip
-    cfg = load_config(["--config_file", "configs/qwen35_debug_cpu.toml",
-                       "--model.attention_cp", "pass_kv"])  # fmt: skip
+    load_config(
+        [
+            "--config_file",
+            "configs/debug_cpu.toml",
+            "--compile.enable",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--model.attention_cp",
+            "pass_kv",
+        ]
+    )
+    load_config(
+        [
+            "--config_file",
+            "configs/debug_cpu.toml",
+            "--compile.enable",
+            "--model.attention_cp",
+            "pass_kv",
+        ]
+    )
+    cfg = load_config(
+        ["--config_file", "configs/qwen35_debug_cpu.toml", "--model.attention_cp", "pass_kv"]
+    )
     assert cfg.model.attention_cp == "pass_kv"

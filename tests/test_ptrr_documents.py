@@ -104,9 +104,15 @@ def test_equals_torchs_ptrr_on_the_dense_mask():
 
 @pytest.mark.parametrize(
     "block, world, bsz, seqlen, docs",
-    [(256, 16, 1, 4096, 300), (16, 16, 1, 2048, 300), (128, 8, 2, 2048, 40),
-     (48, 3, 2, 1440, 1), (256, 4, 1, 2048, 2048), (200, 5, 1, 3000, 17)],
-)  # fmt: skip
+    [
+        (256, 16, 1, 4096, 300),
+        (16, 16, 1, 2048, 300),
+        (128, 8, 2, 2048, 40),
+        (48, 3, 2, 1440, 1),
+        (256, 4, 1, 2048, 2048),
+        (200, 5, 1, 3000, 17),
+    ],
+)
 def test_larger_layouts_one_by_one(block, world, bsz, seqlen, docs):
     positions = random_positions(random.Random(seqlen + docs), bsz, seqlen, docs)
     expected = _PTRRLoadBalancer(dense_document_block_mask(positions, block), world)

@@ -104,9 +104,12 @@ def upstream_model(n_layers: int):
 def recipe_model(n_layers: int, dtype=torch.float64) -> Qwen35TextModel:
     torch.manual_seed(0)
     model = qwen35_config(
-        "debugmodel", n_layers=n_layers, vocab_size=VOCAB, attention_backend="sdpa",
+        "debugmodel",
+        n_layers=n_layers,
+        vocab_size=VOCAB,
+        attention_backend="sdpa",
         linear_attention_backend="torch",
-    ).build()  # fmt: skip
+    ).build()
     model.init_states()
     return model.to(dtype)
 
@@ -133,8 +136,12 @@ def test_cp1_matches_upstream_qwen35_with_reference_kernels(bsz, seqlen):
     _loss(logits, lab).backward()
 
     masks = theirs.get_attention_masks(positions)  # upstream: nonzero + .tolist() per row
-    ref_logits = theirs(tokens, attention_masks=masks, positions=positions,
-                        special_tokens={"image_id": -1, "video_id": -1})  # fmt: skip
+    ref_logits = theirs(
+        tokens,
+        attention_masks=masks,
+        positions=positions,
+        special_tokens={"image_id": -1, "video_id": -1},
+    )
     _loss(ref_logits, labels).backward()
 
     assert (logits - ref_logits).abs().max() <= 1e-10
@@ -183,8 +190,10 @@ def test_moe_specs_register_torchtitan_load_balancing_hook():
 
     upstream = model_registry("debugmodel_moe").post_optimizer_build_fn
     assert upstream is register_moe_load_balancing_hook
-    for recipe in (ModelRecipe(name="qwen3_5", flavor="debugmodel_moe"),
-                   ModelRecipe(name="kimi_linear", flavor="debug")):  # fmt: skip
+    for recipe in (
+        ModelRecipe(name="qwen3_5", flavor="debugmodel_moe"),
+        ModelRecipe(name="kimi_linear", flavor="debug"),
+    ):
         assert recipe_model_spec(recipe).post_optimizer_build_fn is upstream, recipe.name
 
 
@@ -216,8 +225,9 @@ def test_moe_widths_that_tp_cannot_split_are_refused():
     moe.routed_experts = dataclasses.replace(moe.routed_experts, inner_experts=inner)
 
     def parallelism(tp: int, ep: int) -> types.SimpleNamespace:
-        return types.SimpleNamespace(context_parallel_degree=1, tensor_parallel_degree=tp,
-                                     expert_parallel_degree=ep)  # fmt: skip
+        return types.SimpleNamespace(
+            context_parallel_degree=1, tensor_parallel_degree=tp, expert_parallel_degree=ep
+        )
 
     with pytest.raises(ValueError) as e:
         check_qwen35_parallelism(cfg, parallelism(2, 1))
@@ -236,8 +246,13 @@ def test_hybrid_rejects_qwen_only_keys():
 def test_vision_under_cp_is_a_config_error():
     from torchtitan_cp.train import load_config
 
-    argv = ["--config_file", "configs/qwen35_debug_cpu.toml", "--model.vision",
-            "--parallelism.context_parallel_degree", "2"]  # fmt: skip
+    argv = [
+        "--config_file",
+        "configs/qwen35_debug_cpu.toml",
+        "--model.vision",
+        "--parallelism.context_parallel_degree",
+        "2",
+    ]
     with pytest.raises(ConfigError) as e:
         load_config(argv)
     msg = str(e.value)
@@ -265,8 +280,14 @@ def test_compiled_blocks_match_eager_without_recompiles():
     counter = CompileCounterWithBackend("aot_eager")
     for block in compiled.layers.children():
         block.compile(backend=counter, fullgraph=True)
-    caps = routing_caps(load_balancer="headtail", batch_size=2, seq_len=48, cp_degree=1,
-                        ptrr_block_size=128, max_subsequences=48)  # fmt: skip
+    caps = routing_caps(
+        load_balancer="headtail",
+        batch_size=2,
+        seq_len=48,
+        cp_degree=1,
+        ptrr_block_size=128,
+        max_subsequences=48,
+    )
     seq = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="headtail", caps=caps)
     for layout in range(3):
         tokens, positions, labels = make_batch(10 + layout, 2, 48)

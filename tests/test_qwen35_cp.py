@@ -51,10 +51,16 @@ def _loss_and_grads(model, sequence, tokens, positions, labels, total: int):
 
     inp, lab, pos, ctx = sequence(tokens, labels, positions, HostMetadata(positions.clone()))
     logits = model(inp, pos, ctx)
-    loss = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float() if logits.dtype != torch.float64 else
-        logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), reduction="sum",
-    ) / total  # fmt: skip
+    loss = (
+        F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float()
+            if logits.dtype != torch.float64
+            else logits.reshape(-1, logits.shape[-1]),
+            lab.reshape(-1),
+            reduction="sum",
+        )
+        / total
+    )
     model.zero_grad()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -110,9 +116,12 @@ def _adamw_steps(rank: int, world: int, source: str, balancer: str, model_fn=Non
     model = model_fn() if model_fn is not None else _model(torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     seq = SequencePreprocessor(
-        device=torch.device("cpu"), cp_group=dist.group.WORLD, load_balancer=balancer,
-        routing_source=source, ptrr_block_size=16,
-    )  # fmt: skip
+        device=torch.device("cpu"),
+        cp_group=dist.group.WORLD,
+        load_balancer=balancer,
+        routing_source=source,
+        ptrr_block_size=16,
+    )
     snapshots = []
     for step in range(3):
         tokens, positions, labels = _batch(20 + step, 2, 64)

@@ -25,8 +25,13 @@ def test_cp1_matches_upstream_qwen35_on_its_own_cuda_path():
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    cfg = qwen35_config("debugmodel", n_layers=4, vocab_size=VOCAB, attention_backend="flex",
-                        linear_attention_backend="fla")  # fmt: skip
+    cfg = qwen35_config(
+        "debugmodel",
+        n_layers=4,
+        vocab_size=VOCAB,
+        attention_backend="flex",
+        linear_attention_backend="fla",
+    )
     with dev:
         ours = cfg.build()
         ours.init_states()
@@ -38,15 +43,20 @@ def test_cp1_matches_upstream_qwen35_on_its_own_cuda_path():
         theirs = up_cfg.build()
     theirs.load_state_dict(ours.state_dict(), strict=False)
     tokens, positions, labels = (t.to(dev) for t in make_batch(3, 2, 256))
-    seq = SequencePreprocessor(device=dev, cp_group=None, load_balancer="headtail",
-                               flex_attention=True)  # fmt: skip
+    seq = SequencePreprocessor(
+        device=dev, cp_group=None, load_balancer="headtail", flex_attention=True
+    )
     host = HostMetadata(positions.cpu())
     inp, lab, pos, ctx = seq(tokens, labels, positions, host)
     logits = ours(inp, pos, ctx)
     _loss(logits, lab).backward()
     masks = theirs.get_attention_masks(positions)
-    ref = theirs(tokens, attention_masks=masks, positions=positions,
-                 special_tokens={"image_id": -1, "video_id": -1})  # fmt: skip
+    ref = theirs(
+        tokens,
+        attention_masks=masks,
+        positions=positions,
+        special_tokens={"image_id": -1, "video_id": -1},
+    )
     _loss(ref, labels).backward()
 
     def rel(a, b):

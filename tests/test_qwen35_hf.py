@@ -34,9 +34,12 @@ CONFIG = "configs/qwen35_debug_cpu.toml"
 
 def _cfg(tied: bool = False):
     return qwen35_config(
-        "debugmodel", n_layers=4, vocab_size=4096, attention_backend="sdpa",
+        "debugmodel",
+        n_layers=4,
+        vocab_size=4096,
+        attention_backend="sdpa",
         enable_weight_tying=tied,
-    )  # fmt: skip
+    )
 
 
 def _random_model(seed: int, tied: bool = False):
@@ -123,8 +126,12 @@ def test_missing_shard_is_one_line(tmp_path):
     model = _random_model(0)
     folder = write_hf_folder(model, model.config, tmp_path / "hf", tokenizer_dir=None)
     (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
-    index = {"weight_map": {"a": "model-00001-of-00002.safetensors",
-                            "b": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    index = {
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        }
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError) as e:
         check_hf_folder(folder, model.config)
@@ -138,9 +145,15 @@ def test_training_config_checks_the_hf_folder_before_starting(tmp_path):
     model = _random_model(0)
     folder = write_hf_folder(model, model.config, tmp_path / "hf", tokenizer_dir=TOKENIZER)
     (folder / "model.safetensors").unlink()
-    argv = ["--config_file", CONFIG, "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
-            "--checkpoint.initial_load_model_only", "--checkpoint.initial_load_path",
-            str(folder)]  # fmt: skip
+    argv = [
+        "--config_file",
+        CONFIG,
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_model_only",
+        "--checkpoint.initial_load_path",
+        str(folder),
+    ]
     with pytest.raises(ConfigError, match="no \\*.safetensors weights"):
         load_config(argv)
 
@@ -148,8 +161,9 @@ def test_training_config_checks_the_hf_folder_before_starting(tmp_path):
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory) -> Path:
     model = _random_model(0)
-    return write_hf_folder(model, model.config, tmp_path_factory.mktemp("hf") / "hf",
-                           tokenizer_dir=TOKENIZER)  # fmt: skip
+    return write_hf_folder(
+        model, model.config, tmp_path_factory.mktemp("hf") / "hf", tokenizer_dir=TOKENIZER
+    )
 
 
 INDEX_CASES = {
@@ -167,7 +181,7 @@ INDEX_CASES = {
                      "weight_map['a'] is a number (3), not the name of a safetensors file"),
     "shard-outside": ('{"weight_map": {"a": "../x.safetensors"}}',
                       "weight_map['a'] is a string ('../x.safetensors'), not the name"),
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 
 CONFIG_CASES = {
     # before: "rope_parameters.rope_theta is absent", as if the field were missing
@@ -179,7 +193,7 @@ CONFIG_CASES = {
                       "config.json: rope_parameters.full_attention is a number (5), not an object"),
     "text-config": ({"model_type": "qwen3_5", "text_config": "x"},
                     "config.json: text_config is a string ('x'), not an object"),
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 
 
 def _pre_launch_error(tmp_path: Path, hf_folder: Path, name: str, edit) -> tuple[Path, str]:
@@ -194,9 +208,15 @@ def _pre_launch_error(tmp_path: Path, hf_folder: Path, name: str, edit) -> tuple
     shutil.copytree(hf_folder, folder)
     path = folder / name
     path.write_text(edit(path.read_text() if path.exists() else ""))
-    argv = ["--config_file", CONFIG, "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
-            "--checkpoint.initial_load_model_only", "--checkpoint.initial_load_path",
-            str(folder)]  # fmt: skip
+    argv = [
+        "--config_file",
+        CONFIG,
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_model_only",
+        "--checkpoint.initial_load_path",
+        str(folder),
+    ]
     with pytest.raises(ConfigError) as e:
         load_config(argv)
     assert "\n" not in str(e.value)
@@ -206,8 +226,9 @@ def _pre_launch_error(tmp_path: Path, hf_folder: Path, name: str, edit) -> tuple
 @pytest.mark.parametrize("case", sorted(INDEX_CASES))
 def test_every_index_defect_is_one_line_naming_file_and_field(tmp_path, hf_folder, case):
     text, needle = INDEX_CASES[case]
-    index, line = _pre_launch_error(tmp_path, hf_folder, "model.safetensors.index.json",
-                                    lambda _: text)  # fmt: skip
+    index, line = _pre_launch_error(
+        tmp_path, hf_folder, "model.safetensors.index.json", lambda _: text
+    )
     assert line.startswith(f"{index}: ") and needle in line, line
 
 
@@ -231,27 +252,65 @@ def test_training_continues_from_an_hf_folder_and_exports_back(tmp_path):
     first = tmp_path / "first"
     base = ["--config_file", CONFIG, "--validator.no-enable", "--metrics.no-enable-wandb"]
     # Each run forks its ranks from a process that imported the trainer once (fork_train).
-    print(fork_train([Launch("first", 2, [*base, "--training.steps", "10", "--checkpoint.enable",
-                                          "--checkpoint.interval", "10"])],
-                     folder=tmp_path))  # fmt: skip
+    print(
+        fork_train(
+            [
+                Launch(
+                    "first",
+                    2,
+                    [
+                        *base,
+                        "--training.steps",
+                        "10",
+                        "--checkpoint.enable",
+                        "--checkpoint.interval",
+                        "10",
+                    ],
+                )
+            ],
+            folder=tmp_path,
+        )
+    )
     fresh = read_metrics(first)
     hf = tmp_path / "hf"
     proc = subprocess.run(
-        [sys.executable, "scripts/export_hf.py", "--config_file", CONFIG,
-         "--checkpoint", str(first / "checkpoint" / "step-10"), "--out", str(hf)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "scripts/export_hf.py",
+            "--config_file",
+            CONFIG,
+            "--checkpoint",
+            str(first / "checkpoint" / "step-10"),
+            "--out",
+            str(hf),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file()
     _transformers_reads_the_export(first / "checkpoint" / "step-10", hf)
 
     second = tmp_path / "second"
-    args = [*base, "--training.steps", "3", "--parallelism.context_parallel_degree", "2",
-            "--checkpoint.enable", "--checkpoint.interval", "3",
-            "--checkpoint.initial_load_path", str(hf),
-            "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only",
-            "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]  # fmt: skip
+    args = [
+        *base,
+        "--training.steps",
+        "3",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.initial_load_path",
+        str(hf),
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_model_only",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.last_save_in_hf",
+    ]
     print(fork_train([Launch("second", 2, args)], folder=tmp_path))
     resumed = read_metrics(second)
     assert resumed[0]["loss"] < fresh[0]["loss"] - 1.0, (fresh[0]["loss"], resumed[0]["loss"])

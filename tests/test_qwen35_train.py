@@ -15,8 +15,18 @@ CONFIG = ["--config_file", "configs/qwen35_debug_cpu.toml"]
 def test_qwen35_debug_trains_on_two_cpu_ranks(tmp_path, cp):
     """FSDP over 2 ranks (CP=1) or CP=2 head-tail: the loss falls and the host routing reads
     nothing back."""
-    args = [*CONFIG, "--training.steps", "10", "--validator.freq", "10", "--validator.steps", "1",
-            "--metrics.no-enable-wandb", "--parallelism.context_parallel_degree", str(cp)]  # fmt: skip
+    args = [
+        *CONFIG,
+        "--training.steps",
+        "10",
+        "--validator.freq",
+        "10",
+        "--validator.steps",
+        "1",
+        "--metrics.no-enable-wandb",
+        "--parallelism.context_parallel_degree",
+        str(cp),
+    ]
     print(fork_train([Launch(f"cp{cp}", 2, args)], folder=tmp_path))
     dump = tmp_path / f"cp{cp}"
     rows = read_metrics(dump)
@@ -37,12 +47,24 @@ def _seeded_runs(
     ``config``; every run also gets ``extra``. Returns each run's metrics rows. The seed and
     every run are launched from one process that imported the trainer once
     (tests/launch.py::fork_train): process start-ups were most of these tests' CPU time."""
-    seed = [*config, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-            "--metrics.no-enable-wandb"]  # fmt: skip
-    common = [*config, "--training.steps", str(steps), "--validator.no-enable",
-              "--metrics.no-enable-wandb", "--debug.deterministic", "--checkpoint.enable",
-              "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0"),
-              *extra]  # fmt: skip
+    seed = [
+        *config,
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--metrics.no-enable-wandb",
+    ]
+    common = [
+        *config,
+        "--training.steps",
+        str(steps),
+        "--validator.no-enable",
+        "--metrics.no-enable-wandb",
+        "--debug.deterministic",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "seed" / "checkpoint" / "step-0"),
+        *extra,
+    ]
     launches = [Launch("seed", 1, seed)]
     launches += [Launch(name, nproc, [*common, *args]) for name, (nproc, args) in runs.items()]
     print(fork_train(launches, folder=tmp_path))
@@ -60,8 +82,11 @@ def test_qwen35_cp_with_fsdp_matches_fsdp_alone(tmp_path):
     1e-5 over 3 AdamW steps from one seed checkpoint: FSDP shards and reduces over the
     flattened dp_shard x cp mesh."""
     cp2 = ["--parallelism.context_parallel_degree", "2"]
-    runs = _seeded_runs(tmp_path, ["--parallelism.data_parallel_shard_degree", "2"],
-                        {"dp2": (2, []), "dp2cp2": (4, cp2)})  # fmt: skip
+    runs = _seeded_runs(
+        tmp_path,
+        ["--parallelism.data_parallel_shard_degree", "2"],
+        {"dp2": (2, []), "dp2cp2": (4, cp2)},
+    )
     _assert_same_curve(runs["dp2"], runs["dp2cp2"])
 
 
@@ -69,6 +94,7 @@ def test_qwen35_pass_kv_matches_unsharded(tmp_path):
     """Qwen3.5's debug flavor with pass-KV attention at CP=2 (head-tail) gives the CP=1 loss
     and grad norm within 1e-5 over 3 AdamW steps from one seed checkpoint."""
     cp2 = ["--parallelism.context_parallel_degree", "2"]
-    runs = _seeded_runs(tmp_path, ["--model.attention_cp", "pass_kv"],
-                        {"cp1": (1, []), "cp2": (2, cp2)})  # fmt: skip
+    runs = _seeded_runs(
+        tmp_path, ["--model.attention_cp", "pass_kv"], {"cp1": (1, []), "cp2": (2, cp2)}
+    )
     _assert_same_curve(runs["cp1"], runs["cp2"])

@@ -44,12 +44,25 @@ set_spmd_backend("partial_dtensor")
 VOCAB = 4096  # the bundled tokenizer, as configs/qwen35_debug_cpu.toml
 # torchtitan's debugmodel flavor, first 4 layers (3 GatedDeltaNet + 1 gated attention).
 DEBUG_TEXT = dict(
-    vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
-    linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                     "mrope_section": [3, 3, 2], "mrope_interleaved": True},
-)  # fmt: skip
+    vocab_size=VOCAB,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [3, 3, 2],
+        "mrope_interleaved": True,
+    },
+)
 TINY_VISION = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256)
 # float32 forward of two implementations (different kernels and summation orders) on logits of
 # magnitude ~2: measured max |diff| ~2.4e-6.
@@ -58,8 +71,12 @@ LOGITS_ATOL = 5e-5
 
 def torch_reference_kernels() -> contextlib.AbstractContextManager[None]:
     """transformers' PyTorch delta rule and conv instead of fla's Triton kernels (GPU only)."""
-    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-             "causal_conv1d_fn", "causal_conv1d_update")  # fmt: skip
+    names = (
+        "torch_chunk_gated_delta_rule",
+        "torch_recurrent_gated_delta_rule",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+    )
     return unwrapped(hf_modeling, names)
 
 
@@ -71,9 +88,13 @@ def _torch_reference_kernels():
 
 def _cfg(tied: bool = False, vision: bool = False):
     return qwen35_config(
-        "debugmodel", n_layers=4, vocab_size=VOCAB, attention_backend="sdpa",
-        enable_weight_tying=tied, vision=vision,
-    )  # fmt: skip
+        "debugmodel",
+        n_layers=4,
+        vocab_size=VOCAB,
+        attention_backend="sdpa",
+        enable_weight_tying=tied,
+        vision=vision,
+    )
 
 
 def _perturb(model: torch.nn.Module, seed: int) -> None:
@@ -89,8 +110,9 @@ def _transformers_folder(
 ) -> Qwen3_5ForConditionalGeneration:
     """A ``Qwen3_5ForConditionalGeneration`` (the published checkpoints' class) with random
     weights, written by its own ``save_pretrained``."""
-    config = Qwen3_5Config(text_config={**DEBUG_TEXT, **text}, vision_config=TINY_VISION,
-                           tie_word_embeddings=tied)  # fmt: skip
+    config = Qwen3_5Config(
+        text_config={**DEBUG_TEXT, **text}, vision_config=TINY_VISION, tie_word_embeddings=tied
+    )
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(config).eval()
     _perturb(model, 0)
@@ -135,7 +157,7 @@ def _layouts(tmp: Path) -> dict[str, dict]:
                 "partial_rotary_factor": 0.5,
                 "rope_scaling": {"type": "default", "mrope_section": [1, 2, 3]},
             },
-        },  # fmt: skip
+        },  # fmt: skip # a table, laid out by hand to read across
         # rope_scaling wins over rope_parameters; the top-level theta fills it in.
         "both-rope-dicts": {
             "model_type": "qwen3_5_text",
@@ -143,7 +165,7 @@ def _layouts(tmp: Path) -> dict[str, dict]:
             "rope_theta": 3.0,
             "rope_parameters": {"rope_theta": 7.0},
             "rope_scaling": {"mrope_section": [4, 2, 2]},
-        },  # fmt: skip
+        },  # fmt: skip # a table, laid out by hand to read across
         # text_config's own tie flag is not the one Qwen3_5ForConditionalGeneration reads.
         "nested-tie-only-in-text": {
             "model_type": "qwen3_5",
@@ -153,7 +175,7 @@ def _layouts(tmp: Path) -> dict[str, dict]:
             "model_type": "qwen3_5_text",
             "num_hidden_layers": 6,
             "full_attention_interval": 3,
-        },  # fmt: skip
+        },  # fmt: skip # a table, laid out by hand to read across
         "all-defaults": {"model_type": "qwen3_5_text"},
     }
 
@@ -168,8 +190,12 @@ def test_reads_every_layout_as_transformers_does(tmp_path):
         want = {k: getattr(text, k) for k in {**hf.TEXT_DEFAULTS, "layer_types": 0}}
         want["tie_word_embeddings"] = top.tie_word_embeddings  # the flag the model class reads
         rotary = hf_modeling.Qwen3_5TextRotaryEmbedding(text)
-        want.update({k: text.rope_parameters[k] for k in ("rope_type", "rope_theta",
-                                                          "partial_rotary_factor")})  # fmt: skip
+        want.update(
+            {
+                k: text.rope_parameters[k]
+                for k in ("rope_type", "rope_theta", "partial_rotary_factor")
+            }
+        )
         want["mrope_section"] = rotary.mrope_section
         got = {k: v.value for k, v in hf.read_text_config(config).items() if k in want}
         assert got == want, name
@@ -195,8 +221,10 @@ def test_transformers_folder_loads_with_transformers_logits(tmp_path, tied):
         assert (ours(tokens) - want).abs().max() > 0.1  # not loaded yet: far off
         _load_through_torchtitan(ours, tmp_path)
         err = (ours(tokens) - want).abs().max().item()
-    print(f"tied={tied}: max |logits - transformers| = {err:.2e} (logits up to "
-          f"{want.abs().max():.2f})")  # fmt: skip
+    print(
+        f"tied={tied}: max |logits - transformers| = {err:.2e} (logits up to "
+        f"{want.abs().max():.2f})"
+    )
     assert err <= LOGITS_ATOL
 
 
@@ -245,7 +273,7 @@ MISMATCHES = [
                 "partial_rotary_factor": 0.25,
                 "mrope_section": [3, 3, 2],
             }
-        },  # fmt: skip
+        },  # fmt: skip # a table, laid out by hand to read across
         "text_config.rope_parameters.rope_theta is absent, so transformers uses 10000.0, but the "
         "model flavor has 10000000.0",
     ),
@@ -258,7 +286,7 @@ MISMATCHES = [
         {"tie": True},
         "tie_word_embeddings is True but the model flavor has False (set [model] "
         "enable_weight_tying to match)",
-    ),  # fmt: skip
+    ),
 ]
 
 
@@ -292,11 +320,18 @@ def test_mismatch_is_refused_before_launch(tmp_path):
     from torchtitan_cp.train import load_config
     from torchtitan_cp.trainer.config import ConfigError
 
-    _transformers_folder(tmp_path, rope_parameters={**DEBUG_TEXT["rope_parameters"],
-                                                    "rope_theta": 1e6})  # fmt: skip
-    argv = ["--config_file", "configs/qwen35_debug_cpu.toml", "--checkpoint.enable",
-            "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only",
-            "--checkpoint.initial_load_path", str(tmp_path)]  # fmt: skip
+    _transformers_folder(
+        tmp_path, rope_parameters={**DEBUG_TEXT["rope_parameters"], "rope_theta": 1e6}
+    )
+    argv = [
+        "--config_file",
+        "configs/qwen35_debug_cpu.toml",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_model_only",
+        "--checkpoint.initial_load_path",
+        str(tmp_path),
+    ]
     with pytest.raises(ConfigError, match=r"rope_parameters.rope_theta is 1000000.0 but"):
         load_config(argv)
 
@@ -384,11 +419,24 @@ def test_readme_command_starts_from_a_transformers_folder(tmp_path):
         model.lm_head.weight.zero_()
     model.save_pretrained(folder)
     run = tmp_path / "run"
-    train_sh(["configs/qwen35_debug_cpu.toml", "--checkpoint.initial_load_path", str(folder),
-              "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
-              "--checkpoint.initial_load_model_only", "--training.steps", "2",
-              "--parallelism.context_parallel_degree", "2", "--validator.no-enable",
-              "--metrics.no-enable-wandb", "--dump_folder", str(run)])  # fmt: skip
+    train_sh(
+        [
+            "configs/qwen35_debug_cpu.toml",
+            "--checkpoint.initial_load_path",
+            str(folder),
+            "--checkpoint.enable",
+            "--checkpoint.initial_load_in_hf",
+            "--checkpoint.initial_load_model_only",
+            "--training.steps",
+            "2",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--validator.no-enable",
+            "--metrics.no-enable-wandb",
+            "--dump_folder",
+            str(run),
+        ]
+    )
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [1, 2]
     assert abs(rows[0]["loss"] - math.log(VOCAB)) < 1e-5, rows[0]["loss"]

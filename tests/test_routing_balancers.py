@@ -49,8 +49,11 @@ def test_registry_resolves_config_names():
     assert get_balancer("contiguous", ptrr_block_size=32) == Contiguous()  # ignores others' keys
     ptrr = PTRR(block_size=16)
     assert get_balancer(ptrr) is ptrr
-    with pytest.raises(ValueError, match=r"context_parallel_load_balancer must be one of "
-                       r"contiguous, headtail, ptrr.*'zigzag'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"context_parallel_load_balancer must be one of "
+        r"contiguous, headtail, ptrr.*'zigzag'",
+    ):
         get_balancer("zigzag")
     with pytest.raises(ValueError, match=r"linear_attention.ptrr_block_size must be >= 1"):
         get_balancer("ptrr", ptrr_block_size=0)
@@ -105,8 +108,11 @@ def test_check_names_the_keys_and_the_nearest_lengths():
         "training.seq_len (100) must be divisible by 2 x context_parallel_degree (4) for "
         "context_parallel_load_balancer = headtail: use 96 or 104"
     )
-    with pytest.raises(ValueError, match=r"ptrr_block_size x context_parallel_degree \(48 x 2\)"
-                       r" and by 2 x context_parallel_degree \(2\).*use 96 or 192"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"ptrr_block_size x context_parallel_degree \(48 x 2\)"
+        r" and by 2 x context_parallel_degree \(2\).*use 96 or 192",
+    ):
         PTRR(block_size=48).check(100, 2, also=[(4, "2 x context_parallel_degree (2)")])
     with pytest.raises(ValueError, match=r"context_parallel_degree \(3\).*: use 3$"):
         get_balancer("contiguous").check(2, 3)  # no valid length below: one hint
@@ -168,13 +174,25 @@ def test_a_new_balancer_is_one_registered_class(monkeypatch):
     back = readback_layout(positions, (bsz, seqlen), load_balancer="reversed", world_size=world)
     assert host.fragments == back.fragments
     assert host.fragments[0] == [(16, 24), (40, 48)]  # rank 0 holds the last chunk of each row
-    caps = routing_caps(load_balancer="reversed", batch_size=bsz, seq_len=seqlen,
-                        cp_degree=world, ptrr_block_size=8, max_subsequences=64)  # fmt: skip
+    caps = routing_caps(
+        load_balancer="reversed",
+        batch_size=bsz,
+        seq_len=seqlen,
+        cp_degree=world,
+        ptrr_block_size=8,
+        max_subsequences=64,
+    )
     assert caps.slots == bsz and caps.predecessors == world - 1
     tokens = torch.arange(bsz * seqlen).reshape(bsz, seqlen)
     for rank in range(world):
-        pre = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="reversed",
-                                   cp_rank=rank, cp_world_size=world, caps=caps)  # fmt: skip
+        pre = SequencePreprocessor(
+            device="cpu",
+            cp_group=None,
+            load_balancer="reversed",
+            cp_rank=rank,
+            cp_world_size=world,
+            caps=caps,
+        )
         t, _, _, ctx = pre(tokens, tokens, positions, HostMetadata(positions.clone()))
         chunk = seqlen // world
         lo = (world - 1 - rank) * chunk

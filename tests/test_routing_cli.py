@@ -41,7 +41,7 @@ def test_json(capsys):
             "rounds": [{"shift": 1, "recv_from": 0, "recv_rows": [40, 96],
                         "query_rows": [0, 136], "send_to": 0, "send_rows": [136, 192]}],
         },
-    }  # fmt: skip
+    }  # fmt: skip # a table, laid out by hand to read across
 
 
 def test_table(capsys):
@@ -210,22 +210,34 @@ def test_table_names_the_layout_it_explains(capsys):
         (["--doc-lens", "4", "--world", "0", "--rank", "0"], "--world must be >= 1"),
         (["--doc-lens", "4", "--world", "2", "--rank", "2"], "--rank 2 is out of range"),
         (["--doc-lens", "4", "--world", "2", "--balancer", "x", "--rank", "0"], "invalid choice"),
-        (["--doc-lens", "5", "3", "--world", "1", "--seq-len", "3", "--rank", "0"],
-         "8 tokens do not fill rows of --seq-len 3"),
-        (["--doc-lens", "300", "--world", "2", "--balancer", "ptrr", "--rank", "0"],
-         "the sum of --doc-lens (300) at --world 2"),
-        (["--doc-lens", "6", "--world", "2", "--balancer", "headtail", "--rank", "0"],
-         "use 4 or 8"),
-        (["--doc-lens", "8", "--world", "2", "--ptrr-block-size", "0", "--rank", "0"],
-         "--ptrr-block-size must be >= 1"),
-        (["--doc-lens", "4", "--cu-seqlens", "0,4", "--world", "1", "--rank", "0"],
-         "either --doc-lens or --cu-seqlens"),
-        (["--cu-seqlens", "0,4", "--fragments", "0:4", "--world", "2", "--rank", "0"],
-         "--world goes only with --doc-lens"),
+        (
+            ["--doc-lens", "5", "3", "--world", "1", "--seq-len", "3", "--rank", "0"],
+            "8 tokens do not fill rows of --seq-len 3",
+        ),
+        (
+            ["--doc-lens", "300", "--world", "2", "--balancer", "ptrr", "--rank", "0"],
+            "the sum of --doc-lens (300) at --world 2",
+        ),
+        (
+            ["--doc-lens", "6", "--world", "2", "--balancer", "headtail", "--rank", "0"],
+            "use 4 or 8",
+        ),
+        (
+            ["--doc-lens", "8", "--world", "2", "--ptrr-block-size", "0", "--rank", "0"],
+            "--ptrr-block-size must be >= 1",
+        ),
+        (
+            ["--doc-lens", "4", "--cu-seqlens", "0,4", "--world", "1", "--rank", "0"],
+            "either --doc-lens or --cu-seqlens",
+        ),
+        (
+            ["--cu-seqlens", "0,4", "--fragments", "0:4", "--world", "2", "--rank", "0"],
+            "--world goes only with --doc-lens",
+        ),
         (["--cu-seqlens", "0,4", "--rank", "0"], "the layout is required"),
         (["--rank", "0"], "the layout is required"),
     ],
-)  # fmt: skip
+)
 def test_bad_documents_exit_2(extra, message, capsys):
     assert main(["explain", *extra]) == 2
     out, err = capsys.readouterr()

@@ -114,28 +114,43 @@ def test_zero_conv_history_and_fragmentless_rank():
 @pytest.mark.parametrize(
     "cu,table,rank,message",
     [
-        ([0, 40, 384], "0:96,288:384;96:192,192:290", 1,
-         r"overlap: rank 0 fragment 1 \[288, 384\) overlaps rank 1 fragment 1 \[192, 290\)"),
+        (
+            [0, 40, 384],
+            "0:96,288:384;96:192,192:290",
+            1,
+            r"overlap: rank 0 fragment 1 \[288, 384\) overlaps rank 1 fragment 1 \[192, 290\)",
+        ),
         ([0, 40, 384], "0:96,288:384;96:192,192:280", 0, r"gap: tokens \[280, 288\)"),
         ([0, 40, 384], "0:96,290:384;96:192,192:288", 0, r"gap: tokens \[288, 290\)"),
         ([0, 40, 384], "4:96,288:384;96:192,192:288", 0, r"gap: tokens \[0, 4\)"),
-        ([0, 40, 400], "0:96,288:384;96:192,192:288", 0,
-         r"end at 384, short of cu_seqlens\[-1\] = T = 400"),
-        ([0, 40, 300], "0:96,288:384;96:192,192:288", 0,
-         r"end at 384, past cu_seqlens\[-1\] = T = 300"),
+        (
+            [0, 40, 400],
+            "0:96,288:384;96:192,192:288",
+            0,
+            r"end at 384, short of cu_seqlens\[-1\] = T = 400",
+        ),
+        (
+            [0, 40, 300],
+            "0:96,288:384;96:192,192:288",
+            0,
+            r"end at 384, past cu_seqlens\[-1\] = T = 300",
+        ),
         ([0, 40, 384], "0:96,288:384;96:96,96:288", 0, r"rank 1 fragment 0 \(96, 96\) is empty"),
-        ([0, 40, 384], "0:96,384:288;96:288", 0,
-         r"rank 0 fragment 1 \(384, 288\) is start > stop"),
+        ([0, 40, 384], "0:96,384:288;96:288", 0, r"rank 0 fragment 1 \(384, 288\) is start > stop"),
         ([0, 40, 384], TABLE, 2, r"rank 2 is out of range for 2 ranks"),
         ([0, 40, 384], TABLE, -1, r"rank -1 is out of range"),
         ([1, 40, 384], TABLE, 0, r"must start at 0, starts at 1"),
-        ([0, 40, 40, 384], TABLE, 0,
-         r"strictly increasing: cu_seqlens\[1\] = 40, cu_seqlens\[2\] = 40"),
+        (
+            [0, 40, 40, 384],
+            TABLE,
+            0,
+            r"strictly increasing: cu_seqlens\[1\] = 40, cu_seqlens\[2\] = 40",
+        ),
         ([0, 50, 40, 384], TABLE, 0, r"strictly increasing"),
         ([0], TABLE, 0, r"at least 2 entries"),
         ([0, 40, 384], [[(0, 96, 1)], [(96, 384)]], 0, r"\(start, stop\) pair"),
     ],
-)  # fmt: skip
+)
 def test_validation_errors(cu, table, rank, message):
     if isinstance(table, str):
         table = parse_fragments(table)
@@ -196,13 +211,21 @@ def test_plan_is_frozen():
 
 
 # The dtype docs/CONTRACTS.md gives every DeviceRouting tensor (int64 unless listed).
-_INT32 = {"cu_seqlens", "cu_seqlens_cpu", "summary_cu_seqlens", "summary_cu_seqlens_cpu",
-          "summary_subsequence", "summary_subsequence_cpu",
-          "chunk_indices", "summary_chunk_indices"}  # fmt: skip
+_INT32 = {
+    "cu_seqlens",
+    "cu_seqlens_cpu",
+    "summary_cu_seqlens",
+    "summary_cu_seqlens_cpu",
+    "summary_subsequence",
+    "summary_subsequence_cpu",
+    "chunk_indices",
+    "summary_chunk_indices",
+}
 
 
-@pytest.mark.parametrize("caps", [None, RoutingCaps(slots=4, subsequences=6, predecessors=3,
-                                                    terminal=2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "caps", [None, RoutingCaps(slots=4, subsequences=6, predecessors=3, terminal=2)]
+)
 def test_device_routing_fields_by_name(caps):
     """Each field is unpacked by name into its own shape and dtype, and has its contract."""
     import dataclasses

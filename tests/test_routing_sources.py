@@ -21,9 +21,13 @@ ROUTING_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceRouting) if f.ty
 
 def preprocessors(rank: int, world: int, balancer: str, device="cpu", block=4):
     common = dict(
-        device=device, cp_group=None, load_balancer=balancer, cp_rank=rank,
-        cp_world_size=world, ptrr_block_size=block,
-    )  # fmt: skip
+        device=device,
+        cp_group=None,
+        load_balancer=balancer,
+        cp_rank=rank,
+        cp_world_size=world,
+        ptrr_block_size=block,
+    )
     return (
         SequencePreprocessor(routing_source="host", **common),
         SequencePreprocessor(routing_source="device_readback", **common),
@@ -103,14 +107,18 @@ def test_consecutive_microbatches_share_no_storage():
 def test_cache_keys_follow_layout_and_capacity():
     tokens = torch.arange(64).reshape(2, 32)
     host = SequencePreprocessor(
-        device="cpu", cp_group=None, load_balancer="headtail", cp_rank=0, cp_world_size=2,
+        device="cpu",
+        cp_group=None,
+        load_balancer="headtail",
+        cp_rank=0,
+        cp_world_size=2,
         plan_cache_size=2,
-    )  # fmt: skip
+    )
     for lengths in ([5], [6], [7], [5], [7]):  # LRU: 5 is evicted by 7, 6 by the second 5
         run(host, tokens, positions_from_lengths(2, 32, lengths))
     assert host.cache.stats() == {
         "hits": 1, "misses": 4, "evictions": 2, "size": 2, "capacity": 2,
-    }  # fmt: skip
+    }  # fmt: skip # a table, laid out by hand to read across
 
 
 def test_missing_host_metadata_falls_back_once(caplog):

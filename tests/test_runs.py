@@ -30,8 +30,15 @@ from torchtitan_cp.run.start import read_rows
 
 pytestmark = pytest.mark.slow
 
-ARGS = ["--config_file", "configs/debug_cpu.toml", "--validator.no-enable",
-        "--metrics.no-enable-wandb", "--checkpoint.enable", "--checkpoint.interval", "2"]  # fmt: skip
+ARGS = [
+    "--config_file",
+    "configs/debug_cpu.toml",
+    "--validator.no-enable",
+    "--metrics.no-enable-wandb",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +74,11 @@ def test_flipped_bytes_are_named_and_resume_falls_back(base_run, tmp_path):
     shard = dump / "checkpoint" / "step-4" / "__0_0.distcp"
     flip(shard, offset=shard.stat().st_size // 2)
     # Asked for by name: an error naming the shard.
-    proc = python_train([*ARGS, "--training.steps", "6", "--checkpoint.load_step", "4"],
-                        dump_folder=dump, check=False)  # fmt: skip
+    proc = python_train(
+        [*ARGS, "--training.steps", "6", "--checkpoint.load_step", "4"],
+        dump_folder=dump,
+        check=False,
+    )
     line = error_line(proc)
     assert str(shard) in line and "corrupted" in line, line
     # Automatic resume: step-4 is named, set aside, and the run resumes from step-2 exactly.
@@ -115,12 +125,22 @@ def test_second_run_on_a_busy_dump_folder_is_refused(tmp_path):
     run's loaded that run's newest step and trained until its first save was refused."""
     dump = tmp_path / "run"
     cmd, env = python_train_cmd(
-        ["--config_file", "configs/debug_cpu.toml", "--validator.no-enable",
-         "--metrics.no-enable-wandb", "--training.steps", "10000", "--checkpoint.enable",
-         "--checkpoint.interval", "100000"], dump_folder=dump,
-    )  # fmt: skip
-    first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)  # fmt: skip
+        [
+            "--config_file",
+            "configs/debug_cpu.toml",
+            "--validator.no-enable",
+            "--metrics.no-enable-wandb",
+            "--training.steps",
+            "10000",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "100000",
+        ],
+        dump_folder=dump,
+    )
+    first = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         lock, ckpt_lock = dump / "run.lock", dump / "checkpoint" / "run.lock"
         deadline = time.monotonic() + 240
@@ -129,15 +149,28 @@ def test_second_run_on_a_busy_dump_folder_is_refused(tmp_path):
             time.sleep(0.5)
         holder = json.loads(lock.read_text())
         assert json.loads(ckpt_lock.read_text()) == holder
-        proc = python_train(["--config_file", "configs/debug_cpu.toml", "--training.steps", "2"],
-                            dump_folder=dump, check=False)  # fmt: skip
+        proc = python_train(
+            ["--config_file", "configs/debug_cpu.toml", "--training.steps", "2"],
+            dump_folder=dump,
+            check=False,
+        )
         line = error_line(proc)
         assert "is in use by another run" in line
         assert f"pid {first.pid} on host {holder['host']}, started {holder['start_time']}" in line
         other = tmp_path / "other"
-        proc = python_train(["--config_file", "configs/debug_cpu.toml", "--training.steps", "2",
-                             "--checkpoint.enable", "--checkpoint.folder",
-                             str(dump / "checkpoint")], dump_folder=other, check=False)  # fmt: skip
+        proc = python_train(
+            [
+                "--config_file",
+                "configs/debug_cpu.toml",
+                "--training.steps",
+                "2",
+                "--checkpoint.enable",
+                "--checkpoint.folder",
+                str(dump / "checkpoint"),
+            ],
+            dump_folder=other,
+            check=False,
+        )
         line = error_line(proc)
         assert line.startswith(
             f"torchtitan_cp.train: error: checkpoint folder {dump}/checkpoint is in use by another "
@@ -185,9 +218,17 @@ def test_the_suggested_fix_loads_the_weights_without_a_false_warning(base_run, t
     twice "initial_load_model_only=True has no effect without an initial_load_path" while the
     path is set and loaded (torchtitan's check of the recipe's defaults)."""
     step = base_run[0] / "checkpoint" / "step-4"
-    proc = python_train([*ARGS, "--training.steps", "1", "--checkpoint.initial_load_path",
-                         str(step), "--checkpoint.initial_load_model_only"],
-                        dump_folder=tmp_path / "new")  # fmt: skip
+    proc = python_train(
+        [
+            *ARGS,
+            "--training.steps",
+            "1",
+            "--checkpoint.initial_load_path",
+            str(step),
+            "--checkpoint.initial_load_model_only",
+        ],
+        dump_folder=tmp_path / "new",
+    )
     assert "has no effect without" not in log(proc), log(proc)[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "new")] == [1]
 
@@ -218,8 +259,14 @@ def test_disk_full_during_a_save_names_the_folder_and_the_bytes(base_run, tmp_pa
         dump_folder=tmp_path / "run",
     )
     mount = f'mount -t tmpfs -o size=2m tmpfs {small} && exec "$@"'
-    proc = subprocess.run([*unshare, "sh", "-c", mount, "sh", *cmd], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [*unshare, "sh", "-c", mount, "sh", *cmd],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = error_line(proc)
     assert (
         f"saving checkpoint {small}/ckpt/step-2 failed: no space left on device ({small}/ckpt: "
@@ -256,12 +303,25 @@ def test_unwritable_checkpoint_folder_is_found_at_start(tmp_path):
     assert "Training starts" not in log(proc) + proc.stdout
 
 
-GUARD_BASE = ["--config_file", "configs/debug_cpu.toml", "--validator.no-enable",
-              "--metrics.no-enable-wandb", "--debug.param_checksums"]  # fmt: skip
-GUARD = [*GUARD_BASE, "--training.steps", "4",
-         # lr 10 makes step 2's loss jump from 8.8 to ~600
-         "--optimizer.param-groups.0.optimizer-kwargs.lr", "10",
-         "--spike_guard.factor", "3", "--spike_guard.min_history", "1"]  # fmt: skip
+GUARD_BASE = [
+    "--config_file",
+    "configs/debug_cpu.toml",
+    "--validator.no-enable",
+    "--metrics.no-enable-wandb",
+    "--debug.param_checksums",
+]
+GUARD = [
+    *GUARD_BASE,
+    "--training.steps",
+    "4",
+    # lr 10 makes step 2's loss jump from 8.8 to ~600
+    "--optimizer.param-groups.0.optimizer-kwargs.lr",
+    "10",
+    "--spike_guard.factor",
+    "3",
+    "--spike_guard.min_history",
+    "1",
+]
 
 
 def test_spike_guard_stops_before_the_update(tmp_path):
@@ -270,8 +330,16 @@ def test_spike_guard_stops_before_the_update(tmp_path):
 
 
 # lr 1e30: step 1's update makes step 2's loss nan
-NAN = [*GUARD_BASE, "--training.steps", "3", "--optimizer.param-groups.0.optimizer-kwargs.lr",
-       "1e30", "--checkpoint.enable", "--checkpoint.interval", "1"]  # fmt: skip
+NAN = [
+    *GUARD_BASE,
+    "--training.steps",
+    "3",
+    "--optimizer.param-groups.0.optimizer-kwargs.lr",
+    "1e30",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "1",
+]
 
 
 @pytest.mark.parametrize("guard", ["off", "stop", "skip"])
@@ -283,15 +351,26 @@ def test_a_non_finite_loss_ends_in_one_line_naming_the_step_and_where_to_resume(
     1's) and the next in a row (``max_skips`` 1) stops the run. Each line says where a rerun
     resumes. About 25 s of CPU each."""
     dump = tmp_path / "run"
-    args = {"off": [], "stop": ["--spike_guard.factor", "3"],
-            "skip": ["--spike_guard.factor", "3", "--spike_guard.action", "skip",
-                     "--spike_guard.max_skips", "1"]}[guard]  # fmt: skip
+    args = {
+        "off": [],
+        "stop": ["--spike_guard.factor", "3"],
+        "skip": [
+            "--spike_guard.factor",
+            "3",
+            "--spike_guard.action",
+            "skip",
+            "--spike_guard.max_skips",
+            "1",
+        ],
+    }[guard]
     line = error_line(python_train([*NAN, *args], dump_folder=dump, check=False), code=1)
     at = {"off": 2, "stop": 2, "skip": 3}[guard]
-    said = {"off": ", after its update (its parameters may be nan now; no checkpoint holds "
-                   "this step): ",
-            "stop": "; stopped before the update (spike_guard.action = 'stop'): ",
-            "skip": ", 2 spikes in a row (updates of step 2 skipped"}[guard]  # fmt: skip
+    said = {
+        "off": ", after its update (its parameters may be nan now; no checkpoint holds "
+        "this step): ",
+        "stop": "; stopped before the update (spike_guard.action = 'stop'): ",
+        "skip": ", 2 spikes in a row (updates of step 2 skipped",
+    }[guard]
     assert line.startswith(f"torchtitan_cp.train: error: loss is not finite (nan) at step {at}")
     assert said in line, line
     if guard != "skip":
@@ -347,10 +426,25 @@ def test_spike_guard_skip_recovers_from_one_spike_and_stops_on_lasting_ones(tmp_
     Before: every update after a spike was skipped to the end of the run, exit 0."""
     data = tmp_path / "spikes.jsonl"
     spike_corpus(data, "n" * 12 + "J" + "n" * 6 + "J" * 6, seq_len=128, batch=2)
-    args = [*GUARD_BASE, "--training.steps", "25", "--training.seq_len", "128",
-            "--dataloader.dataset", "jsonl", "--dataloader.dataset_path", str(data),
-            "--spike_guard.factor", "1.5", "--spike_guard.window", "8",
-            "--spike_guard.min_history", "3", "--spike_guard.action", "skip"]  # fmt: skip
+    args = [
+        *GUARD_BASE,
+        "--training.steps",
+        "25",
+        "--training.seq_len",
+        "128",
+        "--dataloader.dataset",
+        "jsonl",
+        "--dataloader.dataset_path",
+        str(data),
+        "--spike_guard.factor",
+        "1.5",
+        "--spike_guard.window",
+        "8",
+        "--spike_guard.min_history",
+        "3",
+        "--spike_guard.action",
+        "skip",
+    ]
     dump = tmp_path / "run"
     proc = python_train(args, dump_folder=dump, check=False)
     line = error_line(proc, code=1)
@@ -386,8 +480,12 @@ def test_train_sh_refusal_inside_the_ranks_is_one_line_and_exit_2(tmp_path):
     2, not torchrun's ChildFailedError block and exit 1."""
     dump = tmp_path / "run"
     dump.mkdir()
-    holder = {"host": "other-host", "pid": 4242, "start_time": "2026-01-01T00:00:00Z",
-              "run_id": "r-other"}  # fmt: skip
+    holder = {
+        "host": "other-host",
+        "pid": 4242,
+        "start_time": "2026-01-01T00:00:00Z",
+        "run_id": "r-other",
+    }
     (dump / "run.lock").write_text(json.dumps(holder) + "\n")
     proc = train_sh([*ARGS, "--training.steps", "2", "--dump_folder", str(dump)], check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -439,8 +537,10 @@ def test_stopped_rank_is_named_in_one_line(tmp_path):
         "(comm.train_timeout_seconds): it stopped, hung or died"
     ), err[-3000:]
     before = [x for x in out.read_text().splitlines() if x.strip()][-3:]
-    print(f"rank 0 gave up {waited:.1f} s after rank 1 stopped, the launch ended after "
-          f"{launch:.1f} s; rank 0's last lines: {before}")  # fmt: skip
+    print(
+        f"rank 0 gave up {waited:.1f} s after rank 1 stopped, the launch ended after "
+        f"{launch:.1f} s; rank 0's last lines: {before}"
+    )
 
 
 def test_sigterm_ends_the_launch_in_one_line_saying_where_to_resume(tmp_path):
@@ -455,8 +555,9 @@ def test_sigterm_ends_the_launch_in_one_line_saying_where_to_resume(tmp_path):
     own = [x for x in err.splitlines() if not x.startswith(("[rank", "[env]", "[mesh]"))]
     assert "Traceback" not in err and len(own) == 1, err[-3000:]
     folder = dump / "checkpoint"
-    steps = sorted(int(p.name[5:]) for p in folder.glob("step-*")
-                   if (p / "manifest.sha256.json").is_file())  # fmt: skip
+    steps = sorted(
+        int(p.name[5:]) for p in folder.glob("step-*") if (p / "manifest.sha256.json").is_file()
+    )
     assert steps, "a checkpoint was saved before the signal"
     assert own[0] == (
         "torchtitan_cp.launch: error: stopped by SIGTERM; torchrun ended the ranks: rerun the "
@@ -471,11 +572,18 @@ def _launch_as_train_sh(tmp_path: Path, args: list[str], dump: Path, nproc: int 
     """``args`` on ``nproc`` ranks through the launcher train.sh runs, with its console
     options (rank 0's output only, each line prefixed with its rank; without train.sh's
     pre-launch check): (process, stdout file, stderr file)."""
-    cmd, env = torchrun_cmd([*args, "--dump_folder", str(dump)], nproc=nproc,
-                            launcher="torchtitan_cp.launch")  # fmt: skip
+    cmd, env = torchrun_cmd(
+        [*args, "--dump_folder", str(dump)], nproc=nproc, launcher="torchtitan_cp.launch"
+    )
     at = cmd.index(f"--nproc_per_node={nproc}")
-    cmd[at:at] = ["--local-ranks-filter", "0", "--tee", "3",
-                  "--log-line-prefix-template", "[rank${rank}]:"]  # fmt: skip
+    cmd[at:at] = [
+        "--local-ranks-filter",
+        "0",
+        "--tee",
+        "3",
+        "--log-line-prefix-template",
+        "[rank${rank}]:",
+    ]
     out, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out.open("w") as o, err_file.open("w") as e:  # files: pipes could fill and block
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=o, stderr=e)
@@ -500,8 +608,10 @@ def _signal_after(tmp_path: Path, dump: Path, steps: int, send) -> tuple[subproc
 def _wait_for_steps(proc: subprocess.Popen, dump: Path, steps: int, timeout: float = 240) -> None:
     """Until ``steps`` training rows are in the run's metrics.jsonl."""
     deadline = time.monotonic() + timeout
-    while len(read_rows(str(dump / "metrics.jsonl")) if (dump / "metrics.jsonl").exists()
-               else []) < steps:  # fmt: skip
+    while (
+        len(read_rows(str(dump / "metrics.jsonl")) if (dump / "metrics.jsonl").exists() else [])
+        < steps
+    ):
         assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
         time.sleep(0.5)
 
@@ -542,8 +652,9 @@ def test_an_error_outside_training_is_in_torchruns_report(tmp_path):
 
     from tests.rank_fault import MESSAGE
 
-    proc = torchrun_train(ARGS, nproc=2, dump_folder=tmp_path / "run", module="tests.rank_fault",
-                          check=False)  # fmt: skip
+    proc = torchrun_train(
+        ARGS, nproc=2, dump_folder=tmp_path / "run", module="tests.rank_fault", check=False
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     report = proc.stderr.split("rank_fault FAILED", 1)[1]
     entries = {

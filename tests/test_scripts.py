@@ -14,18 +14,49 @@ import torch
 
 from tests.launch import REPO
 
-SMALL = ("--flavor", "debug", "--pattern", "KA", "--seq-len", "256", "--mean-doc", "40",
-         "--steps", "2", "--warmup", "1", "--compile-backend", "aot_eager")  # fmt: skip
+SMALL = (
+    "--flavor",
+    "debug",
+    "--pattern",
+    "KA",
+    "--seq-len",
+    "256",
+    "--mean-doc",
+    "40",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--compile-backend",
+    "aot_eager",
+)
 
 
 def _call(results, *args: str, budget: int = 3000) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1",
-               GPU_CACHE=str(results.parent / "cache"), GPU_CHECK_BUDGET=str(budget))  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        OMP_NUM_THREADS="1",
+        GPU_CACHE=str(results.parent / "cache"),
+        GPU_CHECK_BUDGET=str(budget),
+    )
     return subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--all", "--device", "cpu", "--results", str(results),
-         *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=budget + 300,
-    )  # fmt: skip
+        [
+            "bash",
+            "scripts/gpu_check.sh",
+            "--all",
+            "--device",
+            "cpu",
+            "--results",
+            str(results),
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=budget + 300,
+    )
 
 
 def _rows(results) -> list[dict]:
@@ -41,8 +72,17 @@ def test_gpu_check_one_call_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = _rows(results)
     parts = [r["part"] for r in rows]
-    order = ["call", "correctness", "trainer_sync", "timing", "cp_op_ms", "compile",
-             "autotune_reuse", "cuda_tests", "call"]  # fmt: skip
+    order = [
+        "call",
+        "correctness",
+        "trainer_sync",
+        "timing",
+        "cp_op_ms",
+        "compile",
+        "autotune_reuse",
+        "cuda_tests",
+        "call",
+    ]
     assert [p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1]] == order
     assert len({r["call"] for r in rows}) == 1 and all(r["ok"] for r in rows)
     by = {(r["part"], r["name"]): r for r in rows}
@@ -64,8 +104,9 @@ def test_gpu_check_one_call_dry_run(tmp_path):
     from tests.recurrences import CASES
 
     cp = [r for r in rows if "test_cp_gradients_on_every_rank_torch" in r["name"]]
-    assert len(cp) == len(CASES) and all(len(r["cp_gradients"]["max_rel_grad_err_per_rank"]) == 4
-                                         for r in cp)  # fmt: skip
+    assert len(cp) == len(CASES) and all(
+        len(r["cp_gradients"]["max_rel_grad_err_per_rank"]) == 4 for r in cp
+    )
     # trainer_sync: steps 2-3 of the host path, on the configured backend and on torch, list
     # nothing; the log step reads the loss and the gradient norm (_log_step) and puts the
     # routing counters on the device for their all-reduce and reads them back.
@@ -112,8 +153,18 @@ def test_gpu_check_parts_keep_to_the_deadline(tmp_path):
     # A part past its box is killed and says so, the next part still starts, and a part with
     # no time left before the deadline is not started: about 15 s of CPU.
     results = tmp_path / "gpu_check.jsonl"
-    skip = [a for p in ("correctness", "trainer_sync", "timing", "cp_op_ms", "autotune_reuse",
-                        "cuda_tests") for a in ("--skip", p)]  # fmt: skip
+    skip = [
+        a
+        for p in (
+            "correctness",
+            "trainer_sync",
+            "timing",
+            "cp_op_ms",
+            "autotune_reuse",
+            "cuda_tests",
+        )
+        for a in ("--skip", p)
+    ]
     proc = _call(results, *SMALL, *skip, "--box-scale", "0.02", budget=600)  # compile: 3 s
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     by = {(r["part"], r["name"]): r for r in _rows(results)}
@@ -124,14 +175,27 @@ def test_gpu_check_parts_keep_to_the_deadline(tmp_path):
     assert proc.returncode == 1
     rows = _rows(results)
     skipped = [r["part"] for r in rows if str(r.get("skipped", "")).startswith("no time left")]
-    assert skipped == ["correctness", "trainer_sync", "timing", "cp_op_ms", "compile",
-                       "autotune_reuse", "cuda_tests"]  # fmt: skip
+    assert skipped == [
+        "correctness",
+        "trainer_sync",
+        "timing",
+        "cp_op_ms",
+        "compile",
+        "autotune_reuse",
+        "cuda_tests",
+    ]
 
 
 def _gpu_check(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHON=sys.executable, **env_extra)
-    return subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--device", "cpu"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _manifest(folder, python: str, *lines: str) -> None:
@@ -207,8 +271,13 @@ def test_gpu_imports_name_the_first_failure():
 
 
 def _gpu_wheels(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "scripts/gpu_wheels.sh", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        ["bash", "scripts/gpu_wheels.sh", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
@@ -241,8 +310,17 @@ def test_gpu_wheels_resolves_for_python_312(tmp_path):
     # The trainer's data pipeline: datasets and torchdata; pyarrow and pandas are the image's.
     assert {"datasets", "torchdata"} <= names
     # What the image has, and what the check does not import.
-    image = {"torch", "triton", "numpy", "tokenizers", "huggingface-hub", "pytest", "sympy",
-             "pyarrow", "pandas"}  # fmt: skip
+    image = {
+        "torch",
+        "triton",
+        "numpy",
+        "tokenizers",
+        "huggingface-hub",
+        "pytest",
+        "sympy",
+        "pyarrow",
+        "pandas",
+    }
     assert not {n for n in names if n in image or n.startswith("nvidia")}
     assert not names & {"wandb", "tensorboard", "aiohttp", "pillow", "hf-xet"}
     wheels = sorted(p.name for p in tmp_path.glob("*.whl"))

@@ -96,11 +96,17 @@ def test_a_non_finite_loss_is_a_spike_before_its_update_whatever_the_history():
 
 @pytest.mark.parametrize(
     "kwargs, key",
-    [({"factor": 0.5}, "factor"), ({"factor": 1.0}, "factor"), ({"factor": -2.0}, "factor"),
-     ({"factor": 2.0, "window": 0}, "window"), ({"factor": 2.0, "window": 5, "min_history": 6},
-     "min_history"), ({"factor": math.inf}, "factor"), ({"factor": math.nan}, "factor"),
-     ({"factor": 2.0, "max_skips": 0}, "max_skips")],
-)  # fmt: skip
+    [
+        ({"factor": 0.5}, "factor"),
+        ({"factor": 1.0}, "factor"),
+        ({"factor": -2.0}, "factor"),
+        ({"factor": 2.0, "window": 0}, "window"),
+        ({"factor": 2.0, "window": 5, "min_history": 6}, "min_history"),
+        ({"factor": math.inf}, "factor"),
+        ({"factor": math.nan}, "factor"),
+        ({"factor": 2.0, "max_skips": 0}, "max_skips"),
+    ],
+)
 def test_bad_settings_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=f"spike_guard.{key}"):
         SpikeGuardConfig(**kwargs)

@@ -86,13 +86,22 @@ def test_torch_conv_with_its_cp_history_waits_for_nothing(caps):
         x, w = _device_inputs(rec, [x0, w0])
         hist = context_parallel_conv_history(x, routing=routing, group=None)
         y = causal_conv1d(
-            x, w, None, cu_seqlens=routing.cu_seqlens, cu_seqlens_cpu=routing.cu_seqlens_cpu,
-            initial_state=hist, backend="torch",
-        )  # fmt: skip
-        y0 = causal_conv1d(
-            x, w, None, cu_seqlens=routing.cu_seqlens, cu_seqlens_cpu=routing.cu_seqlens_cpu,
+            x,
+            w,
+            None,
+            cu_seqlens=routing.cu_seqlens,
+            cu_seqlens_cpu=routing.cu_seqlens_cpu,
+            initial_state=hist,
             backend="torch",
-        )  # fmt: skip
+        )
+        y0 = causal_conv1d(
+            x,
+            w,
+            None,
+            cu_seqlens=routing.cu_seqlens,
+            cu_seqlens_cpu=routing.cu_seqlens_cpu,
+            backend="torch",
+        )
         (y.square().sum() + y0.sum()).backward()
 
     assert _recorded(step) == []

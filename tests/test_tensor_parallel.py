@@ -36,8 +36,12 @@ PATTERN = "KGMRA"
 # Mamba2 sizes at dim 64: 4 heads of 32 channels in 2 B/C groups (TP 2 holds one group of 2
 # heads per rank), state 32 (the reference's 128 would only cost CPU here).
 MAMBA2 = {"head_dim": 32, "state_dim": 32, "n_groups": 2}
-HYBRID = [*DEFAULT, "--model.layer_pattern", PATTERN,
-          *(a for k, v in MAMBA2.items() for a in (f"--model.layer_options.mamba2.{k}", str(v)))]  # fmt: skip
+HYBRID = [
+    *DEFAULT,
+    "--model.layer_pattern",
+    PATTERN,
+    *(a for k, v in MAMBA2.items() for a in (f"--model.layer_options.mamba2.{k}", str(v))),
+]
 QWEN35 = ["--config_file", "configs/qwen35_debug_cpu.toml"]
 QWEN35_MOE = [*QWEN35, "--model.flavor", "debugmodel_moe"]
 STEPS = 10
@@ -114,8 +118,12 @@ def _launch(name: str, nproc: int, model: list[str], *extra: str, steps=STEPS, *
 
 def _seed_launch(model: list[str]) -> Launch:
     """One unsharded initialisation (``seed/checkpoint/step-0``) every run starts from."""
-    args = [*model, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-            "--metrics.no-enable-wandb"]  # fmt: skip
+    args = [
+        *model,
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--metrics.no-enable-wandb",
+    ]
     return Launch("seed", 1, args)
 
 
@@ -158,8 +166,9 @@ def _fsdp_data(tmp_path) -> tuple[list[str], list[str]]:
 def _resume(source: str, name: str, nproc: int, model: list[str], *extra: str) -> Launch:
     """Run ``source``'s dump with its step-5 checkpoint only, resumed to step 10 under another
     layout (its rows of steps 6-10: ``_rows(...)[STEPS // 2:]``)."""
-    return _launch(name, nproc, model, *extra, copy_from=source,
-                   remove=(f"checkpoint/step-{STEPS}",))  # fmt: skip
+    return _launch(
+        name, nproc, model, *extra, copy_from=source, remove=(f"checkpoint/step-{STEPS}",)
+    )
 
 
 def _export(tmp_path, name: str, step: int, model: list[str]) -> dict[str, torch.Tensor]:
@@ -188,7 +197,7 @@ def _layout_table(tmp_path, model, common, layouts, *extra: Launch) -> dict[str,
         _launch("dp1-aligned", 1, model, *common, *one_rank),
         _launch("fsdp2", 2, model, *common, *two_ranks),
         *extra,
-    ])  # fmt: skip
+    ])  # fmt: skip # a table, laid out by hand to read across
     host = [(r["loss"], r["grad_norm"]) for r in _rows(tmp_path, "cp2xtp2")]
     assert host == [(r["loss"], r["grad_norm"]) for r in _rows(tmp_path, "cp2xtp2-readback")]
     ref = _rows(tmp_path, "dp1")
@@ -202,14 +211,22 @@ def test_tensor_parallel_parity_table(tmp_path):
     against readback under cp2 x tp2, and DCP checkpoints across layouts: cp2 x tp2's step 5
     resumed under cp2, and cp2's under cp2 x tp2, continue dp1's curve."""
     seed = str(tmp_path / "seed" / "checkpoint" / "step-0")
-    common = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed,
-              "--checkpoint.interval", str(STEPS // 2)]  # fmt: skip
+    common = [
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        seed,
+        "--checkpoint.interval",
+        str(STEPS // 2),
+    ]
     layouts = {"tp2": (2, TP), "cp2": (2, CP), "cp2xtp2": (4, [*CP, *TP])}
     worst = _layout_table(
-        tmp_path, HYBRID, common, layouts,
+        tmp_path,
+        HYBRID,
+        common,
+        layouts,
         _resume(str(tmp_path / "cp2xtp2"), "cp2xtp2-to-cp2", 2, HYBRID, *common, *CP),
         _resume(str(tmp_path / "cp2"), "cp2-to-cp2xtp2", 4, HYBRID, *common, *CP, *TP),
-    )  # fmt: skip
+    )
     ref = _rows(tmp_path, "dp1")
     for name in ("cp2xtp2-to-cp2", "cp2-to-cp2xtp2"):
         worst[name] = _worst(ref[STEPS // 2 :], _rows(tmp_path, name)[STEPS // 2 :])
@@ -280,7 +297,7 @@ def test_qwen35_moe_parallel_parity(tmp_path):
         # FSDP x TP) run at learning rate 0
         _launch("ep2-lr0", 2, QWEN35_MOE, *common, *ep, *FROZEN, steps=1),
         _launch("cp2xtp2-lr0", 4, QWEN35_MOE, *common, *CP, *TP, *FROZEN, steps=1),
-    ])  # fmt: skip
+    ])  # fmt: skip # a table, laid out by hand to read across
     dp1, aligned, fsdp2 = (_rows(tmp_path, n, MOE_STEPS) for n in ("dp1", "dp1-aligned", "fsdp2"))
     per_step = {
         name: _per_step(dp1, _rows(tmp_path, name, MOE_STEPS))

@@ -27,8 +27,9 @@ DEFAULT = ["--config_file", "configs/debug_cpu.toml"]
 def test_default_config_trains_and_logs(tmp_path):
     """The embedded default with 2 ranks: loss falls, metrics.jsonl and an offline wandb run."""
     dump = tmp_path / "run"
-    torchrun_train([*DEFAULT, "--training.steps", "16", "--validator.freq", "8"], nproc=2,
-                   dump_folder=dump)  # fmt: skip
+    torchrun_train(
+        [*DEFAULT, "--training.steps", "16", "--validator.freq", "8"], nproc=2, dump_folder=dump
+    )
     rows = read_metrics(dump)
     assert [r["step"] for r in rows] == list(range(1, 17))
     for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
@@ -46,11 +47,24 @@ def fork_steps(tmp_path, runs: dict[str, tuple[int, list[str]]]) -> dict[str, li
     forked one after another from one launcher that imported the trainer once; each run's
     metrics by name."""
     fork_train(
-        [Launch(name, nproc, [*DEFAULT, "--training.steps", "3", "--validator.no-enable",
-                              "--metrics.no-enable-wandb", "--debug.deterministic", *extra])
-         for name, (nproc, extra) in runs.items()],
+        [
+            Launch(
+                name,
+                nproc,
+                [
+                    *DEFAULT,
+                    "--training.steps",
+                    "3",
+                    "--validator.no-enable",
+                    "--metrics.no-enable-wandb",
+                    "--debug.deterministic",
+                    *extra,
+                ],
+            )
+            for name, (nproc, extra) in runs.items()
+        ],
         folder=tmp_path,
-    )  # fmt: skip
+    )
     return {name: read_metrics(tmp_path / name) for name in runs}
 
 
@@ -59,10 +73,15 @@ def seed_checkpoint(tmp_path, *extra: str) -> str:
     Also covers running the entry point without torchrun (one process)."""
     dump = tmp_path / "seed"
     python_train(
-        [*DEFAULT, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-         "--metrics.no-enable-wandb", *extra],
+        [
+            *DEFAULT,
+            "--checkpoint.enable",
+            "--checkpoint.create_seed_checkpoint",
+            "--metrics.no-enable-wandb",
+            *extra,
+        ],
         dump_folder=dump,
-    )  # fmt: skip
+    )
     return str(dump / "checkpoint" / "step-0")
 
 
@@ -73,13 +92,18 @@ def test_context_parallel_matches_unsharded(tmp_path, pattern, modes):
     """CP=2 (head-tail) gives the CP=1 loss and grad norm within 1e-5 over 3 AdamW steps, with
     attention all-gathering K/V and (KKA) passing them (``model.attention_cp``)."""
     seed = seed_checkpoint(tmp_path, "--model.layer_pattern", pattern)
-    common = ["--model.layer_pattern", pattern, "--checkpoint.enable",
-              "--checkpoint.initial_load_path", seed]  # fmt: skip
+    common = [
+        "--model.layer_pattern",
+        pattern,
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        seed,
+    ]
     runs = fork_steps(tmp_path, {
         "cp1": (1, common),
         **{f"cp2-{mode}": (2, [*common, "--model.attention_cp", mode,
                                "--parallelism.context_parallel_degree", "2"]) for mode in modes},
-    })  # fmt: skip
+    })  # fmt: skip # a table, laid out by hand to read across
     ref = runs["cp1"]
     max_loss = "loss_metrics/global_max_loss"
     assert all(r[max_loss] == r["loss"] for r in ref), "one rank: the average itself"
@@ -95,8 +119,16 @@ def test_context_parallel_matches_unsharded(tmp_path, pattern, modes):
 
 def test_checkpoint_resume_continues_the_loss_curve(tmp_path):
     dump = tmp_path / "ckpt"
-    args = [*DEFAULT, "--training.steps", "6", "--validator.no-enable", "--metrics.no-enable-wandb",
-            "--checkpoint.enable", "--checkpoint.interval", "3"]  # fmt: skip
+    args = [
+        *DEFAULT,
+        "--training.steps",
+        "6",
+        "--validator.no-enable",
+        "--metrics.no-enable-wandb",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+    ]
     torchrun_train(args, nproc=2, dump_folder=dump)
     full = {r["step"]: r["loss"] for r in read_metrics(dump)}
     shutil.rmtree(dump / "checkpoint" / "step-6")
@@ -120,18 +152,44 @@ def test_host_and_readback_runs_are_bitwise_identical(tmp_path, pattern, balance
     """Two runs (CP=2, 2 gradient-accumulation microbatches, validation; forked) that differ
     only in linear_attention.routing_source log identical losses, grad norms, gradient and
     parameter hashes; the host run reads nothing back, also in validation."""
-    common = ["--model.layer_pattern", pattern, "--parallelism.context_parallel_degree", "2",
-              "--parallelism.context_parallel_load_balancer", balancer,
-              "--training.global_batch_size", "4", "--debug.param_checksums",
-              "--debug.seed", "42", "--validator.enable", "--validator.freq", "2",
-              "--validator.steps", "2"]  # fmt: skip
+    common = [
+        "--model.layer_pattern",
+        pattern,
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_load_balancer",
+        balancer,
+        "--training.global_batch_size",
+        "4",
+        "--debug.param_checksums",
+        "--debug.seed",
+        "42",
+        "--validator.enable",
+        "--validator.freq",
+        "2",
+        "--validator.steps",
+        "2",
+    ]
     fork_train(
-        [Launch(source, 2, [*DEFAULT, "--training.steps", "3", "--metrics.no-enable-wandb",
-                            "--debug.deterministic", "--linear_attention.routing_source", source,
-                            *common])
-         for source in ("host", "device_readback")],
+        [
+            Launch(
+                source,
+                2,
+                [
+                    *DEFAULT,
+                    "--training.steps",
+                    "3",
+                    "--metrics.no-enable-wandb",
+                    "--debug.deterministic",
+                    "--linear_attention.routing_source",
+                    source,
+                    *common,
+                ],
+            )
+            for source in ("host", "device_readback")
+        ],
         folder=tmp_path,
-    )  # fmt: skip
+    )
     runs = {
         s: (tmp_path / s / "metrics.jsonl").read_text().splitlines()
         for s in ("host", "device_readback")
@@ -159,13 +217,19 @@ def test_context_parallel_with_fsdp_matches_fsdp_alone(tmp_path):
     FSDP (gradients reduced over the flattened dp_shard x cp mesh)."""
     pattern = "KGA"
     seed = seed_checkpoint(tmp_path, "--model.layer_pattern", pattern)
-    common = ["--model.layer_pattern", pattern, "--checkpoint.enable",
-              "--checkpoint.initial_load_path", seed,
-              "--parallelism.data_parallel_shard_degree", "2"]  # fmt: skip
+    common = [
+        "--model.layer_pattern",
+        pattern,
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        seed,
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    ]
     runs = fork_steps(tmp_path, {
         "dp2": (2, common),
         "dp2cp2": (4, [*common, "--parallelism.context_parallel_degree", "2"]),
-    })  # fmt: skip
+    })  # fmt: skip # a table, laid out by hand to read across
     ref, both = runs["dp2"], runs["dp2cp2"]
     for a, b in zip(ref, both, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])

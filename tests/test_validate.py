@@ -45,8 +45,14 @@ def test_default_config_passes_and_prints_the_process_count(capsys, tmp_path):
 
 def test_check_reports_the_mesh(capsys, tmp_path):
     """``--check`` names the mesh torchtitan will build (stderr; stdout stays the count)."""
-    args = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
-            "2", "--dump_folder", str(tmp_path)]  # fmt: skip
+    args = [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--dump_folder",
+        str(tmp_path),
+    ]
     code, out, err = check(capsys, *args, nproc="4")
     assert (code, out, err) == (0, "4\n", "[mesh] cp 2 x tp 2 (4 processes)\n")
     code, out, err = check(capsys, *args, "--nnodes", "2", nproc="4")
@@ -56,9 +62,16 @@ def test_check_reports_the_mesh(capsys, tmp_path):
 def test_qwen35_moe_under_tp_and_ep_x_tp_passes_the_check(capsys, tmp_path):
     """Qwen3.5's MoE flavor runs under TP (each expert's hidden units split) and EP x TP
     (torchtitan's EP borrows the TP ranks); ``--check`` names the mesh."""
-    args = ["--config_file", "configs/qwen35_debug_cpu.toml", "--model.flavor",
-            "debugmodel_moe", "--parallelism.tensor_parallel_degree", "2",
-            "--dump_folder", str(tmp_path)]  # fmt: skip
+    args = [
+        "--config_file",
+        "configs/qwen35_debug_cpu.toml",
+        "--model.flavor",
+        "debugmodel_moe",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--dump_folder",
+        str(tmp_path),
+    ]
     assert check(capsys, *args) == (0, "2\n", "[mesh] tp 2 (2 processes)\n")
     code, out, err = check(capsys, *args, "--parallelism.expert_parallel_degree", "2")
     assert (code, err) == (0, "[mesh] tp 2, ep 2 (inside dp_shard x cp x tp) (2 processes)\n")
@@ -169,13 +182,13 @@ BAD_VALUES = [
     (["configs/debug_cpu.toml"], "2",
      ["unexpected argument 'configs/debug_cpu.toml'", "--config_file configs/debug_cpu.toml"]),
     (["--config_file", "configs"], "2", ["config file configs is a folder"]),
-]  # fmt: skip
+]  # fmt: skip # a table, laid out by hand to read across
 if not ON_CUDA:
     BAD_VALUES += [
         (["--linear_attention.backend", "fla"], "2",
          ["linear_attention.backend = 'fla' needs CUDA", "use 'torch' or 'auto'"]),
         (["--model.attention_backend", "flex"], "2", ["attention_backend = 'flex' cannot train"]),
-    ]  # fmt: skip
+    ]  # fmt: skip # a table, laid out by hand to read across
 
 
 @pytest.mark.parametrize(
@@ -189,25 +202,43 @@ def test_bad_value_is_one_line_naming_the_key(
     assert_one_line(code, err, *needles)
 
 
-DEGREES = ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
-           "data_parallel_replicate_degree", "pipeline_parallel_degree",
-           "data_parallel_shard_degree")  # fmt: skip
+DEGREES = (
+    "tensor_parallel_degree",
+    "context_parallel_degree",
+    "expert_parallel_degree",
+    "data_parallel_replicate_degree",
+    "pipeline_parallel_degree",
+    "data_parallel_shard_degree",
+)
 
 
 @pytest.mark.parametrize(
     "config, degree",
     [("configs/debug_cpu.toml", d) for d in DEGREES]
-    + [(c, d) for c in ("configs/debug_mamba2_cpu.toml", "configs/qwen35_debug_cpu.toml",
-                        "configs/kimi_linear_debug_cpu.toml")
-       for d in ("tensor_parallel_degree", "expert_parallel_degree")],
-)  # fmt: skip
+    + [
+        (c, d)
+        for c in (
+            "configs/debug_mamba2_cpu.toml",
+            "configs/qwen35_debug_cpu.toml",
+            "configs/kimi_linear_debug_cpu.toml",
+        )
+        for d in ("tensor_parallel_degree", "expert_parallel_degree")
+    ],
+)
 def test_a_degree_of_zero_is_refused_as_every_bad_degree(capsys, tmp_path, config, degree):
     """Every parallelism degree 0 (and the degrees the model checks use, on every model):
     one line naming the key. Before, the
     hybrid decoder's head-count check ran before the ``>= 1`` check and divided by it:
     ``--parallelism.tensor_parallel_degree 0`` was a 16-line ZeroDivisionError, exit 1."""
-    code, out, err = check(capsys, "--config_file", config, "--dump_folder", str(tmp_path),
-                           f"--parallelism.{degree}", "0")  # fmt: skip
+    code, out, err = check(
+        capsys,
+        "--config_file",
+        config,
+        "--dump_folder",
+        str(tmp_path),
+        f"--parallelism.{degree}",
+        "0",
+    )
     bound = "-1 (the rest of the processes) or >= 1" if "shard" in degree else ">= 1"
     assert_one_line(code, err, f"parallelism.{degree} must be {bound}, got 0")
 
@@ -293,9 +324,19 @@ BAD_FILES = [
     (b'{"text": "a"}\n{"text": "b"}\n\n', ":3: blank line"),
     (b'["a"]\n', ':1: expected a JSON object {"text": ...}, got list'),
     (b'{"text": ""}\n{"text": ""}\n', ': all 2 documents have an empty "text": no tokens'),
-]  # fmt: skip
-FILE_IDS = ["empty", "malformed", "no-text", "null", "int", "utf8", "blank", "trailing-blank",
-            "list", "all-empty"]  # fmt: skip
+]  # fmt: skip # a table, laid out by hand to read across
+FILE_IDS = [
+    "empty",
+    "malformed",
+    "no-text",
+    "null",
+    "int",
+    "utf8",
+    "blank",
+    "trailing-blank",
+    "list",
+    "all-empty",
+]
 
 
 @pytest.mark.parametrize("data, message", BAD_FILES, ids=FILE_IDS)
@@ -303,17 +344,29 @@ def test_bad_data_file_names_file_and_line(capsys, tmp_path, data, message):
     path = tmp_path / "data.jsonl"
     path.write_bytes(data)
     code, _, err = check(
-        capsys, "--dump_folder", str(tmp_path), "--dataloader.dataset", "jsonl",
-        "--dataloader.dataset_path", str(path),
-    )  # fmt: skip
+        capsys,
+        "--dump_folder",
+        str(tmp_path),
+        "--dataloader.dataset",
+        "jsonl",
+        "--dataloader.dataset_path",
+        str(path),
+    )
     assert_one_line(code, err, f"dataloader.dataset_path: {path}{message}")
 
 
 def test_bad_validation_file_is_named_under_its_own_key(capsys, tmp_path):
     path = tmp_path / "val.jsonl"
     path.write_bytes(b'{"text": "a"}\n{"txt": "b"}\n')
-    code, _, err = check(capsys, "--dump_folder", str(tmp_path), "--validator.dataloader.dataset",
-                         "jsonl", "--validator.dataloader.dataset_path", str(path))  # fmt: skip
+    code, _, err = check(
+        capsys,
+        "--dump_folder",
+        str(tmp_path),
+        "--validator.dataloader.dataset",
+        "jsonl",
+        "--validator.dataloader.dataset_path",
+        str(path),
+    )
     assert_one_line(code, err, f'validator.dataloader.dataset_path: {path}:2: no "text" key')
 
 
@@ -324,15 +377,23 @@ def test_bad_validation_file_is_named_under_its_own_key(capsys, tmp_path):
         (["a single document"], "1 document(s) for 2 data-parallel ranks"),
         # The check finds what the loader would find on one rank only (the other rank would see a
         # lost connection): rank 0's two documents are empty.
-        (["", "", "real words here", "and more words"],
-         'the 2 documents of data-parallel rank 0 all have an empty "text"'),
+        (
+            ["", "", "real words here", "and more words"],
+            'the 2 documents of data-parallel rank 0 all have an empty "text"',
+        ),
     ],
-)  # fmt: skip
+)
 def test_dataset_too_small_for_the_data_parallel_ranks(capsys, tmp_path, texts, message):
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    args = ["--dump_folder", str(tmp_path), "--dataloader.dataset", "jsonl",
-            "--dataloader.dataset_path", str(path)]  # fmt: skip
+    args = [
+        "--dump_folder",
+        str(tmp_path),
+        "--dataloader.dataset",
+        "jsonl",
+        "--dataloader.dataset_path",
+        str(path),
+    ]
     code, _, err = check(capsys, *args, nproc="2")
     assert_one_line(code, err, message)
     # With CP = 2 the two processes are one data-parallel rank: the file is enough.
@@ -372,8 +433,14 @@ def run_train_sh(*args: str, nproc: str | None = None) -> tuple[subprocess.Compl
     if nproc is not None:
         env["NPROC"] = nproc
     t0 = time.perf_counter()
-    proc = subprocess.run([str(REPO / "scripts" / "train.sh"), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "train.sh"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return proc, time.perf_counter() - t0
 
 
@@ -434,9 +501,16 @@ def test_one_document_on_two_ranks_names_documents_and_ranks(tmp_path):
     closed by peer")."""
     path = tmp_path / "one.jsonl"
     path.write_text(json.dumps({"text": "a single document"}) + "\n")
-    proc = torchrun("--dataloader.dataset", "jsonl", "--dataloader.dataset_path", str(path),
-                    "--validator.no-enable", "--metrics.no-enable-wandb",
-                    "--dump_folder", str(tmp_path / "run"))  # fmt: skip
+    proc = torchrun(
+        "--dataloader.dataset",
+        "jsonl",
+        "--dataloader.dataset_path",
+        str(path),
+        "--validator.no-enable",
+        "--metrics.no-enable-wandb",
+        "--dump_folder",
+        str(tmp_path / "run"),
+    )
     assert proc.returncode != 0
     # As above: one line per rank that got there, and the root cause of torchrun's block.
     lines = proc.stderr.splitlines()
@@ -456,9 +530,16 @@ def test_shipped_gpu_configs_pass_the_size_checks(name, cp):
     from torchtitan_cp.train import load_config
     from torchtitan_cp.trainer import validate as v
 
-    config = load_config(["--config_file", str(REPO / "configs" / f"{name}.toml"),
-                          "--parallelism.context_parallel_degree", cp,
-                          "--parallelism.context_parallel_load_balancer", "ptrr"])  # fmt: skip
+    config = load_config(
+        [
+            "--config_file",
+            str(REPO / "configs" / f"{name}.toml"),
+            "--parallelism.context_parallel_degree",
+            cp,
+            "--parallelism.context_parallel_load_balancer",
+            "ptrr",
+        ]
+    )
     model_cfg = model_config(config.model.flavor, **config.model.overrides())
     v._check_numbers(config, v._dp_degree(config, 8))
     v._check_seq_len(config, model_cfg)
@@ -477,9 +558,17 @@ def test_shipped_kimi_linear_48b_config_passes_the_checks(seq_len, cp, ranks, me
     from torchtitan_cp.train import load_config
     from torchtitan_cp.trainer import validate as v
 
-    config = load_config(["--config_file", str(REPO / "configs" / "gpu_kimi_linear_48b_cp.toml"),
-                          "--checkpoint.no-initial-load-in-hf", "--training.seq_len", seq_len,
-                          "--parallelism.context_parallel_degree", cp])  # fmt: skip
+    config = load_config(
+        [
+            "--config_file",
+            str(REPO / "configs" / "gpu_kimi_linear_48b_cp.toml"),
+            "--checkpoint.no-initial-load-in-hf",
+            "--training.seq_len",
+            seq_len,
+            "--parallelism.context_parallel_degree",
+            cp,
+        ]
+    )
     assert config.model.name == "kimi_linear" and config.parallelism.expert_parallel_degree == 8
     assert not config.compile.enable
     model_cfg = recipe_model_spec(config.model).model

@@ -187,13 +187,21 @@ def _shim_grad_norm() -> None:
     original = dist_utils.clip_grad_norm_
 
     @torch.no_grad()
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
-                        foreach=None, pp_mesh=None, ep_enabled=False):  # fmt: skip
+    def clip_grad_norm_(
+        parameters,
+        max_norm,
+        norm_type=2.0,
+        error_if_nonfinite=False,
+        foreach=None,
+        pp_mesh=None,
+        ep_enabled=False,
+    ):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         grads = [p.grad for p in params if p.grad is not None]
         if pp_mesh is not None or any(g.device.type != "cpu" for g in grads):
-            return original(params, max_norm, norm_type, error_if_nonfinite, foreach,
-                            pp_mesh, ep_enabled)  # fmt: skip
+            return original(
+                params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled
+            )
         from torch.distributed.tensor import DTensor
 
         def norm(gs: list[torch.Tensor]) -> torch.Tensor:
@@ -204,8 +212,10 @@ def _shim_grad_norm() -> None:
 
         groups = [[p for p in params if p.grad is not None]]
         if ep_enabled:  # experts live on the EP mesh, the rest on another: one norm each
-            on_ep = [isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
-                     for p in groups[0]]  # fmt: skip
+            on_ep = [
+                isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+                for p in groups[0]
+            ]
             groups = [[p for p, e in zip(groups[0], on_ep) if e == want] for want in (True, False)]
         parts = [norm([p.grad for p in group if p.grad is not None]) for group in groups]
         if len(parts) == 1:

@@ -86,8 +86,12 @@ def wait_for_endpoint(
     while True:
         now = time.monotonic()
         if now >= next_report:
-            print(f"node {node} of {nnodes}: waiting for node 0 at {endpoint} "
-                  f"({now - start:.0f} s of {timeout:g} s, RDZV_TIMEOUT)", file=out, flush=True)  # fmt: skip
+            print(
+                f"node {node} of {nnodes}: waiting for node 0 at {endpoint} "
+                f"({now - start:.0f} s of {timeout:g} s, RDZV_TIMEOUT)",
+                file=out,
+                flush=True,
+            )
             next_report += REPORT_EVERY
         left = timeout - (now - start)
         if left <= 0:
@@ -124,8 +128,15 @@ class RendezvousSpeaker(threading.Thread):
     """While torchrun's rendezvous runs (until this process has started a new child, a rank,
     or ``done`` is set), a line every ``every`` seconds: ``{who} ({t} s of {timeout} s, RDZV_TIMEOUT)``."""
 
-    def __init__(self, who: str, *, timeout: float, every: float, waited: float = 0.0,
-                 out: IO[str] = sys.stderr) -> None:  # fmt: skip
+    def __init__(
+        self,
+        who: str,
+        *,
+        timeout: float,
+        every: float,
+        waited: float = 0.0,
+        out: IO[str] = sys.stderr,
+    ) -> None:
         super().__init__(daemon=True, name="rendezvous-speaker")
         self.who, self.timeout, self.every, self.out = who, timeout, every, out
         self.start_time = time.monotonic() - waited
@@ -142,8 +153,12 @@ class RendezvousSpeaker(threading.Thread):
                 return
             now = time.monotonic()
             if now >= next_line:
-                print(f"{self.who} ({now - self.start_time:.0f} s of {self.timeout:g} s, "
-                      "RDZV_TIMEOUT)", file=self.out, flush=True)  # fmt: skip
+                print(
+                    f"{self.who} ({now - self.start_time:.0f} s of {self.timeout:g} s, "
+                    "RDZV_TIMEOUT)",
+                    file=self.out,
+                    flush=True,
+                )
                 next_line += self.every
 
 
@@ -225,8 +240,11 @@ def stderr_tail(log_dir: str, local_rank: int, lines: int = SILENT_TAIL) -> tupl
         shown = [*before, *_without_threads_of_no_python(text[marks[-1] :])]
         head = len(before) + 10
     if len(shown) > lines:  # the crash's first lines, then the stacks' ends (the main thread last)
-        shown = [*shown[:head], f"... ({len(shown) - lines + 1} lines left out)",
-                 *shown[len(shown) - (lines - head - 1) :]]  # fmt: skip
+        shown = [
+            *shown[:head],
+            f"... ({len(shown) - lines + 1} lines left out)",
+            *shown[len(shown) - (lines - head - 1) :],
+        ]
     return found[-1], "\n".join(shown)
 
 
@@ -250,17 +268,24 @@ def report_silent_failures(failures: dict[int, Any], log_dir: str, out: IO[str])
     last words, its Python stacks from faulthandler, reach no console otherwise."""
     for rank in silent_failures(failures):
         failure = failures[rank]
-        how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
-               else f"exited with status {failure.exitcode}")  # fmt: skip
+        how = (
+            f"was killed by {failure.signal_name()}"
+            if failure.exitcode < 0
+            else f"exited with status {failure.exitcode}"
+        )
         tail = stderr_tail(log_dir, failure.local_rank)
         if tail is None:
-            print(f"rank {rank} {how} without an error of its own; its stderr, if not filtered "
-                  "out, is above (torchrun kept no file of it: --tee 3 keeps one)",
-                  file=out)  # fmt: skip
+            print(
+                f"rank {rank} {how} without an error of its own; its stderr, if not filtered "
+                "out, is above (torchrun kept no file of it: --tee 3 keeps one)",
+                file=out,
+            )
             continue
         path, text = tail
-        print(f"rank {rank} {how} without an error of its own; the end of its stderr ({path}):",
-              file=out)  # fmt: skip
+        print(
+            f"rank {rank} {how} without an error of its own; the end of its stderr ({path}):",
+            file=out,
+        )
         print("\n".join(f"    {line}" for line in text.splitlines()), file=out, flush=True)
 
 
@@ -330,8 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         where = _multinode(args)
         timeout = rdzv_timeout()
         if where is not None:
-            conf = [kv for kv in (args.rdzv_conf or "").split(",") if kv and
-                    not kv.startswith("timeout=")]  # fmt: skip
+            conf = [
+                kv
+                for kv in (args.rdzv_conf or "").split(",")
+                if kv and not kv.startswith("timeout=")
+            ]
             args.rdzv_conf = ",".join([*conf, f"timeout={timeout}"])
             host, port, node, nnodes = where
             waited = 0.0
@@ -340,13 +368,19 @@ def main(argv: list[str] | None = None) -> int:
                 # the rest of the rendezvous (the store, the other nodes) gets what is left
                 args.rdzv_conf = ",".join([*conf, f"timeout={max(1, int(timeout - waited))}"])
             else:
-                print(f"node 0 of {nnodes}: hosting the rendezvous at {args.rdzv_endpoint}; "
-                      f"waiting up to {timeout} s (RDZV_TIMEOUT) for the other "
-                      f"{nnodes - 1} node(s)", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"node 0 of {nnodes}: hosting the rendezvous at {args.rdzv_endpoint}; "
+                    f"waiting up to {timeout} s (RDZV_TIMEOUT) for the other "
+                    f"{nnodes - 1} node(s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             speaker = RendezvousSpeaker(
                 f"node {node} of {nnodes}: waiting for the other nodes at {args.rdzv_endpoint}",
-                timeout=timeout, every=REPORT_EVERY, waited=waited,
-            )  # fmt: skip
+                timeout=timeout,
+                every=REPORT_EVERY,
+                waited=waited,
+            )
             speaker.start()
     except LaunchError as e:
         print(f"{LAUNCH_PREFIX}{e}", file=sys.stderr)

@@ -58,9 +58,12 @@ def load_config(argv: list[str]):
     try:
         with contextlib.redirect_stderr(captured):
             config = tyro.cli(
-                type(config), args=rest, default=config, registry=custom_registry,
+                type(config),
+                args=rest,
+                default=config,
+                registry=custom_registry,
                 description=description,
-            )  # fmt: skip
+            )
     except SystemExit as e:
         if e.code:  # tyro's boxed error message, folded into one line
             message = _one_line(captured.getvalue())
@@ -194,8 +197,14 @@ def _single_process_defaults() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
     for key, value in env.items():
         os.environ.setdefault(key, value)
 
@@ -210,8 +219,12 @@ def _record_for_torchrun(line: str, callstack: str | None = None) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": line, "extraInfo": {"py_callstack": callstack or line,
-                                                       "timestamp": str(int(time.time()))}}}  # fmt: skip
+    data = {
+        "message": {
+            "message": line,
+            "extraInfo": {"py_callstack": callstack or line, "timestamp": str(int(time.time()))},
+        }
+    }
     # Written aside, then renamed over the file: torchrun stops the other ranks (SIGTERM) when
     # one fails, and a rank stopped between truncating and writing its error file left it empty,
     # which torchrun's failure report then failed to parse (JSONDecodeError: no root cause).
@@ -346,9 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         key = "comm.train_timeout_seconds" if started else "comm.init_timeout_seconds"
         seconds = config.comm.train_timeout_seconds if started else config.comm.init_timeout_seconds
         err = rank_timeout.timeout_error(
-            torch.distributed.get_rank(), torch.distributed.get_world_size(),
-            key=key, seconds=seconds,
-        )  # fmt: skip
+            torch.distributed.get_rank(),
+            torch.distributed.get_world_size(),
+            key=key,
+            seconds=seconds,
+        )
         _fail(f"torchtitan_cp.train: error: {err}")
         return err.exit_code
     else:

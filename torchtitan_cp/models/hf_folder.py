@@ -34,15 +34,28 @@ INDEX = "model.safetensors.index.json"
 # too, silently; an 8-bit float is a quantized checkpoint that needs its scales).
 FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # transformers' names of the floating dtypes a config.json may declare (torch_dtype, dtype).
-_OTHER_DTYPES = {"I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-                 "BOOL": "bool"}  # fmt: skip
+_OTHER_DTYPES = {
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 _DECLARED_FLOATS = {"float64", "float32", "float16", "bfloat16", "float", "half", "double", "auto"}
 
 
 def json_kind(value: Any) -> str:
     """A JSON value's type, as a reader of the file would name it, with the value."""
-    names = {str: "a string", list: "a list", bool: "a boolean", int: "a number",
-             float: "a number", dict: "an object", type(None): "null"}  # fmt: skip
+    names = {
+        str: "a string",
+        list: "a list",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        dict: "an object",
+        type(None): "null",
+    }
     shown = repr(value)
     shown = shown if len(shown) <= 40 else shown[:37] + "..."
     return f"{names.get(type(value), type(value).__name__)} ({shown})"
@@ -265,9 +278,15 @@ def check_tensors(
         wanted = str(dtype).removeprefix("torch.")
         floating = getattr(dtype, "is_floating_point", False)
         if floating and stored not in FLOAT_DTYPES:
-            kind = "a boolean" if stored == "BOOL" else (
-                "an 8-bit float (a quantized checkpoint, which needs its scales)"
-                if stored.startswith("F8") else "an integer")  # fmt: skip
+            kind = (
+                "a boolean"
+                if stored == "BOOL"
+                else (
+                    "an 8-bit float (a quantized checkpoint, which needs its scales)"
+                    if stored.startswith("F8")
+                    else "an integer"
+                )
+            )
             said = f"; config.json declares {declared}" if declared else ""
             raise ValueError(
                 f"{file}: tensor {name} is stored as {stored}, {kind} dtype, but it loads "
@@ -276,5 +295,6 @@ def check_tensors(
                 "(float32, bfloat16 or float16)"
             )
         if not floating and {**FLOAT_DTYPES, **_OTHER_DTYPES}.get(stored, stored) != wanted:
-            raise ValueError(f"{file}: tensor {name} is stored as {stored} but the model has "
-                             f"{wanted}")  # fmt: skip
+            raise ValueError(
+                f"{file}: tensor {name} is stored as {stored} but the model has {wanted}"
+            )

@@ -216,14 +216,20 @@ class SequencePreprocessor:
         if source == "host":
             assert host is not None  # _source_for falls back to readback without it
             layout = host_layout(
-                host.positions, cu_seqlens=host.cu_seqlens(),
-                load_balancer=self.balancer, world_size=self.world, device=self.device,
-            )  # fmt: skip
+                host.positions,
+                cu_seqlens=host.cu_seqlens(),
+                load_balancer=self.balancer,
+                world_size=self.world,
+                device=self.device,
+            )
         else:
             layout = readback_layout(
-                positions, (bsz, seqlen), load_balancer=self.balancer,
-                world_size=self.world, on_readback=self._count_readback,
-            )  # fmt: skip
+                positions,
+                (bsz, seqlen),
+                load_balancer=self.balancer,
+                world_size=self.world,
+                on_readback=self._count_readback,
+            )
         return self.build(layout, (bsz, seqlen), source, host, positions, t0=t0), layout
 
     def build(
@@ -251,9 +257,11 @@ class SequencePreprocessor:
         try:
             # Chunk tables for fla's kernels come with the routing (no host sync inside fla).
             routing = plan.to_device(
-                self.device, conv_history=self.conv_history, caps=self.caps,
+                self.device,
+                conv_history=self.conv_history,
+                caps=self.caps,
                 chunk_size=FLA_CHUNK_SIZE,
-            )  # fmt: skip
+            )
         except RoutingCapsExceeded as e:
             key = self.cap_keys.get(e.cap)
             hint = f"; raise {key}" if key else ""
@@ -281,9 +289,13 @@ class SequencePreprocessor:
         return SequenceContext(
             routing=routing,
             group=self.group if self.world > 1 else None,  # no group: the layers run unsharded
-            token_ids=ids[0], doc_ids=ids[1], source=source, block_mask=mask,
-            pass_kv=schedule, pass_kv_handle=handle,
-        )  # fmt: skip
+            token_ids=ids[0],
+            doc_ids=ids[1],
+            source=source,
+            block_mask=mask,
+            pass_kv=schedule,
+            pass_kv_handle=handle,
+        )
 
     def _flex_mask(
         self,
@@ -333,8 +345,11 @@ def context_from_device_positions(
         )
         _warned_no_host_metadata = True
     preprocessor = SequencePreprocessor(
-        device=tokens.device, cp_group=None, load_balancer=None,
-        routing_source="device_readback", flex_attention=flex_mask,
-    )  # fmt: skip
+        device=tokens.device,
+        cp_group=None,
+        load_balancer=None,
+        routing_source="device_readback",
+        flex_attention=flex_mask,
+    )
     ctx, _ = preprocessor.context(tokens.shape, positions, None)
     return ctx

@@ -113,8 +113,9 @@ def _chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=None) -> Tensor | None
     if chunk_size == FLA_CHUNK_SIZE and t.chunk_indices is not None:
         return t.chunk_indices
     # fla's table for this chunk size from the device offsets; its length from the host.
-    counts = torch.div(cu_seqlens[1:] - cu_seqlens[:-1] + chunk_size - 1, chunk_size,
-                       rounding_mode="floor").to(torch.int64)  # fmt: skip
+    counts = torch.div(
+        cu_seqlens[1:] - cu_seqlens[:-1] + chunk_size - 1, chunk_size, rounding_mode="floor"
+    ).to(torch.int64)
     nt = _chunk_count(t, chunk_size)
     seq = torch.arange(counts.numel(), device=cu_seqlens.device)
     seq = torch.repeat_interleave(seq, counts, output_size=nt)
@@ -138,9 +139,21 @@ def _split(k: Tensor, t: _Tables, split_size: int) -> tuple[int, int, Tensor]:
     return t.cu_seqlens.shape[0] - 1, _chunk_count(t, split_size), offsets
 
 
-def _fwd_h(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, output_final_state=False,
-           state_v_first=False, cu_seqlens=None, chunk_size=64, split_size=None,
-           states_in_fp32=False):  # fmt: skip
+def _fwd_h(
+    k,
+    v,
+    g=None,
+    g_gamma=None,
+    gk=None,
+    gv=None,
+    h0=None,
+    output_final_state=False,
+    state_v_first=False,
+    cu_seqlens=None,
+    chunk_size=64,
+    split_size=None,
+    states_in_fp32=False,
+):
     """fla's ``chunk_fwd_h`` with the chunk count from the host (None: not our offsets)."""
     t = _lookup(cu_seqlens)
     if t is None:
@@ -157,17 +170,50 @@ def _fwd_h(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, output_final_s
 
     # Looked up at the call (not imported by name), so patched kernel objects are seen.
     chunk_h.chunk_fwd_kernel_h[grid](
-        k=k, v=v, h=h, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=h0, ht=ht, cu_seqlens=cu_seqlens,
-        split_offsets=offsets, T=T, H=H, K=K, V=V, BT=chunk_size, BS=BS, USE_G=g is not None,
-        USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None, USE_GV=gv is not None,
+        k=k,
+        v=v,
+        h=h,
+        g=g,
+        g_gamma=g_gamma,
+        gk=gk,
+        gv=gv,
+        h0=h0,
+        ht=ht,
+        cu_seqlens=cu_seqlens,
+        split_offsets=offsets,
+        T=T,
+        H=H,
+        K=K,
+        V=V,
+        BT=chunk_size,
+        BS=BS,
+        USE_G=g is not None,
+        USE_G_GAMMA=g_gamma is not None,
+        USE_GK=gk is not None,
+        USE_GV=gv is not None,
         STATE_V_FIRST=state_v_first,
-    )  # fmt: skip
+    )
     return h, ht
 
 
-def _bwd_dh(q, k, v, do, h0, dht, scale, g=None, g_gamma=None, gk=None, gv=None,
-            state_v_first=False, cu_seqlens=None, chunk_size=64, split_size=None,
-            states_in_fp32=False):  # fmt: skip
+def _bwd_dh(
+    q,
+    k,
+    v,
+    do,
+    h0,
+    dht,
+    scale,
+    g=None,
+    g_gamma=None,
+    gk=None,
+    gv=None,
+    state_v_first=False,
+    cu_seqlens=None,
+    chunk_size=64,
+    split_size=None,
+    states_in_fp32=False,
+):
     """fla's ``chunk_bwd_dh`` with the chunk count from the host (None: not our offsets)."""
     t = _lookup(cu_seqlens)
     if t is None:
@@ -184,11 +230,32 @@ def _bwd_dh(q, k, v, do, h0, dht, scale, g=None, g_gamma=None, gk=None, gv=None,
         return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
 
     chunk_h.chunk_bwd_kernel_dh[grid](
-        q=q, g=g, g_gamma=g_gamma, gk=gk, gv=gv, do=do, dh=dh, dht=dht, dh0=dh0,
-        cu_seqlens=cu_seqlens, split_offsets=offsets, scale=scale, T=T, HQ=HQ, H=H, K=K, V=V,
-        BT=chunk_size, BS=BS, NG=HQ // H, USE_G=g is not None, USE_G_GAMMA=g_gamma is not None,
-        USE_GK=gk is not None, USE_GV=gv is not None, STATE_V_FIRST=state_v_first,
-    )  # fmt: skip
+        q=q,
+        g=g,
+        g_gamma=g_gamma,
+        gk=gk,
+        gv=gv,
+        do=do,
+        dh=dh,
+        dht=dht,
+        dh0=dh0,
+        cu_seqlens=cu_seqlens,
+        split_offsets=offsets,
+        scale=scale,
+        T=T,
+        HQ=HQ,
+        H=H,
+        K=K,
+        V=V,
+        BT=chunk_size,
+        BS=BS,
+        NG=HQ // H,
+        USE_G=g is not None,
+        USE_G_GAMMA=g_gamma is not None,
+        USE_GK=gk is not None,
+        USE_GV=gv is not None,
+        STATE_V_FIRST=state_v_first,
+    )
     return dh, dh0
 
 
@@ -279,14 +346,20 @@ class _Indexed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # pyrefly: ignore[bad-override]
         outs, leaves = ctx.graph
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None
-                 and o.requires_grad]  # fmt: skip
+        pairs = [
+            (o, g)
+            for o, g in zip(outs, grads)
+            if g is not None and o is not None and o.requires_grad
+        ]
         wanted = [x for x in leaves if isinstance(x, Tensor) and x.requires_grad]
         got = iter([None] * len(wanted))
         if pairs and wanted:
             with chunk_tables(*ctx.tables):
-                got = iter(torch.autograd.grad([o for o, _ in pairs], wanted,
-                                               [g for _, g in pairs], allow_unused=True))  # fmt: skip
+                got = iter(
+                    torch.autograd.grad(
+                        [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True
+                    )
+                )
         dx = [next(got) if isinstance(x, Tensor) and x.requires_grad else None for x in leaves]
         return None, None, None, None, None, *dx
 
@@ -338,10 +411,17 @@ def chunk_kda_indexed(
     # split view of the conv output.
     q, k, v, g, beta, initial_state = contiguous(q, k, v, g, beta, initial_state)
     return indexed(
-        chunk_kda, q, k, v, g, beta, tables=(cu_seqlens, cu_seqlens_cpu, chunk_indices,
-        chunk_offsets), scale=scale, initial_state=initial_state,
+        chunk_kda,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        tables=(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets),
+        scale=scale,
+        initial_state=initial_state,
         output_final_state=output_final_state,
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------- delta-rule summaries
@@ -351,8 +431,9 @@ _delta_bwd_dhu: Any = chunk_gated_delta_rule_bwd_dhu
 _chunk_local_cumsum: Any = chunk_local_cumsum
 
 
-def delta_rule_summaries_fwd(q, k, v, g, beta, *, kind, scale, cu_seqlens, chunk_indices,
-                             chunk_offsets=None) -> tuple[Tensor, tuple[Tensor, ...]]:  # fmt: skip
+def delta_rule_summaries_fwd(
+    q, k, v, g, beta, *, kind, scale, cu_seqlens, chunk_indices, chunk_offsets=None
+) -> tuple[Tensor, tuple[Tensor, ...]]:
     """The states-only pass on contiguous inputs: ``(final [N, HV, K, V + K] = [E | M] float32,
     saved)``, ``saved = (g_cs, w, u, kh, Akk)`` what :func:`delta_rule_summaries_bwd` reads.
 
@@ -375,10 +456,17 @@ def delta_rule_summaries_fwd(q, k, v, g, beta, *, kind, scale, cu_seqlens, chunk
         kh, gate = k, dict(g=g_cs)
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     _, _, final = _delta_fwd_h(
-        k=kh, w=w, u=_widen(u, K), **gate, initial_state=_identity_entry(N, HV, K, V, k.device),
-        output_final_state=True, save_new_value=False, chunk_size=C,
-        chunk_offsets=chunk_offsets, **idx,
-    )  # fmt: skip
+        k=kh,
+        w=w,
+        u=_widen(u, K),
+        **gate,
+        initial_state=_identity_entry(N, HV, K, V, k.device),
+        output_final_state=True,
+        save_new_value=False,
+        chunk_size=C,
+        chunk_offsets=chunk_offsets,
+        **idx,
+    )
     return final, (g_cs, w, u, kh, Akk)
 
 
@@ -394,8 +482,9 @@ def _identity_entry(N: int, HV: int, K: int, V: int, device) -> Tensor:
     return h0
 
 
-def delta_rule_summaries_bwd(q, k, v, beta, saved, dS, *, kind, scale, entry, cu_seqlens,
-                             chunk_indices, chunk_offsets=None) -> tuple[Tensor, ...]:  # fmt: skip
+def delta_rule_summaries_bwd(
+    q, k, v, beta, saved, dS, *, kind, scale, entry, cu_seqlens, chunk_indices, chunk_offsets=None
+) -> tuple[Tensor, ...]:
     """``(dk, dv, dg, dbeta)`` (dg of the natural-log gate, float32) of the summaries for the
     cotangent ``dS [N, HV, K, V + K]``, on contiguous inputs, from ``saved`` of
     :func:`delta_rule_summaries_fwd`: fla's state backward with no output cotangent (``fwd_h``,
@@ -417,32 +506,82 @@ def delta_rule_summaries_bwd(q, k, v, beta, saved, dS, *, kind, scale, entry, cu
     else:
         h_in, dht, v_in = entry.float().contiguous(), dS[..., :V].float().contiguous(), v
     h, v_new, _ = _delta_fwd_h(
-        k=kh, w=w, u=u, **gate, initial_state=h_in, output_final_state=False, chunk_size=C,
-        chunk_offsets=chunk_offsets, **idx,
-    )  # fmt: skip
+        k=kh,
+        w=w,
+        u=u,
+        **gate,
+        initial_state=h_in,
+        output_final_state=False,
+        chunk_size=C,
+        chunk_offsets=chunk_offsets,
+        **idx,
+    )
     do = torch.zeros_like(v_in)  # no output
     dh, _, dv = _delta_bwd_dhu(
-        q=kh, k=kh, w=w, do=do, dv=torch.zeros_like(u), **gate, h0=h_in, dht=dht,
-        scale=scale, chunk_size=C, chunk_offsets=chunk_offsets, **idx,
-    )  # fmt: skip
+        q=kh,
+        k=kh,
+        w=w,
+        do=do,
+        dv=torch.zeros_like(u),
+        **gate,
+        h0=h_in,
+        dht=dht,
+        scale=scale,
+        chunk_size=C,
+        chunk_offsets=chunk_offsets,
+        **idx,
+    )
     if kind == "kda":
         _, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
-            q=q, k=k, v=v_in, v_new=v_new, g=g_cs, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
-            scale=scale, chunk_size=C, chunk_offsets=chunk_offsets, **idx,
-        )  # fmt: skip
+            q=q,
+            k=k,
+            v=v_in,
+            v_new=v_new,
+            g=g_cs,
+            beta=beta,
+            A=Akk,
+            h=h,
+            do=do,
+            dh=dh,
+            dv=dv,
+            scale=scale,
+            chunk_size=C,
+            chunk_offsets=chunk_offsets,
+            **idx,
+        )
         dq0 = torch.zeros_like(dk)
         dAqk = torch.zeros_like(Akk, dtype=torch.float)
         _, dk, db, dg = chunk_kda_bwd_intra(
-            q=q, k=k, g=g_cs, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq0, dk=dk, db=db, dg=dg,
-            chunk_size=C, **idx,
-        )  # fmt: skip
+            q=q,
+            k=k,
+            g=g_cs,
+            beta=beta,
+            dAqk=dAqk,
+            dAkk=dAkk,
+            dq=dq0,
+            dk=dk,
+            db=db,
+            dg=dg,
+            chunk_size=C,
+            **idx,
+        )
         if HV > H:  # grouped value heads: dk back to the key heads
             dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(dim=3)
     else:
         _, dk, dw, dg = chunk_bwd_dqkwg(
-            q=q, k=k, v=v_new, w=w, g=g_cs, h=h, dv=dv, do=do, dh=dh, scale=scale,
-            chunk_size=C, **idx,
-        )  # fmt: skip
+            q=q,
+            k=k,
+            v=v_new,
+            w=w,
+            g=g_cs,
+            h=h,
+            dv=dv,
+            do=do,
+            dh=dh,
+            scale=scale,
+            chunk_size=C,
+            **idx,
+        )
         dk2, dv, db, dg2 = prepare_wy_repr_bwd(
             k=k, v=v_in, beta=beta, g=g_cs, A=Akk, dw=dw, du=dv, **idx
         )
@@ -465,12 +604,21 @@ class _DeltaRuleSummaries(torch.autograd.Function):
     @staticmethod
     @input_guard  # pyrefly: ignore[bad-argument-type]
     @autocast_custom_fwd
-    def forward(ctx, q, k, v, g, beta, kind, scale, entry, cu_seqlens, chunk_indices,
-                chunk_offsets):  # fmt: skip
+    def forward(
+        ctx, q, k, v, g, beta, kind, scale, entry, cu_seqlens, chunk_indices, chunk_offsets
+    ):
         final, saved = delta_rule_summaries_fwd(
-            q, k, v, g, beta, kind=kind, scale=scale, cu_seqlens=cu_seqlens,
-            chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            g,
+            beta,
+            kind=kind,
+            scale=scale,
+            cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices,
+            chunk_offsets=chunk_offsets,
+        )
         ctx.save_for_backward(q, k, v, beta, *saved, cu_seqlens, chunk_indices, chunk_offsets)
         ctx.kind, ctx.scale, ctx.entry, ctx.g_dtype = kind, scale, entry, g.dtype
         return final
@@ -481,9 +629,19 @@ class _DeltaRuleSummaries(torch.autograd.Function):
     def backward(ctx, dS):  # pyrefly: ignore[bad-override]
         q, k, v, beta, *saved, cu, ci, co = ctx.saved_tensors
         dk, dv, dg, db = delta_rule_summaries_bwd(
-            q, k, v, beta, tuple(saved), dS, kind=ctx.kind, scale=ctx.scale, entry=ctx.entry(),
-            cu_seqlens=cu, chunk_indices=ci, chunk_offsets=co,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            beta,
+            tuple(saved),
+            dS,
+            kind=ctx.kind,
+            scale=ctx.scale,
+            entry=ctx.entry(),
+            cu_seqlens=cu,
+            chunk_indices=ci,
+            chunk_offsets=co,
+        )
         grads = (None, dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta))
         return grads + (None,) * 6
 
@@ -520,6 +678,15 @@ def delta_rule_summaries_indexed(
         raise ValueError(f"fla's delta-rule kernels support head dim K <= 256, got K={K}")
     q, k, v, g, beta = contiguous(q, k, v, g, beta)
     return _DeltaRuleSummaries.apply(
-        q, k, v, g, beta, kind, K**-0.5 if scale is None else scale, entry, cu_seqlens,
-        chunk_indices, chunk_offsets,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        kind,
+        K**-0.5 if scale is None else scale,
+        entry,
+        cu_seqlens,
+        chunk_indices,
+        chunk_offsets,
+    )

@@ -100,7 +100,7 @@ def explain(plan: RoutingPlan) -> dict[str, Any]:
          "query_rows": list(rd.query_rows), "send_to": rd.send_to,
          "send_rows": list(rd.send_rows)}
         for rd in plan.pass_kv.rounds
-    ]  # fmt: skip
+    ]  # fmt: skip # a table, laid out by hand to read across
     return {
         "subsequences": plan.subsequences.tolist(),
         "cu_seqlens": plan.cu_seqlens.tolist(),

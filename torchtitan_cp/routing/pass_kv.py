@@ -104,8 +104,11 @@ class PassKVPairs:
             src, dst = (rank - s) % W, (rank + s) % W
             rd: dict[str, Any] = {"shift": s}
             if vis[rank][src]:
-                rd.update(recv_from=src, recv_rows=tuple(krows[rank][src]),
-                          query_rows=tuple(qrows[rank][src]))  # fmt: skip
+                rd.update(
+                    recv_from=src,
+                    recv_rows=tuple(krows[rank][src]),
+                    query_rows=tuple(qrows[rank][src]),
+                )
             if vis[dst][rank]:
                 rd.update(send_to=dst, send_rows=tuple(krows[dst][rank]))
             out.append(PassKVRound(**rd))
@@ -240,8 +243,9 @@ def pass_kv_pairs(
     rows = torch.arange(s_rank.numel())
     n_keys[rows, s_rank] = 0  # the diagonal is the rank's own block
     k_flat = ranks.unsqueeze(0) * world + s_rank.unsqueeze(1)  # index q * W + k
-    ka, kb = hull(k_flat, s_off.unsqueeze(1).expand_as(n_keys), s_off.unsqueeze(1) + n_keys,
-                  n_keys > 0)  # fmt: skip
+    ka, kb = hull(
+        k_flat, s_off.unsqueeze(1).expand_as(n_keys), s_off.unsqueeze(1) + n_keys, n_keys > 0
+    )
     exact = torch.zeros(pair, dtype=_I64).index_add_(0, k_flat.reshape(-1), n_keys.reshape(-1))
 
     # Query side: piece p of query rank q, key rank k (a column): queries from max(start, k's
@@ -251,8 +255,12 @@ def pass_kv_pairs(
     n_q = (s_stop.unsqueeze(1) - vis_from).clamp(min=0)
     n_q[rows, s_rank] = 0
     q_flat = s_rank.unsqueeze(1) * world + ranks.unsqueeze(0)
-    qa, qb = hull(q_flat, s_off.unsqueeze(1) + vis_from - s_start.unsqueeze(1),
-                  (s_off + s_stop - s_start).unsqueeze(1).expand_as(n_q), n_q > 0)  # fmt: skip
+    qa, qb = hull(
+        q_flat,
+        s_off.unsqueeze(1) + vis_from - s_start.unsqueeze(1),
+        (s_off + s_stop - s_start).unsqueeze(1).expand_as(n_q),
+        n_q > 0,
+    )
 
     visible = (exact > 0).view(world, world)
     key_rows = torch.stack([ka, kb], 1).view(world, world, 2)

@@ -283,9 +283,13 @@ class RoutingPlan:
         """This rank's pass-KV attention schedule (``routing.pass_kv``), built on first use
         and cached with the plan (so ``PlanCache`` hits reuse it)."""
         pairs = pass_kv_pairs(
-            self._global_cu, self._sorted_start, self._sorted_stop, self._sorted_rank,
-            self._sorted_local, self.world_size,
-        )  # fmt: skip
+            self._global_cu,
+            self._sorted_start,
+            self._sorted_stop,
+            self._sorted_rank,
+            self._sorted_local,
+            self.world_size,
+        )
         return PassKVSchedule.build(pairs, self.rank)
 
     # ------------------------------------------------------------------ device

@@ -59,8 +59,12 @@ def timeout_error(
 ) -> RankTimeoutError:
     """The one-line error for a collective of this rank that timed out after ``seconds``
     (the config ``key`` that set them)."""
-    missing = silent_ranks(store if store is not None else _default_store(), rank, world,
-                           grace=min(grace, max(seconds, 1.0)))  # fmt: skip
+    missing = silent_ranks(
+        store if store is not None else _default_store(),
+        rank,
+        world,
+        grace=min(grace, max(seconds, 1.0)),
+    )
     waited = f"within {seconds:g} s ({key})"
     if missing is None:
         return RankTimeoutError(

@@ -98,8 +98,11 @@ def check_compile(config: Any, model_cfg: Any) -> RoutingCaps | None:
         )
     from torchtitan_cp.models.hybrid.layers import LAYERS
 
-    eager_only = [c for c in dict.fromkeys(getattr(model_cfg, "layer_pattern", "")) if c in LAYERS
-                  and not LAYERS[c].compiles]  # fmt: skip
+    eager_only = [
+        c
+        for c in dict.fromkeys(getattr(model_cfg, "layer_pattern", ""))
+        if c in LAYERS and not LAYERS[c].compiles
+    ]
     if eager_only:
         kinds = ", ".join(f"{c} ({LAYERS[c].description})" for c in eager_only)
         raise ConfigError(

@@ -322,9 +322,9 @@ class HybridTrainer(Trainer):
             )
             if should_log:
                 loss = loss.detach()
-                accumulated_loss = loss.clone() if accumulated_loss is None else (
-                    accumulated_loss.add_(loss)
-                )  # fmt: skip
+                accumulated_loss = (
+                    loss.clone() if accumulated_loss is None else (accumulated_loss.add_(loss))
+                )
 
         with sl.log_trace_span("optim"):
             grad_norm = dist_utils.clip_grad_norm_(
@@ -339,8 +339,9 @@ class HybridTrainer(Trainer):
             self.lr_schedulers.step()
         if should_log:
             assert accumulated_loss is not None
-            self._log_step(accumulated_loss, global_valid_tokens, local_valid_tokens, grad_norm,
-                           lr_metrics)  # fmt: skip
+            self._log_step(
+                accumulated_loss, global_valid_tokens, local_valid_tokens, grad_norm, lr_metrics
+            )
 
     def _log_step(
         self,

@@ -70,8 +70,13 @@ def _need(ok: bool, message: str) -> None:
 def _check_degrees(p: Any) -> None:
     """Every parallelism degree >= 1 (the shard degree: -1 or >= 1), before anything divides
     by one (the model checks, the mesh)."""
-    for key in ("data_parallel_replicate_degree", "context_parallel_degree",
-                "tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):  # fmt: skip
+    for key in (
+        "data_parallel_replicate_degree",
+        "context_parallel_degree",
+        "tensor_parallel_degree",
+        "pipeline_parallel_degree",
+        "expert_parallel_degree",
+    ):
         d = getattr(p, key)
         _need(d >= 1, f"parallelism.{key} must be >= 1, got {d}")
     shard = p.data_parallel_shard_degree
@@ -134,8 +139,13 @@ def mesh_text(config: Any, world_size: int) -> str:
     shard = p.data_parallel_shard_degree
     if shard == -1:
         shard = world_size // max(1, rep * cp * tp * p.pipeline_parallel_degree)
-    axes = [("pp", p.pipeline_parallel_degree), ("dp_replicate", rep), ("dp_shard", shard),
-            ("cp", cp), ("tp", tp)]  # fmt: skip
+    axes = [
+        ("pp", p.pipeline_parallel_degree),
+        ("dp_replicate", rep),
+        ("dp_shard", shard),
+        ("cp", cp),
+        ("tp", tp),
+    ]
     text = " x ".join(f"{name} {d}" for name, d in axes if d > 1) or "one rank"
     if p.expert_parallel_degree > 1:
         text += f", ep {p.expert_parallel_degree} (inside dp_shard x cp{' x tp' * (tp > 1)})"
@@ -295,8 +305,11 @@ def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: 
         from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
 
         reason = fla_gdn_backward_refusal()
-        _need(reason is None, f"linear_attention.backend = 'fla' for GDN layers: {reason}; "
-              "or use 'auto' (GDN on the PyTorch kernels)")  # fmt: skip
+        _need(
+            reason is None,
+            f"linear_attention.backend = 'fla' for GDN layers: {reason}; "
+            "or use 'auto' (GDN on the PyTorch kernels)",
+        )
     if device_type == "cuda":
         import torch
 

@@ -62,9 +62,11 @@ def set_moe_sharding(layers: list[Any], *, ep: int, tp: int) -> None:
     for layer in layers:
         if layer.moe is not None:
             set_moe_sharding_config(
-                layer.moe, enable_ep=ep > 1, enable_sp=tp > 1,
+                layer.moe,
+                enable_ep=ep > 1,
+                enable_sp=tp > 1,
                 expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT,
-            )  # fmt: skip
+            )
 
 
 def parallelize_moe(model: nn.Module, parallel_dims: Any) -> None:

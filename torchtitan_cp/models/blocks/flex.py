@@ -61,9 +61,13 @@ class DocumentFlexAttention(FlexAttention):
     ) -> torch.Tensor:
         if q_BLNH.is_cuda:
             return super().forward(
-                q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks,
-                enable_gqa=enable_gqa, **kwargs,
-            )  # fmt: skip
+                q_BLNH,
+                k_BLNH,
+                v_BLNH,
+                attention_masks=attention_masks,
+                enable_gqa=enable_gqa,
+                **kwargs,
+            )
         if kwargs:
             raise NotImplementedError(f"eager flex attention takes no {sorted(kwargs)}")
         out = flex_attention(

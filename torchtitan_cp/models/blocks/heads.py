@@ -60,10 +60,15 @@ class HeadsMixer(Module):
             if f.name not in own and hasattr(cfg, f.name)
         ]
         return cls.Config(
-            dim=cfg.dim, n_heads=cfg.n_heads, head_dim=cfg.head_dim,
-            value_head_dim=cfg.value_head_dim, norm_eps=cfg.norm_eps, layer_id=layer_id,
-            backend=backend, **{name: getattr(cfg, name) for name in added},
-        )  # fmt: skip
+            dim=cfg.dim,
+            n_heads=cfg.n_heads,
+            head_dim=cfg.head_dim,
+            value_head_dim=cfg.value_head_dim,
+            norm_eps=cfg.norm_eps,
+            layer_id=layer_id,
+            backend=backend,
+            **{name: getattr(cfg, name) for name in added},
+        )
 
     @staticmethod
     def tensor_parallel_heads(cfg: Any) -> list[tuple[str, int]]:

@@ -140,9 +140,15 @@ class RoutedInnerAttention(Module):
             # Every CP rank holds B·L/W tokens (torch's load balancers split evenly), so the
             # gather size is known without asking the other ranks.
             o = context_parallel_attention(
-                q, k, v, token_ids=ctx.token_ids, doc_ids=ctx.doc_ids, group=ctx.group,
-                scale=scale, max_tokens=ctx.routing.num_tokens,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                token_ids=ctx.token_ids,
+                doc_ids=ctx.doc_ids,
+                group=ctx.group,
+                scale=scale,
+                max_tokens=ctx.routing.num_tokens,
+            )
         return o.reshape(bsz, seqlen, n_heads, v.shape[3])
 
     def flex_gathered(

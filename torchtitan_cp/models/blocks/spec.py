@@ -92,6 +92,11 @@ def recipe_spec(
 
         hook = register_moe_load_balancing_hook
     return ModelSpec(
-        name=name, flavor=flavor, model=model, parallelize_fn=parallelize_fn, pipelining_fn=None,
-        post_optimizer_build_fn=hook, state_dict_adapter=state_dict_adapter,
-    )  # fmt: skip
+        name=name,
+        flavor=flavor,
+        model=model,
+        parallelize_fn=parallelize_fn,
+        pipelining_fn=None,
+        post_optimizer_build_fn=hook,
+        state_dict_adapter=state_dict_adapter,
+    )

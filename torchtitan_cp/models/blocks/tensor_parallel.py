@@ -219,7 +219,7 @@ def parallelize_decoder_ends(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
         ),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
-    })  # fmt: skip
+    })  # fmt: skip # a table, laid out by hand to read across
 
 
 def check_all_on_tp_mesh(model: nn.Module) -> None:

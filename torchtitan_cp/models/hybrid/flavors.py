@@ -35,7 +35,7 @@ FLAVORS: dict[str, dict] = {
         head_dim=128, attn_n_heads=14, attn_n_kv_heads=2, attn_head_dim=128,
         ffn_hidden_dim=4864, max_seq_len=131072, enable_weight_tying=True,
     ),
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 
 
 def model_config(flavor: str, **overrides) -> HybridDecoder.Config:

@@ -209,14 +209,17 @@ DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
     "attention_bias": False, "num_local_experts": 256, "linear_head_dim": 128,
     "linear_num_heads": 32, "linear_conv_kernel_dim": 4,
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 ALIASES: dict[str, str] = {
     "norm_topk_prob": "moe_renormalize", "n_group": "num_expert_group",
     "num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
     "n_shared_experts": "num_shared_experts",
-}  # fmt: skip
-_LINEAR = {"linear_head_dim": "head_dim", "linear_num_heads": "num_heads",
-           "linear_conv_kernel_dim": "short_conv_kernel_size"}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
+_LINEAR = {
+    "linear_head_dim": "head_dim",
+    "linear_num_heads": "num_heads",
+    "linear_conv_kernel_dim": "short_conv_kernel_size",
+}
 
 
 def _get(hf: dict[str, Any], field: str) -> tuple[Any, str]:
@@ -288,26 +291,34 @@ def hf_fields(cfg: Any) -> dict[str, Any]:
         # groups query heads by num_attention_heads // num_key_value_heads (eager attention
         # repeats K/V that often), whose default of 32 matches the 48B flavor only.
         out.update(
-            num_attention_heads=mla.n_heads, num_key_value_heads=mla.n_heads,
-            q_lora_rank=mla.q_lora_rank or None, kv_lora_rank=mla.kv_lora_rank,
-            qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim,
-            v_head_dim=mla.v_head_dim, attention_bias=False,
-        )  # fmt: skip
+            num_attention_heads=mla.n_heads,
+            num_key_value_heads=mla.n_heads,
+            q_lora_rank=mla.q_lora_rank or None,
+            kv_lora_rank=mla.kv_lora_rank,
+            qk_nope_head_dim=mla.qk_nope_head_dim,
+            qk_rope_head_dim=mla.qk_rope_head_dim,
+            v_head_dim=mla.v_head_dim,
+            attention_bias=False,
+        )
     if kda is not None:
         out.update(
-            linear_num_heads=kda.n_heads, linear_head_dim=kda.head_dim,
+            linear_num_heads=kda.n_heads,
+            linear_head_dim=kda.head_dim,
             linear_conv_kernel_dim=kda.conv_width,
-        )  # fmt: skip
+        )
     if moe is not None:
         r = moe.router
         out.update(
-            num_local_experts=moe.num_experts, num_experts_per_tok=r.top_k,
+            num_local_experts=moe.num_experts,
+            num_experts_per_tok=r.top_k,
             moe_intermediate_size=moe.routed_experts.inner_experts.hidden_dim,
             n_shared_experts=moe.shared_experts.w1.out_features
             // moe.routed_experts.inner_experts.hidden_dim,
-            n_group=r.num_expert_groups or 1, topk_group=r.num_limited_groups or 1,
-            norm_topk_prob=r.route_norm, routed_scaling_factor=r.route_scale,
-        )  # fmt: skip
+            n_group=r.num_expert_groups or 1,
+            topk_group=r.num_limited_groups or 1,
+            norm_topk_prob=r.route_norm,
+            routed_scaling_factor=r.route_scale,
+        )
     return out
 
 
@@ -317,9 +328,14 @@ def hf_config(cfg: Any) -> dict[str, Any]:
     # The recipe trains without dropout; pad_token_id's default (163839) would be the
     # embedding's padding row, past the end of a smaller vocabulary.
     fields.update(
-        architectures=["KimiLinearForCausalLM"], model_type="kimi_linear", dtype="float32",
-        attention_dropout=0.0, pad_token_id=None, bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
+        architectures=["KimiLinearForCausalLM"],
+        model_type="kimi_linear",
+        dtype="float32",
+        attention_dropout=0.0,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return fields
 
 

@@ -133,7 +133,7 @@ KIMI_LINEAR_FLAVORS: dict[str, KimiLinearSizes] = {
         num_shared_experts=1, num_expert_groups=1, num_limited_groups=1, route_scale=2.446,
         route_norm=True, norm_eps=1e-5, max_seq_len=1048576,
     ),
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 
 # Kimi Linear's kv_a_layernorm (and q_a_layernorm) keep RMSNorm's 1e-6 default, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -246,9 +246,13 @@ class LatentGatherMLA(Attention):
             q.reshape(1, bsz * seqlen, heads, self.qk_head_dim),
             rows.reshape(1, bsz * seqlen, 1, c + r),
             None,
-            token_ids=ctx.token_ids, doc_ids=ctx.doc_ids, group=ctx.group,
-            scale=self.softmax_scale, max_tokens=ctx.routing.num_tokens, expand=expand,
-        )  # fmt: skip
+            token_ids=ctx.token_ids,
+            doc_ids=ctx.doc_ids,
+            group=ctx.group,
+            scale=self.softmax_scale,
+            max_tokens=ctx.routing.num_tokens,
+            expand=expand,
+        )
         return self.wo(o.reshape(bsz, seqlen, heads * dv))
 
 
@@ -360,10 +364,16 @@ def _kda_config(s: KimiLinearSizes, layer_id: int, backend: Any) -> KDAMixer.Con
     ``kda_heads x kda_head_dim``, low-rank gates of rank ``kda_head_dim``, fla's in-kernel L2
     norm, an output gate without bias, the gated norm at ``rms_norm_eps``."""
     return KDAMixer.Config(
-        dim=s.dim, n_heads=s.kda_heads, head_dim=s.kda_head_dim, norm_eps=s.norm_eps,
-        layer_id=layer_id, backend=backend, conv_width=s.conv_width, qk_norm="fla",
+        dim=s.dim,
+        n_heads=s.kda_heads,
+        head_dim=s.kda_head_dim,
+        norm_eps=s.norm_eps,
+        layer_id=layer_id,
+        backend=backend,
+        conv_width=s.conv_width,
+        qk_norm="fla",
         output_gate_bias=False,
-    )  # fmt: skip
+    )
 
 
 def kimi_linear_config(flavor: str, **options: Any) -> KimiLinearModel.Config:
@@ -386,24 +396,42 @@ def kimi_linear_config(flavor: str, **options: Any) -> KimiLinearModel.Config:
         mla_layers=tuple(i for i in s.mla_layers if i < n_layers),
         vocab_size=opts.vocab(s.vocab_size),
     )
-    init = {"weight": lambda w: nn.init.trunc_normal_(w, std=BASE_STD, a=-3 * BASE_STD, b=3 * BASE_STD)}  # fmt: skip
+    init = {
+        "weight": lambda w: nn.init.trunc_normal_(w, std=BASE_STD, a=-3 * BASE_STD, b=3 * BASE_STD)
+    }
     norm_init = {"weight": nn.init.ones_}
     blocks = build_mla_moe_layers(
-        n_layers=s.n_layers, n_dense_layers=s.n_dense_layers, dim=s.dim, n_heads=s.n_heads,
-        q_lora_rank=s.q_lora_rank, kv_lora_rank=s.kv_lora_rank,
-        qk_nope_head_dim=s.qk_nope_head_dim, qk_rope_head_dim=s.qk_rope_head_dim,
-        v_head_dim=s.v_head_dim, mscale=1.0, dense_hidden_dim=s.dense_hidden_dim,
-        moe_hidden_dim=s.moe_hidden_dim, num_experts=s.num_experts,
-        num_shared_experts=s.num_shared_experts, router_top_k=s.top_k,
-        router_score_func="sigmoid", router_num_expert_groups=s.num_expert_groups,
-        router_num_limited_groups=s.num_limited_groups, router_route_scale=s.route_scale,
-        router_route_norm=s.route_norm, attn_backend="flex", moe_comm_backend="standard",
-        non_blocking_capacity_factor=None, linear_init=init, norm_init=norm_init,
-        depth_init=lambda layer_id: init, depth_experts_init=lambda layer_id: {
+        n_layers=s.n_layers,
+        n_dense_layers=s.n_dense_layers,
+        dim=s.dim,
+        n_heads=s.n_heads,
+        q_lora_rank=s.q_lora_rank,
+        kv_lora_rank=s.kv_lora_rank,
+        qk_nope_head_dim=s.qk_nope_head_dim,
+        qk_rope_head_dim=s.qk_rope_head_dim,
+        v_head_dim=s.v_head_dim,
+        mscale=1.0,
+        dense_hidden_dim=s.dense_hidden_dim,
+        moe_hidden_dim=s.moe_hidden_dim,
+        num_experts=s.num_experts,
+        num_shared_experts=s.num_shared_experts,
+        router_top_k=s.top_k,
+        router_score_func="sigmoid",
+        router_num_expert_groups=s.num_expert_groups,
+        router_num_limited_groups=s.num_limited_groups,
+        router_route_scale=s.route_scale,
+        router_route_norm=s.route_norm,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        linear_init=init,
+        norm_init=norm_init,
+        depth_init=lambda layer_id: init,
+        depth_experts_init=lambda layer_id: {
             name: init["weight"] for name in ("w1_EFD", "w2_EDF", "w3_EFD")
         },
         rope=NoPE.Config(dim=s.qk_rope_head_dim, max_seq_len=s.max_seq_len),
-    )  # fmt: skip
+    )
     inner = opts.inner_attention()
     layers = []
     for i, b in enumerate(blocks):
@@ -427,7 +455,7 @@ def kimi_linear_config(flavor: str, **options: Any) -> KimiLinearModel.Config:
                 **{
                     f.name: getattr(experts.inner_experts, f.name)
                     for f in dataclasses.fields(experts.inner_experts)
-                }  # fmt: skip
+                }  # fmt: skip # a table, laid out by hand to read across
             )
             moe = dataclasses.replace(
                 moe, routed_experts=dataclasses.replace(experts, inner_experts=inner_experts)
@@ -444,7 +472,7 @@ def kimi_linear_config(flavor: str, **options: Any) -> KimiLinearModel.Config:
                 ffn_norm=RMSNorm.Config(
                     normalized_shape=s.dim, eps=s.norm_eps, param_init=norm_init
                 ),
-            )  # fmt: skip
+            )
         )
     return KimiLinearModel.Config(
         dim=s.dim,
@@ -453,7 +481,7 @@ def kimi_linear_config(flavor: str, **options: Any) -> KimiLinearModel.Config:
             num_embeddings=s.vocab_size,
             embedding_dim=s.dim,
             param_init={"weight": nn.init.normal_},
-        ),  # fmt: skip
+        ),
         norm=RMSNorm.Config(normalized_shape=s.dim, eps=s.norm_eps, param_init=norm_init),
         lm_head=Linear.Config(in_features=s.dim, out_features=s.vocab_size, param_init=init),
         layers=layers,
@@ -478,7 +506,7 @@ def check_kimi_linear_parallelism(cfg: Any, parallelism: Any) -> None:
     for key, why in (
         ("tensor_parallel_degree", "tensor parallelism of KDA + MLA + MoE is not built"),
         ("pipeline_parallel_degree", "pipeline parallelism is not supported by this recipe"),
-    ):  # fmt: skip
+    ):
         degree = getattr(parallelism, key, 1)
         if degree > 1:
             raise ValueError(

@@ -27,9 +27,13 @@ def kimi_linear_model_spec(flavor: str, **kwargs: Any) -> ModelSpec:
     ``read_hf_folder`` swaps in the HF folder's own, ``hf.folder_dense_prefix``) and torchtitan's
     MoE load-balancing hook (the expert bias update)."""
     return recipe_spec(
-        "kimi_linear", flavor, kimi_linear_config(flavor, **kwargs), parallelize_kimi_linear,
-        moe=True, state_dict_adapter=KimiLinearStateDictAdapter,
-    )  # fmt: skip
+        "kimi_linear",
+        flavor,
+        kimi_linear_config(flavor, **kwargs),
+        parallelize_kimi_linear,
+        moe=True,
+        state_dict_adapter=KimiLinearStateDictAdapter,
+    )
 
 
 def check_run(cfg: Any, config: Any) -> None:

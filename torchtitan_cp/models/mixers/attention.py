@@ -68,16 +68,24 @@ class SoftmaxAttention(Module):
         hook). Its backend is ``model.attention_backend``; ``backend`` (the linear layers') is
         not read."""
         return SoftmaxAttention.Config(
-            dim=cfg.dim, n_heads=cfg.attn_n_heads, n_kv_heads=cfg.attn_n_kv_heads,
-            head_dim=cfg.attn_head_dim, use_rope=cfg.use_rope, rope_theta=cfg.rope_theta,
-            layer_id=layer_id, backend=cfg.attention_backend, cp_mode=cfg.attention_cp,
-        )  # fmt: skip
+            dim=cfg.dim,
+            n_heads=cfg.attn_n_heads,
+            n_kv_heads=cfg.attn_n_kv_heads,
+            head_dim=cfg.attn_head_dim,
+            use_rope=cfg.use_rope,
+            rope_theta=cfg.rope_theta,
+            layer_id=layer_id,
+            backend=cfg.attention_backend,
+            cp_mode=cfg.attention_cp,
+        )
 
     @staticmethod
     def tensor_parallel_heads(cfg: Any) -> list[tuple[str, int]]:
         """The head counts TP must divide (the registry's hook): queries and K/V heads."""
-        return [("model.attn_n_heads", cfg.attn_n_heads),
-                ("model.attn_n_kv_heads", cfg.attn_n_kv_heads)]  # fmt: skip
+        return [
+            ("model.attn_n_heads", cfg.attn_n_heads),
+            ("model.attn_n_kv_heads", cfg.attn_n_kv_heads),
+        ]
 
     @staticmethod
     def flops(cfg: Any, seq_len: int) -> int:

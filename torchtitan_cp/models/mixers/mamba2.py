@@ -95,9 +95,13 @@ class Mamba2Mixer(Module):
         a ValueError naming the keys when the sizes do not fit together."""
         _check_sizes(cfg.dim, cfg.layer_options.mamba2)
         return Mamba2Mixer.Config(
-            dim=cfg.dim, options=cfg.layer_options.mamba2, conv_width=cfg.conv_width,
-            norm_eps=cfg.norm_eps, layer_id=layer_id, backend=backend,
-        )  # fmt: skip
+            dim=cfg.dim,
+            options=cfg.layer_options.mamba2,
+            conv_width=cfg.conv_width,
+            norm_eps=cfg.norm_eps,
+            layer_id=layer_id,
+            backend=backend,
+        )
 
     @staticmethod
     def tensor_parallel_heads(cfg: Any) -> list[tuple[str, int]]:

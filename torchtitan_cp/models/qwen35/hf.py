@@ -51,22 +51,22 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "head_dim": 256,
     "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "tie_word_embeddings": False,
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 MOE_DEFAULTS: dict[str, Any] = {
     "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
     "shared_expert_intermediate_size": 512, "hidden_size": 2048,
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 ROPE_DEFAULTS: dict[str, Any] = {
     "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
     "mrope_section": [11, 11, 10],
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 FULL_ATTENTION_INTERVAL = 4  # transformers' layer_types default: every 4th layer full attention
 VISION_DEFAULTS: dict[str, Any] = {
     "depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh",
     "intermediate_size": 4304, "num_heads": 16, "in_channels": 3, "patch_size": 16,
     "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 3584,
     "num_position_embeddings": 2304,
-}  # fmt: skip
+}  # fmt: skip # a table, laid out by hand to read across
 _ROPE_KEYS = ("rope_type", "rope_theta", "partial_rotary_factor", "mrope_section")
 _HINTS = {
     "tie_word_embeddings": " (set [model] enable_weight_tying to match)",
@@ -104,10 +104,11 @@ def hf_text_config(cfg: Any) -> dict[str, Any]:
     moe = next((lay.moe for lay in cfg.layers if getattr(lay, "moe", None) is not None), None)
     if moe is not None:
         out.update(
-            num_experts=moe.num_experts, num_experts_per_tok=moe.router.top_k,
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.router.top_k,
             moe_intermediate_size=moe.routed_experts.inner_experts.hidden_dim,
             shared_expert_intermediate_size=moe.shared_experts.w1.out_features,
-        )  # fmt: skip
+        )
     else:
         out["intermediate_size"] = cfg.layers[0].feed_forward.w1.out_features
     # torchtitan's FFN is SwiGLU and the GatedDeltaNet conv and output gate use SiLU: HF's
@@ -117,20 +118,24 @@ def hf_text_config(cfg: Any) -> dict[str, Any]:
     if attn is not None:
         rope = attn.rope
         out.update(
-            num_attention_heads=attn.n_heads, num_key_value_heads=attn.n_kv_heads,
-            head_dim=attn.head_dim, attention_bias=bool(attn.wq.bias),
+            num_attention_heads=attn.n_heads,
+            num_key_value_heads=attn.n_kv_heads,
+            head_dim=attn.head_dim,
+            attention_bias=bool(attn.wq.bias),
             rope_type="default" if rope.scaling == "none" else rope.scaling,
-            rope_theta=float(rope.theta), partial_rotary_factor=attn.rotary_dim / attn.head_dim,
+            rope_theta=float(rope.theta),
+            partial_rotary_factor=attn.rotary_dim / attn.head_dim,
             mrope_section=list(rope.mrope_section),
-        )  # fmt: skip
+        )
     dn = next((lay.delta_net for lay in cfg.layers if lay.delta_net is not None), None)
     if dn is not None:
         out.update(
             linear_num_key_heads=dn.in_proj_q.out_features // dn.key_head_dim,
             linear_num_value_heads=dn.in_proj_v.out_features // dn.value_head_dim,
-            linear_key_head_dim=dn.key_head_dim, linear_value_head_dim=dn.value_head_dim,
+            linear_key_head_dim=dn.key_head_dim,
+            linear_value_head_dim=dn.value_head_dim,
             linear_conv_kernel_dim=dn.conv_kernel_size,
-        )  # fmt: skip
+        )
     out["tie_word_embeddings"] = bool(cfg.enable_weight_tying)
     return out
 
@@ -147,7 +152,7 @@ def hf_vision_config(cfg: Any) -> dict[str, Any] | None:
         "spatial_merge_size": v.spatial_merge_size, "temporal_patch_size": v.temporal_patch_size,
         "out_hidden_size": v.merger.fc2.out_features,
         "num_position_embeddings": v.num_position_embeddings,
-    }  # fmt: skip
+    }  # fmt: skip # a table, laid out by hand to read across
 
 
 def hf_config(cfg: Any) -> dict[str, Any]:
@@ -167,13 +172,18 @@ def hf_config(cfg: Any) -> dict[str, Any]:
         # torchtitan's MRoPE interleaves the T/H/W sections as HF's Qwen3.5 does.
         text["rope_parameters"] = {
             **{k: fields[k] for k in _ROPE_KEYS}, "mrope_interleaved": True
-        }  # fmt: skip
+        }  # fmt: skip # a table, laid out by hand to read across
     text.update(model_type=f"{family}_text", dtype="float32")
     vision = hf_vision_config(cfg)
     if vision is None:
         return {"architectures": ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"], **text}
-    vision.update(model_type=f"{family}_vision", rope_parameters={
-        "rope_type": "axial", "rope_theta": float(cfg.vision_encoder.rotary_pos_emb.theta)})  # fmt: skip
+    vision.update(
+        model_type=f"{family}_vision",
+        rope_parameters={
+            "rope_type": "axial",
+            "rope_theta": float(cfg.vision_encoder.rotary_pos_emb.theta),
+        },
+    )
     return {
         "architectures": [
             "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
@@ -188,7 +198,9 @@ def hf_config(cfg: Any) -> dict[str, Any]:
 
 def _multimodal(hf: dict[str, Any]) -> bool:
     return isinstance(hf.get("text_config"), dict) or hf.get("model_type") in (
-        "qwen3_5", "qwen3_5_moe")  # fmt: skip
+        "qwen3_5",
+        "qwen3_5_moe",
+    )
 
 
 def shape_problem(hf: dict[str, Any]) -> str | None:
@@ -283,8 +295,7 @@ def config_mismatch(hf: dict[str, Any], cfg: Any) -> str | None:
     multimodal = _multimodal(hf)
     sub = hf.get("text_config")
     sub_kind = sub.get("model_type") if isinstance(sub, dict) else None
-    for where, kind in (("model_type", hf.get("model_type")),
-                        ("text_config.model_type", sub_kind)):  # fmt: skip
+    for where, kind in (("model_type", hf.get("model_type")), ("text_config.model_type", sub_kind)):
         if kind is not None and kind not in kinds:
             return (
                 f"{where} is {kind!r} but the model flavor is a Qwen3.5 "

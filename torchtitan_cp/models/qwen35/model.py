@@ -109,15 +109,30 @@ class RoutedGatedDeltaKernel(Module):
         q, k = fla_l2norm(q), fla_l2norm(k)  # use_qk_l2norm_in_kernel=True
         if ctx.cp_enabled:
             o, _ = context_parallel_delta_rule(
-                q, k, v, g, beta, kind="gdn", routing=ctx.routing, group=ctx.group,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                kind="gdn",
+                routing=ctx.routing,
+                group=ctx.group,
                 backend=self.backend,
-            )  # fmt: skip
+            )
         else:
             o, _ = chunk_delta_rule(
-                q, k, v, g, beta, kind="gdn", cu_seqlens=ctx.routing.cu_seqlens,
-                cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu, chunk_indices=ctx.routing.chunk_indices,
-                chunk_offsets=ctx.routing.chunk_offsets, backend=self.backend,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                g,
+                beta,
+                kind="gdn",
+                cu_seqlens=ctx.routing.cu_seqlens,
+                cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu,
+                chunk_indices=ctx.routing.chunk_indices,
+                chunk_offsets=ctx.routing.chunk_offsets,
+                backend=self.backend,
+            )
         return o
 
 
@@ -140,10 +155,16 @@ def _routed_causal_conv(
     if ctx.cp_enabled:
         history = context_parallel_conv_history(x_BLD, routing=ctx.routing, group=ctx.group)
     return causal_conv1d(
-        x_BLD, weight, None, cu_seqlens=ctx.routing.cu_seqlens,
-        cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu, chunk_indices=ctx.routing.chunk_indices,
-        initial_state=history, activation="silu", backend=kernel.backend,
-    )  # fmt: skip
+        x_BLD,
+        weight,
+        None,
+        cu_seqlens=ctx.routing.cu_seqlens,
+        cu_seqlens_cpu=ctx.routing.cu_seqlens_cpu,
+        chunk_indices=ctx.routing.chunk_indices,
+        initial_state=history,
+        activation="silu",
+        backend=kernel.backend,
+    )
 
 
 def _routed_delta_net_forward(
@@ -227,9 +248,12 @@ class Qwen35TextModel(RoutedDecoder, Qwen35Model):  # pyrefly: ignore[inconsiste
         meta = routed_varlen_metadata(seq_ctx)
         masks = {"deltanet": meta, "quadratic_attention": meta}
         return Qwen35Model.forward(
-            self, tokens, attention_masks=masks, positions=positions,  # pyrefly: ignore[bad-argument-type]
+            self,
+            tokens,
+            attention_masks=masks,  # pyrefly: ignore[bad-argument-type]
+            positions=positions,
             special_tokens=_TEXT_ONLY_TOKENS,  # text batches: no image/video placeholders
-        )  # fmt: skip
+        )
 
 
 def qwen35_config(

@@ -60,9 +60,17 @@ def apply_tensor_parallel_qwen35(model: nn.Module, tp_mesh: DeviceMesh, ep: int 
         if block.moe_enabled:
             # torchtitan's MoE takes ffn_norm's sequence-parallel DTensor as it is and returns
             # one (its config's out_dst, Shard(1)); the residual add needs the local shard.
-            parallelize_module(block, tp_mesh, {"moe": PrepareModuleOutput(
-                output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True,
-            )})  # fmt: skip
+            parallelize_module(
+                block,
+                tp_mesh,
+                {
+                    "moe": PrepareModuleOutput(
+                        output_layouts=Shard(1),
+                        desired_output_layouts=Shard(1),
+                        use_local_output=True,
+                    )
+                },
+            )
         if block.full_attn:
             columns, row = ("wq", "wk", "wv"), "wo"
             read_locally(attn.q_norm, ["weight"], tp_mesh, shard=False)
@@ -117,7 +125,10 @@ def parallelize_qwen35(
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
     if parallel_dims.fsdp_enabled:
         apply_fsdp_with_experts(
-            model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+            model,
+            parallel_dims=parallel_dims,
+            training=training,
+            parallelism=parallelism,
             encoder=vision,
-        )  # fmt: skip
+        )
     return model

@@ -21,9 +21,13 @@ def qwen35_model_spec(flavor: str, **kwargs: Any) -> ModelSpec:
     ``qwen35_config``), with torchtitan's ``Qwen35StateDictAdapter`` for HF checkpoints and its
     MoE load-balancing hook (the expert bias update of the MoE flavors; a no-op for dense ones)."""
     return recipe_spec(
-        "qwen3_5", flavor, qwen35_config(flavor, **kwargs), parallelize_qwen35,
-        moe=True, state_dict_adapter=Qwen35StateDictAdapter,
-    )  # fmt: skip
+        "qwen3_5",
+        flavor,
+        qwen35_config(flavor, **kwargs),
+        parallelize_qwen35,
+        moe=True,
+        state_dict_adapter=Qwen35StateDictAdapter,
+    )
 
 
 def check_run(cfg: Any, config: Any) -> None:
@@ -35,10 +39,14 @@ def check_run(cfg: Any, config: Any) -> None:
 MODEL = RecipeModel(
     spec=qwen35_model_spec,
     settable=(
-        "n_layers", "vision", "vocab_size", "attention_backend", "attention_cp",
+        "n_layers",
+        "vision",
+        "vocab_size",
+        "attention_backend",
+        "attention_cp",
         "enable_weight_tying",
     ),
     check=check_run,
     hf=HFFolders(check=check_hf_folder, write=write_hf_folder),
-)  # fmt: skip
+)
 """Qwen3.5 in ``MODELS``: its flavor fixes the architecture but for the keys listed."""

@@ -179,9 +179,14 @@ def flex_pair_attention(
         block_mask = create_mask(mask_mod, None, None, pq, pk, device=q.device)
         mask.cache["flex"] = block_mask
     o, aux = flex(
-        _pad_rows(q, pq, 2), _pad_rows(k, pk, 2), _pad_rows(v, pk, 2), block_mask=block_mask,
-        scale=scale, enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True),
-    )  # fmt: skip
+        _pad_rows(q, pq, 2),
+        _pad_rows(k, pk, 2),
+        _pad_rows(v, pk, 2),
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        return_aux=AuxRequest(lse=True),
+    )
     return o[:, :, :tq], aux.lse[:, :, :tq]
 
 
@@ -329,8 +334,11 @@ def _pair_masks(routing: DevicePassKV) -> tuple[list[PairMask | None], PairMask]
             continue
         qa, qb = rd.query_rows
         v0, v1 = rd.visit_offset, rd.visit_offset + rd.num_recv
-        masks.append(PairMask(tok[qa:qb], doc[qa:qb], routing.visit_token_ids[v0:v1],
-                              routing.visit_doc_ids[v0:v1]))  # fmt: skip
+        masks.append(
+            PairMask(
+                tok[qa:qb], doc[qa:qb], routing.visit_token_ids[v0:v1], routing.visit_doc_ids[v0:v1]
+            )
+        )
     masks = (masks, PairMask(tok, doc, tok, doc))
     routing.cache["masks"] = masks
     return masks
@@ -457,9 +465,14 @@ def _backward(
             assert mask is not None
             _compute(call, "backward", rd.recv_from)
             dq_b, dkv_b = _block_grads(
-                call, q[:, :, qa:qb], rows, mask, do[:, :, qa:qb], lse[..., qa:qb],
+                call,
+                q[:, :, qa:qb],
+                rows,
+                mask,
+                do[:, :, qa:qb],
+                lse[..., qa:qb],
                 delta[..., qa:qb],
-            )  # fmt: skip
+            )
             dq[:, :, qa:qb] += dq_b
             dkv_b = dkv_b.to(kv.dtype)
             if call.trace is not None:
@@ -575,10 +588,15 @@ def pass_kv_attention(
         _warm_up(group, q.device)
     masks, own_mask = _pair_masks(routing)
     call = _Call(
-        routing=routing, group=group, kernel=fn,
-        scale=scale if scale is not None else q.shape[-1] ** -0.5, dk=k.shape[-1],
-        trace=trace, masks=masks, own_mask=own_mask,
-    )  # fmt: skip
+        routing=routing,
+        group=group,
+        kernel=fn,
+        scale=scale if scale is not None else q.shape[-1] ** -0.5,
+        dk=k.shape[-1],
+        trace=trace,
+        masks=masks,
+        own_mask=own_mask,
+    )
     out = _PassKV.apply(q, k, v, call)
     assert isinstance(out, Tensor)
     return out
@@ -619,9 +637,15 @@ def _op_call(handle: Tensor, group_name: str, scale: float, kernel: str, dk: int
 
     masks, own_mask = _pair_masks(routing)
     return _Call(
-        routing=routing, group=_resolve_process_group(cast(Any, group_name)), kernel=KERNELS[kernel],
-        scale=scale, dk=dk, trace=None, masks=masks, own_mask=own_mask,
-    )  # fmt: skip
+        routing=routing,
+        group=_resolve_process_group(cast(Any, group_name)),
+        kernel=KERNELS[kernel],
+        scale=scale,
+        dk=dk,
+        trace=None,
+        masks=masks,
+        own_mask=own_mask,
+    )
 
 
 def _pack(k: Tensor, v: Tensor) -> Tensor:
@@ -664,8 +688,9 @@ def _pass_kv_bwd_op(
     dk_ = k.shape[-1]
     call = _op_call(handle, group_name, scale, kernel, dk_)
     with autograd_inside_op():  # the blocks' recompute runs under autograd
-        dq, dkv = _backward(call, q.transpose(1, 2), _pack(k, v), out.transpose(1, 2), lse,
-                            grad.transpose(1, 2))  # fmt: skip
+        dq, dkv = _backward(
+            call, q.transpose(1, 2), _pack(k, v), out.transpose(1, 2), lse, grad.transpose(1, 2)
+        )
     dkv = dkv.transpose(0, 1)
     return (
         dq.transpose(1, 2).to(q.dtype).contiguous(),
@@ -712,7 +737,12 @@ def pass_kv_attention_op(
     from torch.distributed._functional_collectives import _resolve_group_name
 
     out, _ = _pass_kv_fwd_op(
-        q, k, v, handle, _resolve_group_name(group),
-        scale if scale is not None else q.shape[-1] ** -0.5, kernel,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        handle,
+        _resolve_group_name(group),
+        scale if scale is not None else q.shape[-1] ** -0.5,
+        kernel,
+    )
     return out

@@ -211,8 +211,11 @@ def _save(tuner: Any, keys: list[Any]) -> None:
             "config": _config_dict(tuner.cache[key]),
             "module": tuner.base_fn.__module__,
         }
-    data.update(kernel_name=tuner.base_fn.__name__, triton_version=triton.__version__,
-                autotune_entries=entries)  # fmt: skip
+    data.update(
+        kernel_name=tuner.base_fn.__name__,
+        triton_version=triton.__version__,
+        autotune_entries=entries,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))

@@ -112,8 +112,11 @@ def fla_gdn_backward_refusal(facts: DeviceFacts | None = None) -> str | None:
     if not _hopper_bad_triton(f) or (f.tilelang and f.nvcc is not None):
         return None
     cap = f"{f.capability[0]}.{f.capability[1]}" if f.capability else "?"
-    tl = ("tilelang is installed but fla finds no nvcc for it (fla #1026)" if f.tilelang
-          else "no tilelang")  # fmt: skip
+    tl = (
+        "tilelang is installed but fla finds no nvcc for it (fla #1026)"
+        if f.tilelang
+        else "no tilelang"
+    )
     return (
         f"fla-core refuses GDN's backward (gated chunk_bwd_dqkwg) on this Hopper GPU (compute "
         f"capability {cap}) with triton {f.triton}: triton >= 3.4.0 and < 3.7.1 gives wrong "

@@ -134,10 +134,17 @@ def causal_conv1d_fla_op(
     x, weight, bias, initial_state = contiguous(x, weight, bias, initial_state)
     chunk_indices = fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, x.shape[1])
     y, _ = causal_conv1d_fwd(
-        x=x, weight=weight, bias=bias, residual=None, initial_state=initial_state,
-        output_final_state=False, activation=act, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-    )  # fmt: skip
+        x=x,
+        weight=weight,
+        bias=bias,
+        residual=None,
+        initial_state=initial_state,
+        output_final_state=False,
+        activation=act,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices,
+    )
     return y
 
 
@@ -166,10 +173,18 @@ def causal_conv1d_fla_bwd_op(
     x, weight, bias, initial_state, dy = contiguous(x, weight, bias, initial_state, dy)
     chunk_indices = fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, x.shape[1])
     dx, dw, db, _, dh0 = causal_conv1d_bwd(
-        x=x, dy=dy, dht=None, weight=weight, bias=bias, residual=None,
-        initial_state=initial_state, activation=act, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-    )  # fmt: skip
+        x=x,
+        dy=dy,
+        dht=None,
+        weight=weight,
+        bias=bias,
+        residual=None,
+        initial_state=initial_state,
+        activation=act,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices,
+    )
     # Every gradient in its input's dtype, as the fake impl promises.
     db = db.to(bias.dtype) if (bias is not None and db is not None) else x.new_empty(0)
     if initial_state is not None and dh0 is not None:

@@ -62,9 +62,17 @@ def delta_rule_torch_op(
     """``chunk_delta_rule_torch``; returns ``(o [1,T,HV,V], final_state [N,HV,K,V])`` (the final
     state always: it costs nothing extra here and keeps one output signature)."""
     o, final = chunk_delta_rule_torch(
-        q, k, v, g, beta, kind=kind, scale=scale, initial_state=initial_state,
-        output_final_state=True, cu_seqlens_cpu=cu_seqlens_cpu,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        kind=kind,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=True,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
     return shared.op_outputs(o, final, initial_state)
 
 
@@ -90,9 +98,12 @@ def delta_rule_torch_bwd_op(
     """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` by re-running the forward under autograd
     (dh0 is ``[N,HV,K,V]`` zeros without an initial state)."""
     kernel = partial(
-        chunk_delta_rule_torch, kind=kind, scale=scale, output_final_state=True,
+        chunk_delta_rule_torch,
+        kind=kind,
+        scale=scale,
+        output_final_state=True,
         cu_seqlens_cpu=cu_seqlens_cpu,
-    )  # fmt: skip
+    )
     grads = shared.recompute_grads(
         kernel, (q, k, v, g, beta), initial_state, cu_seqlens_cpu, do, dfinal
     )
@@ -130,9 +141,16 @@ def delta_rule_summaries_torch_op(
     ``[N]`` (``SummaryRows.subsequence_cpu``): the rows marked −1 (the routing's padding, last)
     are not computed (identity; their tokens get zero gradients)."""
     return summaries_delta_rule_torch(
-        q, k, v, g, beta, kind=kind, scale=scale, cu_seqlens_cpu=cu_seqlens_cpu,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        kind=kind,
+        scale=scale,
+        cu_seqlens_cpu=cu_seqlens_cpu,
         live=_live_rows(rows_cpu),
-    ).contiguous()  # fmt: skip
+    ).contiguous()
 
 
 def _live_rows(rows_cpu: Tensor | None) -> int | None:
@@ -258,10 +276,18 @@ def delta_rule_fla_op(
     chunk_indices = fla_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_indices, q.shape[1])
     # Untyped kwargs: fla annotates optional tensors (initial_state, offsets) as required.
     kw: dict[str, Any] = dict(
-        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, chunk_size=FLA_CHUNK_SIZE,
-    )  # fmt: skip
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices,
+        chunk_size=FLA_CHUNK_SIZE,
+    )
     if kind == "kda":
         from fla.ops.kda.chunk_fwd import chunk_kda_fwd
 
@@ -279,8 +305,20 @@ def delta_rule_fla_op(
 
 
 @delta_rule_fla_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices, kind, scale,
-      output_final_state):  # fmt: skip
+def _(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state,
+    cu_seqlens,
+    cu_seqlens_cpu,
+    chunk_indices,
+    kind,
+    scale,
+    output_final_state,
+):
     T, HV, V, K = q.shape[1], v.shape[2], v.shape[3], q.shape[3]
     if output_final_state:
         final = q.new_empty(num_seqs(cu_seqlens), HV, K, V, dtype=torch.float32)
@@ -317,9 +355,18 @@ def delta_rule_fla_bwd_op(
         q, k, v, beta, g_cumsum, a1, a2, initial_state, do, dfinal
     )
     kw: dict[str, Any] = dict(
-        q=q, k=k, v=v, beta=beta, scale=scale, initial_state=initial_state, do=do, dht=dfinal,
-        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK_SIZE,
-    )  # fmt: skip
+        q=q,
+        k=k,
+        v=v,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        do=do,
+        dht=dfinal,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices,
+        chunk_size=FLA_CHUNK_SIZE,
+    )
     grads: tuple[Any, ...]
     if kind == "kda":
         from fla.ops.kda.chunk_bwd import chunk_kda_bwd
@@ -345,15 +392,36 @@ def delta_rule_fla_bwd_op(
 
 
 @delta_rule_fla_bwd_op.register_fake
-def _(q, k, v, beta, g_cumsum, a1, a2, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices,
-      do, dfinal, kind, scale):  # fmt: skip
+def _(
+    q,
+    k,
+    v,
+    beta,
+    g_cumsum,
+    a1,
+    a2,
+    initial_state,
+    cu_seqlens,
+    cu_seqlens_cpu,
+    chunk_indices,
+    do,
+    dfinal,
+    kind,
+    scale,
+):
     dh0 = (
         initial_state.new_empty(initial_state.shape)
         if initial_state is not None
         else q.new_empty(0, dtype=torch.float32)
     )
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            g_cumsum.new_empty(g_cumsum.shape), beta.new_empty(beta.shape), dh0)  # fmt: skip
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        g_cumsum.new_empty(g_cumsum.shape),
+        beta.new_empty(beta.shape),
+        dh0,
+    )
 
 
 def _setup_delta_rule_fla(ctx, inputs, output) -> None:
@@ -368,9 +436,22 @@ def _backward_delta_rule_fla(ctx, do, dfinal, *_):
     if dfinal is not None and dfinal.numel() == 0:
         dfinal = None
     dq, dk, dv, dg, db, dh0 = delta_rule_fla_bwd_op(
-        q, k, v, beta, g_cum, a1, a2, h0, cu, cu_cpu, chunk_indices, do, dfinal, ctx.kind,
+        q,
+        k,
+        v,
+        beta,
+        g_cum,
+        a1,
+        a2,
+        h0,
+        cu,
+        cu_cpu,
+        chunk_indices,
+        do,
+        dfinal,
+        ctx.kind,
         ctx.scale,
-    )  # fmt: skip
+    )
     dh0 = dh0 if h0 is not None else None
     return dq, dk, dv, dg.to(ctx.g_dtype), db, dh0, None, None, None, None, None, None
 

@@ -41,9 +41,13 @@ def summaries_fla(prepared: FlaPrepared, rows: SummaryRows, *, kind: str, scale:
     sub = rows.subsequence
     tables = rows.tables
     cu, cu_cpu, _, _ = fla_offsets(
-        q, tables.cu_seqlens, tables.cu_seqlens_cpu, tables.chunk_indices,
-        tables.chunk_offsets, None,
-    )  # fmt: skip
+        q,
+        tables.cu_seqlens,
+        tables.cu_seqlens_cpu,
+        tables.chunk_indices,
+        tables.chunk_offsets,
+        None,
+    )
     assert cu is not None  # the summary stream is always packed
     if q.shape[1] == 0:  # every row empty (a capped pass): identities, nothing to differentiate
         ident = torch.zeros(sub.numel(), HV, K, V + K, device=q.device)
@@ -60,10 +64,18 @@ def summaries_fla(prepared: FlaPrepared, rows: SummaryRows, *, kind: str, scale:
         return torch.where((sub >= 0).view(-1, 1, 1, 1), picked, torch.zeros_like(picked))
 
     return delta_rule_summaries_indexed(
-        q, k, v, g, beta, kind=kind, scale=scale, entry=entry, cu_seqlens=cu,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        kind=kind,
+        scale=scale,
+        entry=entry,
+        cu_seqlens=cu,
         chunk_indices=fla_chunk_indices(cu, cu_cpu, tables.chunk_indices, q.shape[1]),
         chunk_offsets=tables.chunk_offsets,
-    )  # fmt: skip
+    )
 
 
 def chunk_delta_rule_fla(

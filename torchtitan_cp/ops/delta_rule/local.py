@@ -69,9 +69,15 @@ def chunk_delta_rule(
         raise ValueError(f"kind must be 'kda' or 'gdn', got {kind!r}")
     gate = TokenInput(g, ("HV", "K") if kind == "kda" else ("HV",), f" for kind={kind!r}")
     call = checks.check_local(
-        q, k, v, {"g": gate, "beta": TokenInput(beta, ("HV",))}, initial_state, cu_seqlens,
-        cu_seqlens_cpu, backend,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        {"g": gate, "beta": TokenInput(beta, ("HV",))},
+        initial_state,
+        cu_seqlens,
+        cu_seqlens_cpu,
+        backend,
+    )
     if torch.compiler.is_compiling():
         # While dynamo traces, the kernel runs as the custom ops of ``delta_rule.custom_ops``
         # (opaque to the compiler, no graph break); eager calls keep their plain autograd.
@@ -80,19 +86,32 @@ def chunk_delta_rule(
         )
         if call.backend == "fla":
             o, final, *_ = custom_ops.delta_rule_fla_op(
-                q, k, v, g, beta, a.initial_state, a.cu_seqlens, a.cu_seqlens_cpu, chunk_indices,
-                kind, a.scale, output_final_state,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                g,
+                beta,
+                a.initial_state,
+                a.cu_seqlens,
+                a.cu_seqlens_cpu,
+                chunk_indices,
+                kind,
+                a.scale,
+                output_final_state,
+            )
         else:
             o, final = custom_ops.delta_rule_torch_op(
                 q, k, v, g, beta, a.initial_state, a.cu_seqlens_cpu, kind, a.scale
             )
         return o, (final if output_final_state else None)
     common = dict(
-        kind=kind, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        kind=kind,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
-    )  # fmt: skip
+    )
     if call.backend == "fla":
         from .fla_kernel import chunk_delta_rule_fla
 

@@ -67,9 +67,16 @@ class DeltaRule:
             return FlaPrepared(inputs, tables, {})
         q, k, v, g, beta = inputs
         return prepare_delta_rule_torch(
-            q, k, v, g, beta, kind=self.kind, scale=self.scale,
-            cu_seqlens=tables.cu_seqlens, cu_seqlens_cpu=tables.cu_seqlens_cpu,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            g,
+            beta,
+            kind=self.kind,
+            scale=self.scale,
+            cu_seqlens=tables.cu_seqlens,
+            cu_seqlens_cpu=tables.cu_seqlens_cpu,
+        )
 
     def local(
         self, prepared: Any, initial_state: InitialState, output_final_state: bool
@@ -114,14 +121,30 @@ class DeltaRule:
         q, k, v, g, beta = (x.index_select(1, rows.token_index) for x in inputs)
         tables = rows.tables
         backend = checks.resolve_backend(self.backend, q)
-        a = op_args(backend, q.shape[3], self.scale, tables.cu_seqlens, tables.cu_seqlens_cpu,
-                    None, q.device)  # fmt: skip
+        a = op_args(
+            backend,
+            q.shape[3],
+            self.scale,
+            tables.cu_seqlens,
+            tables.cu_seqlens_cpu,
+            None,
+            q.device,
+        )
         if backend == "fla":
             assert a.cu_seqlens is not None  # the summary stream is always packed
             return custom_ops.delta_rule_summaries_fla_op(
-                q, k, v, g, beta, a.cu_seqlens, a.cu_seqlens_cpu, tables.chunk_indices,
-                rows.subsequence_cpu, self.kind, a.scale,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                g,
+                beta,
+                a.cu_seqlens,
+                a.cu_seqlens_cpu,
+                tables.chunk_indices,
+                rows.subsequence_cpu,
+                self.kind,
+                a.scale,
+            )
         return custom_ops.delta_rule_summaries_torch_op(
             q, k, v, g, beta, a.cu_seqlens_cpu, rows.subsequence_cpu, self.kind, a.scale
         )

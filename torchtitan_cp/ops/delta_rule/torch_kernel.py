@@ -372,7 +372,16 @@ def chunk_delta_rule_torch(
         float32). Zero-length sequences return their initial state.
     """
     chunks = prepare_delta_rule_torch(
-        q, k, v, g, beta, kind=kind, scale=scale, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, sub_chunk_size=sub_chunk_size,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        kind=kind,
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_size=chunk_size,
+        sub_chunk_size=sub_chunk_size,
+    )
     return local_delta_rule_torch(chunks, initial_state, output_final_state)

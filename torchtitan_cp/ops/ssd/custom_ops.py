@@ -54,9 +54,15 @@ def ssd_torch_op(
     """``chunk_ssd_torch``; returns ``(o [1,T,HV,V], final_state [N,HV,K,V])`` (the final state
     always: it costs nothing extra here and keeps one output signature)."""
     o, final = chunk_ssd_torch(
-        q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=True,
+        q,
+        k,
+        v,
+        g,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=True,
         cu_seqlens_cpu=cu_seqlens_cpu,
-    )  # fmt: skip
+    )
     return shared.op_outputs(o, final, initial_state)
 
 
@@ -146,14 +152,21 @@ def ssd_fla_op(
 
     q, k, v, g, initial_state = contiguous(q, k, v, g, initial_state)
     ci, co = _tables(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets, q.shape[1])
-    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-              cu_seqlens=cu_seqlens, chunk_size=FLA_CHUNK_SIZE, chunk_indices=ci)  # fmt: skip
+    kw = dict(
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=FLA_CHUNK_SIZE,
+        chunk_indices=ci,
+    )
     with chunk_tables(cu_seqlens, cu_seqlens_cpu, ci, co):
         if g.dim() == 4:
             g_cum, _, _, final, o = _fla("gla.chunk:chunk_gla_fwd")(q, k, v, g, None, **kw)
         else:  # fla pre-scales the gate by 1/ln 2 so its kernels use exp2
-            g_cum = _fla("utils:chunk_local_cumsum")(g, chunk_size=FLA_CHUNK_SIZE, scale=RCP_LN2,
-                                                     cu_seqlens=cu_seqlens, chunk_indices=ci)  # fmt: skip
+            g_cum = _fla("utils:chunk_local_cumsum")(
+                g, chunk_size=FLA_CHUNK_SIZE, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=ci
+            )
             o, final = _fla("simple_gla.chunk:chunk_simple_gla_fwd")(q, k, v, g_cum, **kw)
     if final is None:
         final = q.new_empty(0, dtype=torch.float32)
@@ -161,8 +174,19 @@ def ssd_fla_op(
 
 
 @ssd_fla_op.register_fake
-def _(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets, scale,
-      output_final_state):  # fmt: skip
+def _(
+    q,
+    k,
+    v,
+    g,
+    initial_state,
+    cu_seqlens,
+    cu_seqlens_cpu,
+    chunk_indices,
+    chunk_offsets,
+    scale,
+    output_final_state,
+):
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
     if output_final_state:
         final = q.new_empty(num_seqs(cu_seqlens), HV, K, V, dtype=torch.float32)
@@ -205,8 +229,9 @@ def ssd_fla_bwd_op(
             dq, dk, dv, dg, dh0 = _fla("simple_gla.chunk:chunk_simple_gla_bwd")(
                 q, k, v, g_cumsum, None, initial_state, do, dfinal, scale, **kw
             )
-            dg = _fla("utils:chunk_local_cumsum")(dg, chunk_size=FLA_CHUNK_SIZE, reverse=True,
-                                                  cu_seqlens=cu_seqlens, chunk_indices=ci)  # fmt: skip
+            dg = _fla("utils:chunk_local_cumsum")(
+                dg, chunk_size=FLA_CHUNK_SIZE, reverse=True, cu_seqlens=cu_seqlens, chunk_indices=ci
+            )
     if dh0 is None or initial_state is None:
         dh0 = q.new_empty(0, dtype=torch.float32)
     else:
@@ -215,15 +240,32 @@ def ssd_fla_bwd_op(
 
 
 @ssd_fla_bwd_op.register_fake
-def _(q, k, v, g_cumsum, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices,
-      chunk_offsets, do, dfinal, scale):  # fmt: skip
+def _(
+    q,
+    k,
+    v,
+    g_cumsum,
+    initial_state,
+    cu_seqlens,
+    cu_seqlens_cpu,
+    chunk_indices,
+    chunk_offsets,
+    do,
+    dfinal,
+    scale,
+):
     dh0 = (
         initial_state.new_empty(initial_state.shape)
         if initial_state is not None
         else q.new_empty(0, dtype=torch.float32)
     )
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            g_cumsum.new_empty(g_cumsum.shape), dh0)  # fmt: skip
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        g_cumsum.new_empty(g_cumsum.shape),
+        dh0,
+    )
 
 
 def _setup_ssd_fla(ctx, inputs, output) -> None:

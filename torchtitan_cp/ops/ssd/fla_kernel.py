@@ -48,6 +48,13 @@ def chunk_ssd_fla(
     else:
         from fla.ops.simple_gla import chunk_simple_gla as op
     return indexed(
-        op, q, k, v, g.float(), tables=(cu_dev, cu_cpu, chunk_indices, chunk_offsets),
-        scale=scale, initial_state=h0, output_final_state=output_final_state,
-    )  # fmt: skip
+        op,
+        q,
+        k,
+        v,
+        g.float(),
+        tables=(cu_dev, cu_cpu, chunk_indices, chunk_offsets),
+        scale=scale,
+        initial_state=h0,
+        output_final_state=output_final_state,
+    )

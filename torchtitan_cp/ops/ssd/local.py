@@ -61,10 +61,16 @@ def chunk_ssd(
     )
     if call.backend == "torch" and not torch.compiler.is_compiling():
         o, fin = chunk_ssd_torch(
-            q, k, v, g, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            q,
+            k,
+            v,
+            g,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu,
-        )  # fmt: skip
+        )
         assert o is not None
         return o, fin
     # The other kernels take the entry states up front.
@@ -77,15 +83,33 @@ def chunk_ssd(
             rep = call.HV // call.H  # as chunk_ssd_fla: one q/k head per value head
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
             o, final, _ = custom_ops.ssd_fla_op(
-                q, k, v, g.float(), a.initial_state, a.cu_seqlens, a.cu_seqlens_cpu,
-                chunk_indices, chunk_offsets, a.scale, output_final_state,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                g.float(),
+                a.initial_state,
+                a.cu_seqlens,
+                a.cu_seqlens_cpu,
+                chunk_indices,
+                chunk_offsets,
+                a.scale,
+                output_final_state,
+            )
         else:
             o, final = custom_ops.ssd_torch_op(
                 q, k, v, g, a.initial_state, a.cu_seqlens_cpu, a.scale
             )
         return o, (final if output_final_state else None)
     return chunk_ssd_fla(
-        q, k, v, g, scale, h0, output_final_state, cu_seqlens, cu_seqlens_cpu,
-        chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        scale,
+        h0,
+        output_final_state,
+        cu_seqlens,
+        cu_seqlens_cpu,
+        chunk_indices=chunk_indices,
+        chunk_offsets=chunk_offsets,
+    )

@@ -87,11 +87,16 @@ class SSD:
     ) -> tuple[Tensor, Tensor | None]:
         inputs, tables = prepared
         return chunk_ssd(
-            *self.gated(inputs), scale=self.scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=tables.cu_seqlens,
-            cu_seqlens_cpu=tables.cu_seqlens_cpu, backend=self.backend,
-            chunk_indices=tables.chunk_indices, chunk_offsets=tables.chunk_offsets,
-        )  # fmt: skip
+            *self.gated(inputs),
+            scale=self.scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=tables.cu_seqlens,
+            cu_seqlens_cpu=tables.cu_seqlens_cpu,
+            backend=self.backend,
+            chunk_indices=tables.chunk_indices,
+            chunk_offsets=tables.chunk_offsets,
+        )
 
     def identity(self, state_shape: tuple[int, int, int], dtype, device) -> Tensor:
         HV, K, V = state_shape
@@ -104,22 +109,35 @@ class SSD:
         dt = compute_dtype(v.dtype)
         if checks.resolve_backend(self.backend, q) == "torch" and not torch.compiler.is_compiling():
             _, E = chunk_ssd_torch(
-                q, k, v, g, cu_seqlens=tables.cu_seqlens,
-                cu_seqlens_cpu=tables.cu_seqlens_cpu, states_only=True,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                g,
+                cu_seqlens=tables.cu_seqlens,
+                cu_seqlens_cpu=tables.cu_seqlens_cpu,
+                states_only=True,
+            )
         else:
             # fla has no state-only autograd entry point, and under torch.compile the local
             # kernel runs as an opaque custom op: both compute, and discard, the [.., V] output.
             _, E = chunk_ssd(
-                q, k, v, g, output_final_state=True, cu_seqlens=tables.cu_seqlens,
-                cu_seqlens_cpu=tables.cu_seqlens_cpu, backend=self.backend,
-                chunk_indices=tables.chunk_indices, chunk_offsets=tables.chunk_offsets,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                g,
+                output_final_state=True,
+                cu_seqlens=tables.cu_seqlens,
+                cu_seqlens_cpu=tables.cu_seqlens_cpu,
+                backend=self.backend,
+                chunk_indices=tables.chunk_indices,
+                chunk_offsets=tables.chunk_offsets,
+            )
         assert E is not None
         # Log decay of every sequence: differences of a float64 prefix sum at the offsets
         # (a device gather, no host read; float64 so long ranges lose no precision).
-        cs = torch.cat([g.new_zeros(1, 1, *g.shape[2:], dtype=torch.float64),
-                        g.double().cumsum(1)], 1)[0]  # fmt: skip
+        cs = torch.cat(
+            [g.new_zeros(1, 1, *g.shape[2:], dtype=torch.float64), g.double().cumsum(1)], 1
+        )[0]
         cu = tables.cu_seqlens.to(device=g.device, dtype=torch.int64)
         a = (cs.index_select(0, cu[1:]) - cs.index_select(0, cu[:-1])).to(dt)  # [N, HV(, K)]
         return torch.cat([E.to(dt).flatten(-2), a.reshape(*a.shape[:2], -1)], -1)
