@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             validate(config, nproc * nnodes, device_type, local_world_size=nproc)
             # stdout is the process count train.sh reads; the mesh is for the reader.
             print(f"[mesh] {mesh_text(config, nproc * nnodes)}", file=sys.stderr)
-            stages = pipeline_text(config)
+            stages = pipeline_text(config, nproc * nnodes)
             if stages is not None:
                 print(f"[pipeline] {stages}", file=sys.stderr)
             print(nproc)
