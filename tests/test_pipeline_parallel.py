@@ -5,8 +5,8 @@ Every run starts from one seed checkpoint, float32 on gloo, ``--debug.determinis
 hybrid debug model with one layer of each kind (``KGMRA``), 10 steps, two pipeline
 microbatches of one row a step. Against dp1 (one rank, two rows a step): pp2 under 1F1B
 (stages ``KGMR|A`` by the cost model), under Interleaved1F1B (four stages, two per rank,
-``KG|M|R|A``), under ZBVZeroBubble (the V order, split ``K|GM|R|A``) and pp2 x cp2 (1F1B, four
-ranks): the loss and grad norm within 1e-5 relative each step; host and readback routing
+``KG|M|R|A``), under ZBVZeroBubble (the V order, split ``K|GM|R|A``), GPipe,
+InterleavedZeroBubble and pp2 x cp2 (1F1B, four ranks): the loss and grad norm within 1e-5 relative each step; host and readback routing
 train bit for bit the same under pp2 x cp2; pp2's validation loss is dp1's; a pp2 x cp2
 checkpoint of step 5 resumes under cp2, and a cp2 one under pp2 x cp2, on dp1's curve. pp2 x
 fsdp2 (1F1B, four ranks) against one rank reading the same global batches of four rows
@@ -82,7 +82,7 @@ def _worst(ref: list[tuple[float, float]], run: list[tuple[float, float]]) -> fl
 
 
 def test_pipeline_parallel_parity_table(tmp_path):
-    """pp2 (1F1B, Interleaved1F1B, ZBVZeroBubble), pp2 x cp2 and pp2 x fsdp2 (1F1B)
+    """pp2 (1F1B, Interleaved1F1B, ZBVZeroBubble, GPipe, InterleavedZeroBubble), pp2 x cp2 and pp2 x fsdp2 (1F1B)
     give dp1's loss and grad norm within 1e-5 relative each step; host and readback routing
     are bitwise equal under pp2 x cp2; pp2's validation loss is dp1's; a pp2 x cp2 checkpoint
     resumes under cp2, and a cp2 one under pp2 x cp2, on dp1's curve."""
@@ -95,6 +95,8 @@ def test_pipeline_parallel_parity_table(tmp_path):
         "pp2-1f1b": (2, [*PP, *schedule("1F1B"), *VALIDATE]),
         "pp2-interleaved": (2, [*PP, *schedule("Interleaved1F1B")]),
         "pp2-zbv": (2, [*PP, *schedule("ZBVZeroBubble", "K|GM|R|A")]),
+        "pp2-gpipe": (2, [*PP, *schedule("GPipe")]),
+        "pp2-interleaved-zb": (2, [*PP, *schedule("InterleavedZeroBubble")]),
         "pp2xcp2": (4, [*PP, *CP]),
     }
     fsdp = [*PP, *schedule("1F1B"), *data, str(split)]
