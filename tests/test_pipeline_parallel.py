@@ -2,11 +2,12 @@
 docs/parallelism.md has the numbers).
 
 Every run starts from one seed checkpoint, float32 on gloo, ``--debug.deterministic``, the
-hybrid debug model with one layer of each kind (``KGMRA``), 10 steps, two pipeline
+hybrid debug model with one layer of each kind (``KGMRA``, Mamba2 in two B/C groups as in the
+TP table), 10 steps, two pipeline
 microbatches of one row a step. Against dp1 (one rank, two rows a step): pp2 under 1F1B
 (stages ``KGMR|A`` by the cost model), under Interleaved1F1B (four stages, two per rank,
 ``KG|M|R|A``), under ZBVZeroBubble (the V order, split ``K|GM|R|A``), GPipe,
-InterleavedZeroBubble and pp2 x cp2 (1F1B, four ranks): the loss and grad norm within 1e-5 relative each step; host and readback routing
+InterleavedZeroBubble, pp2 x cp2 and pp2 x tp2 (1F1B, four ranks each): the loss and grad norm within 1e-5 relative each step; host and readback routing
 train bit for bit the same under pp2 x cp2; pp2's validation loss is dp1's; a pp2 x cp2
 checkpoint of step 5 resumes under cp2, and a cp2 one under pp2 x cp2, on dp1's curve. pp2 x
 fsdp2 (1F1B, four ranks) against one rank reading the same global batches of four rows
@@ -22,11 +23,12 @@ import pytest
 
 from tests.helpers import row_aligned_corpus
 from tests.launch import Launch, fork_train, read_metrics
-from tests.test_train import DEFAULT
+from tests.test_tensor_parallel import HYBRID as TP_HYBRID
 
 pytestmark = pytest.mark.slow
 
-HYBRID = [*DEFAULT, "--model.layer_pattern", "KGMRA"]
+# the TP table's model: KGMRA, Mamba2 in 2 B/C groups (so TP 2 holds one group per rank)
+HYBRID = TP_HYBRID
 STEPS = 10
 REL = 1e-5
 RUN = ["--validator.no-enable", "--metrics.no-enable-wandb", "--debug.deterministic"]
@@ -82,7 +84,7 @@ def _worst(ref: list[tuple[float, float]], run: list[tuple[float, float]]) -> fl
 
 
 def test_pipeline_parallel_parity_table(tmp_path):
-    """pp2 (1F1B, Interleaved1F1B, ZBVZeroBubble, GPipe, InterleavedZeroBubble), pp2 x cp2 and pp2 x fsdp2 (1F1B)
+    """pp2 (1F1B, Interleaved1F1B, ZBVZeroBubble, GPipe, InterleavedZeroBubble), pp2 x cp2, pp2 x tp2 and pp2 x fsdp2 (1F1B)
     give dp1's loss and grad norm within 1e-5 relative each step; host and readback routing
     are bitwise equal under pp2 x cp2; pp2's validation loss is dp1's; a pp2 x cp2 checkpoint
     resumes under cp2, and a cp2 one under pp2 x cp2, on dp1's curve."""
@@ -98,6 +100,7 @@ def test_pipeline_parallel_parity_table(tmp_path):
         "pp2-gpipe": (2, [*PP, *schedule("GPipe")]),
         "pp2-interleaved-zb": (2, [*PP, *schedule("InterleavedZeroBubble")]),
         "pp2xcp2": (4, [*PP, *CP]),
+        "pp2xtp2": (4, [*PP, "--parallelism.tensor_parallel_degree", "2"]),
     }
     fsdp = [*PP, *schedule("1F1B"), *data, str(split)]
     print(fork_train([

@@ -165,8 +165,6 @@ BAD_VALUES = [
       "with ZBVZeroBubble"]),
     (["--parallelism.pipeline_parallel_degree", "2", *PP_MB1, "--parallelism.pipeline_parallel_schedule",
       "Zigzag"], "2", ["parallelism.pipeline_parallel_schedule: Unknown schedule name 'Zigzag'"]),
-    (["--parallelism.pipeline_parallel_degree", "2", *PP_MB1, "--parallelism.tensor_parallel_degree",
-      "2"], "4", ["pipeline_parallel_degree > 1 with tensor_parallel_degree > 1"]),
     (["--parallelism.pipeline_parallel_degree", "2", *PP_MB1, "--parallelism.pipeline_parallel_schedule",
       "ZBVZeroBubble", "--parallelism.pipeline_parallel_split", "K|G|K|A"], "4",
      ["schedule = 'ZBVZeroBubble' with FSDP (data_parallel_shard_degree x context_parallel_degree "

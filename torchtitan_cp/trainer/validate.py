@@ -257,11 +257,6 @@ def _check_pipeline(config: Any, model_cfg: Any, world_size: int) -> Any:
         "> 1 (the embedding is on the first stage, the LM head on the last); set one of them off",
     )
     _need(
-        p.tensor_parallel_degree == 1,
-        "parallelism.pipeline_parallel_degree > 1 with tensor_parallel_degree > 1: the "
-        "hybrid decoder's pipeline stages have no tensor parallelism yet; set one of them to 1",
-    )
-    _need(
         not config.spike_guard.enabled,
         "spike_guard.enabled with parallelism.pipeline_parallel_degree > 1: only the last stage "
         "sees the loss, and every stage must agree to skip; turn one of them off",
