@@ -1,5 +1,5 @@
-"""Memory per rank of Qwen3.5-27B and 35B-A3B and Kimi-Linear-48B-A3B under CP x TP (x EP)
-with FSDP: the numbers of docs/parallelism.md, from the formula stated there (an estimate, not a
+"""Memory per rank of Qwen3.5-27B, 35B-A3B and 397B-A17B and Kimi-Linear-48B-A3B under CP x TP
+(x EP) with FSDP, and under PP x CP x TP (the busiest stage and the bubble): the numbers of docs/parallelism.md, from the formula stated there (an estimate, not a
 measurement).
 
     python scripts/parallel_memory.py
@@ -30,6 +30,11 @@ MODELS = {
     "Kimi-48B-A3B": dict(params=49.123e9, experts=47.110e9, layers=27, dim=2304, vocab=163840,
                          linear=5 * 4096, attn=6144 + 576 + 8192,
                          kv=576 + 32 * (192 + 128), ffn=8 * 1024 + 1024),
+    # Qwen3.5-397B-A17B (torchtitan's flavor, text model measured on the meta device): 60
+    # layers (45 GatedDeltaNet, 15 gated attention), 512 experts of 1024 hidden, top 10
+    "397B-A17B": dict(params=396.346e9, experts=386.547e9, layers=60, dim=4096, vocab=248320,
+                      linear=2048 + 2048 + 8192 + 8192, attn=16384 + 512 + 512, kv=512 + 512,
+                      ffn=10 * 1024 + 1024),
 }  # fmt: skip # a table, laid out by hand to read across
 
 STATE_BYTES = 16  # fp32 parameter + gradient + AdamW's two moments
@@ -54,6 +59,26 @@ def per_rank(model: dict, seq: int, cp: int, tp: int, dp_shard: int) -> dict[str
     parts = dict(state=state, saved=saved, layer=layer, kv=kv, logits=logits)
     parts["total"] = sum(parts.values())
     return {k: v / GIB for k, v in parts.items()}
+
+
+def pipeline_rank(
+    model: dict, seq: int, pp: int, cp: int, tp: int, dp_shard: int, microbatches: int
+) -> dict[str, float]:
+    """GiB per rank of the busiest pipeline stage under 1F1B (one row per pipeline microbatch,
+    ``microbatches`` of them a step) and the bubble: the stage holds 1/pp of the state; its
+    first stage keeps pp microbatches in flight, each with the checkpointed inputs of its
+    layers/pp layers, so the saved inputs are those of all layers for one row, as without PP;
+    the last stage holds the logits. Bubble (idle fraction of a step): (pp - 1) / (m + pp - 1);
+    Interleaved1F1B with v stages per rank: (pp - 1) / (v m + pp - 1)."""
+    g = per_rank(model, seq, cp, tp, dp_shard)
+    g["state"] /= pp
+    g["total"] = sum(v for k, v in g.items() if k != "total")
+    g["bubble"] = (pp - 1) / (microbatches + pp - 1)
+    g["bubble_v2"] = (pp - 1) / (2 * microbatches + pp - 1)
+    return g
+
+
+PIPELINE_MICROBATCHES = 16
 
 
 def main() -> None:
@@ -83,6 +108,26 @@ def main() -> None:
             f"| {name} | {seq // 1024}k | {cp} x {tp} ({cp * tp * dps}) | {g['state']:.1f} | "
             f"{g['saved']:.1f} | {g['layer']:.1f} | {g['kv']:.1f} | {g['logits']:.1f} | "
             f"{g['total']:.1f} |"
+        )
+    print()
+    print(
+        "| model | tokens | PP x CP x TP x dp_shard (ranks) | state | saved inputs | one layer | "
+        "K/V | logits | total GiB | bubble 1F1B | bubble interleaved (2/rank) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, seq, pp, cp, tp, dps in [
+        ("397B-A17B", 131072, 8, 8, 1, 2),
+        ("397B-A17B", 131072, 16, 8, 1, 1),
+        ("397B-A17B", 1048576, 8, 32, 1, 1),
+        ("397B-A17B", 1048576, 4, 16, 4, 1),
+        ("Kimi-48B-A3B", 131072, 2, 8, 1, 1),
+        ("Kimi-48B-A3B", 1048576, 2, 32, 1, 1),
+    ]:
+        g = pipeline_rank(MODELS[name], seq, pp, cp, tp, dps, PIPELINE_MICROBATCHES)
+        print(
+            f"| {name} | {seq // 1024}k | {pp} x {cp} x {tp} x {dps} ({pp * cp * tp * dps}) | "
+            f"{g['state']:.1f} | {g['saved']:.1f} | {g['layer']:.1f} | {g['kv']:.1f} | "
+            f"{g['logits']:.1f} | {g['total']:.1f} | {g['bubble']:.1%} | {g['bubble_v2']:.1%} |"
         )
 
 

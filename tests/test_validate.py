@@ -78,6 +78,7 @@ def test_qwen35_moe_under_tp_and_ep_x_tp_passes_the_check(capsys, tmp_path):
 
 
 # Each row: the flags, the process count, and what the line must say (the key and the fix).
+PP_MB1 = ["--parallelism.pipeline_parallel_microbatch_size", "1"]
 BAD_VALUES = [
     (["--training.steps", "-3"], "2", ["training.steps must be >= 0, got -3"]),
     (["--optimizer.param_groups.0.optimizer_kwargs.lr", "-0.001"], "2",
@@ -139,8 +140,36 @@ BAD_VALUES = [
            "context_parallel_degree x tensor_parallel_degree (1 x 1 x 2)"]),
     (["--config_file", "configs/qwen35_debug_cpu.toml", "--parallelism.expert_parallel_degree",
       "2"], "2", ["expert_parallel_degree = 2: this qwen3_5 flavor has no experts"]),
-    (["--parallelism.pipeline_parallel_degree", "2"], "2",
-     ["pipeline_parallel_degree = 2: this recipe has no pipeline parallelism"]),
+    # issue 37: pipeline parallelism (the hybrid decoder; KGKA, 2 rows a step)
+    (["--config_file", "configs/qwen35_debug_cpu.toml", "--parallelism.pipeline_parallel_degree",
+      "2"], "2", ["parallelism.pipeline_parallel_degree > 1 is not supported for qwen3_5"]),
+    (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "1"], "2",
+     ["pipeline_parallel_schedule = '1F1B' cannot run this pipeline", "1 microbatches of 1 rows",
+      "at least as many microbatches as stages (2)"]),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
+      "3"], "2", ["training.local_batch_size (2) must be evenly divisible by "
+                  "parallelism.pipeline_parallel_microbatch_size (3)"]),
+    (["--parallelism.pipeline_parallel_degree", "2", *PP_MB1, "--parallelism.pipeline_parallel_split",
+      "K|GK|A"], "2", ["pipeline_parallel_split 'K|GK|A' places 3 stages, which "
+                       "pipeline_parallel_degree 2 does not divide"]),
+    (["--parallelism.pipeline_parallel_degree", "2", *PP_MB1, "--parallelism.pipeline_parallel_split",
+      "KG|AK"], "2", ["pipeline_parallel_split 'KG|AK' must be model.layer_pattern 'KGKA' with '|'"]),
+    (["--parallelism.pipeline_parallel_degree", "2", *PP_MB1, "--parallelism.pipeline_parallel_split",
+      "KG|KA", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], "2",
+     ["schedule = 'Interleaved1F1B' cannot run this pipeline", "two or more stages per rank, and 2 "
+      "stages on 2 ranks are 1 per rank"]),
+    (["--parallelism.pipeline_parallel_degree", "2", *PP_MB1, "--parallelism.pipeline_parallel_schedule",
+      "ZBVZeroBubble", "--model.layer_pattern", "KGA"], "2",
+     ["4 pipeline stages for 3 layers (model.layer_pattern 'KGA')", "exactly two stages per rank "
+      "with ZBVZeroBubble"]),
+    (["--parallelism.pipeline_parallel_degree", "2", *PP_MB1, "--parallelism.pipeline_parallel_schedule",
+      "Zigzag"], "2", ["parallelism.pipeline_parallel_schedule: Unknown schedule name 'Zigzag'"]),
+    (["--parallelism.pipeline_parallel_degree", "2", *PP_MB1, "--parallelism.pipeline_parallel_schedule",
+      "ZBVZeroBubble", "--parallelism.pipeline_parallel_split", "K|G|K|A"], "4",
+     ["schedule = 'ZBVZeroBubble' with FSDP (data_parallel_shard_degree x context_parallel_degree "
+      "= 2 x 1)"]),
+    (["--parallelism.pipeline_parallel_split", "KG|KA"], "2",
+     ["pipeline_parallel_split 'KG|KA' places pipeline stages, but pipeline_parallel_degree is 1"]),
     (["--validator.freq", "0"], "2", ["validator.freq must be >= 1", "--validator.no-enable"]),
     (["--validator.steps", "0"], "2", ["[validator] validation steps must be positive or -1"]),
     (["--metrics.log_freq", "0"], "2", ["metrics.log_freq must be >= 1"]),

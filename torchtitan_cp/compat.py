@@ -5,7 +5,8 @@ and must run before the trainer is built: the entry point (``torchtitan_cp.train
 before loading any of torchtitan's trainer code, and ``HybridTrainer.__init__`` again.
 On CUDA machines only the shims that are not CPU-specific are applied; on torch 2.14 (the pin)
 the torch shims (5-7) are not applied, on torch 2.11-2.13 they let one process train. Shim 8
-(a torch config pin for compiled runs) is applied everywhere.
+(a torch config pin for compiled runs) and shim 9 (pipeline stages' shape inference) are applied
+everywhere.
 """
 
 from __future__ import annotations
@@ -181,7 +182,8 @@ def _shim_pg_timeouts() -> None:
 def _shim_grad_norm() -> None:
     # 3. On CPU, fp32 norms accumulate sequentially (~3e-5 relative error on a 1M-parameter
     # model), which hides whether two runs agree: take the total norm in float64 there (with
-    # expert parallelism, as torchtitan does: the experts' and the rest's, each on its mesh).
+    # expert parallelism, as torchtitan does: the experts' and the rest's, each on its mesh;
+    # with pipeline parallelism each stage's sum of powers, summed over the pp mesh).
     import torchtitan.distributed.utils as dist_utils
 
     original = dist_utils.clip_grad_norm_
@@ -198,7 +200,7 @@ def _shim_grad_norm() -> None:
     ):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         grads = [p.grad for p in params if p.grad is not None]
-        if pp_mesh is not None or any(g.device.type != "cpu" for g in grads):
+        if any(g.device.type != "cpu" for g in grads):
             return original(
                 params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled
             )
@@ -224,6 +226,14 @@ def _shim_grad_norm() -> None:
             total = torch.maximum(parts[0], parts[1])
         else:
             total = (parts[0] ** norm_type + parts[1] ** norm_type) ** (1.0 / norm_type)
+        if pp_mesh is not None:  # each stage's norm: combined over the pipeline ranks
+            group = pp_mesh.get_group()
+            if math.isinf(norm_type):
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+            else:
+                total = total**norm_type
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+                total = total ** (1.0 / norm_type)
         for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.float(), foreach)
         return total
@@ -294,6 +304,25 @@ def _shim_pin_compile_on_one_rank() -> None:
         config.compile_on_one_rank = bool(config.compile_on_one_rank)
 
 
+def _shim_pipeline_inference_grads() -> None:
+    # 9. torch's pipeline stages infer their shapes with a real forward and backward before the
+    # first microbatch, and clear the gradients that leaves only on FSDP modules: a stage
+    # without FSDP (ZBVZeroBubble's) would add them to step 1's. Clear every parameter's.
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    original = PipelineStage._post_metadata_inference_cleanup
+    if getattr(original, "_recipe_shim", False):
+        return
+
+    def cleanup(self: Any) -> None:
+        original(self)
+        for param in self.submod.parameters():
+            param.grad = None
+
+    cleanup._recipe_shim = True  # pyrefly: ignore[missing-attribute]
+    PipelineStage._post_metadata_inference_cleanup = cleanup
+
+
 def apply() -> None:
     """Apply every shim this machine needs (idempotent). The torch < 2.14 ones come first:
     the CPU ones import torchtitan modules that need them."""
@@ -309,6 +338,7 @@ def apply() -> None:
         _shim_pg_timeouts()
         _shim_grad_norm()
     _shim_pin_compile_on_one_rank()
+    _shim_pipeline_inference_grads()
     _APPLIED = True
 
 

@@ -277,7 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from torchtitan.tools.logging import init_logger, logger
 
-    from torchtitan_cp.trainer.validate import mesh_text, parse_nnodes, parse_nproc, validate
+    from torchtitan_cp.trainer.validate import (
+        mesh_text,
+        parse_nnodes,
+        parse_nproc,
+        pipeline_text,
+        validate,
+    )
 
     args = list(sys.argv[1:] if argv is None else argv)
     check = False
@@ -299,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
             validate(config, nproc * nnodes, device_type, local_world_size=nproc)
             # stdout is the process count train.sh reads; the mesh is for the reader.
             print(f"[mesh] {mesh_text(config, nproc * nnodes)}", file=sys.stderr)
+            stages = pipeline_text(config, nproc * nnodes)
+            if stages is not None:
+                print(f"[pipeline] {stages}", file=sys.stderr)
             print(nproc)
             return 0
         world = int(os.environ.get("WORLD_SIZE", "1"))

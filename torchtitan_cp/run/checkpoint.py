@@ -26,7 +26,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.components.checkpoint import TRAIN_STATE, CheckpointManager
 from torchtitan.tools.logging import logger
 
-from torchtitan_cp.run.control import broadcast, control_group, on_rank0, set_control_timeout
+from torchtitan_cp.run.control import (
+    all_gather,
+    broadcast,
+    control_group,
+    on_rank0,
+    set_control_timeout,
+)
 from torchtitan_cp.run.errors import CheckpointError
 from torchtitan_cp.run.lock import new_run_id
 from torchtitan_cp.run.manifest import MANIFEST, read_manifest, write_manifest
@@ -40,13 +46,19 @@ _DP_RANK_RE = re.compile(r"dataloader\.dp_rank_(\d+)")
 
 
 def fit_problem(
-    state_dict: dict[str, Any], checkpoint_id: str, *, dp_world_size: int | None = None
+    state_dict: dict[str, Any],
+    checkpoint_id: str,
+    *,
+    dp_world_size: int | None = None,
+    model_keys: set[str] | None = None,
 ) -> str | None:
     """None when the DCP checkpoint at ``checkpoint_id`` can load into ``state_dict`` (the
     flattened states torchtitan loads: model parameters at the top level), else what does not
     fit, naming the first parameter: one a layer no longer has (``run.retired``), one the
     checkpoint lacks, one of another shape, one only the checkpoint has, or a data loader saved
-    by another number of data-parallel ranks (torchtitan cannot reshard its position). Reads ``.metadata`` only."""
+    by another number of data-parallel ranks (torchtitan cannot reshard its position). Reads ``.metadata`` only.
+    ``model_keys``: every key the whole model loads, where ``state_dict`` holds one pipeline
+    stage's share (a checkpoint's key is only "not in this model" when no stage has it)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
@@ -69,7 +81,8 @@ def fit_problem(
             )
     states = {k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)}
     prefixes = tuple(f"{k}." for k in {*_NON_MODEL_STATES, *states})
-    extra = [k for k in saved if k not in state_dict and not k.startswith(prefixes)]
+    known = state_dict.keys() if model_keys is None else model_keys
+    extra = [k for k in saved if k not in known and not k.startswith(prefixes)]
     if extra:
         return f"the checkpoint's parameter {extra[0]} is not in this model"
     if dp_world_size is not None and "dataloader" in state_dict:
@@ -271,8 +284,14 @@ class HybridCheckpointManager(CheckpointManager):
     ) -> None:
         if not from_hf:
             dataloader = self.states.get("dataloader")
+            # Under pipeline parallelism each rank holds its stages' parameters: a saved key
+            # fits when any rank's model has it (one gather of the key names at load).
+            keys = set().union(*all_gather(list(state_dict), self._pg()))
             problem = fit_problem(
-                state_dict, checkpoint_id, dp_world_size=getattr(dataloader, "dp_world_size", None)
+                state_dict,
+                checkpoint_id,
+                dp_world_size=getattr(dataloader, "dp_world_size", None),
+                model_keys=keys,
             )
             if problem is not None:
                 raise fit_error(checkpoint_id, problem)

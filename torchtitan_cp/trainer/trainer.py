@@ -72,6 +72,17 @@ class CompileConfig(_TitanCompileConfig):
     eager, ...); another is an error before launch."""
 
 
+@dataclass(kw_only=True, slots=True)
+class RecipeParallelism(ParallelismConfig):
+    """torchtitan's ``[parallelism]`` with the pipeline's stage placement."""
+
+    pipeline_parallel_split: str = ""
+    """Where the pipeline stages fall: model.layer_pattern with '|' between stages (KG|MRA:
+    stage 0 holds layers 0-1 and the embedding, stage 1 layers 2-4, the norm and the LM head),
+    as many stages as the schedule runs (pipeline_parallel_degree x its stages per rank).
+    Empty: the cost model's balance (models/blocks/pipeline.py; --check prints the split)."""
+
+
 class HybridValidator(Validator):
     """torchtitan's validator, preprocessing batches with the trainer's SequencePreprocessor."""
 
@@ -128,6 +139,7 @@ class HybridTrainer(Trainer):
             default_factory=HybridCheckpointManager.Config
         )
         spike_guard: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)
+        parallelism: RecipeParallelism = field(default_factory=RecipeParallelism)  # pyrefly: ignore[bad-override-mutable-attribute]
 
     run: RunContext
 
@@ -275,12 +287,16 @@ class HybridTrainer(Trainer):
 
     def train_step(self, data_iterator):
         """torchtitan 0.3.0's ``Trainer.train_step`` without its two synchronisations (the step is
-        one function there, so it is restated here in its order, pipeline parallelism aside):
+        one function there, so it is restated here in its order):
 
         * inputs, labels and positions go to the device pinned and ``non_blocking``
           (``to_device``), not with a blocking ``.to(device)`` each;
         * the valid-token count is the batches' ``HostMetadata.valid_tokens`` (counted by the
           loader) and reaches the device as a fill, not a blocking copy of a host tensor.
+
+        Under pipeline parallelism each gradient-accumulation step is
+        ``num_pipeline_parallel_microbatches`` loader batches (each one pipeline microbatch
+        with its own host metadata), handed to the schedule together, as torchtitan does.
 
         The loss, gradient norm and (with data parallelism) the global token count are still read
         at log steps (every ``metrics.log_freq`` steps), as torchtitan does; see
@@ -291,18 +307,20 @@ class HybridTrainer(Trainer):
         self._rank_loss_sum = self._rank_tokens = None  # global_max_loss counts this step only
         self._update_skipped = False
         pd = self.parallel_dims
-        if pd.pp_enabled:  # refused at start-up (validate.py); torchtitan's own step
-            return super().train_step(data_iterator)
         self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
         lr_metrics = self.lr_schedulers.get_metrics()
         should_log = self.metrics_processor.should_log(self.step)
 
-        microbatches, local_valid_tokens = [], 0
+        groups: list[list[tuple[dict[str, Any], torch.Tensor]]] = []
+        local_valid_tokens = 0
         for _ in range(self.gradient_accumulation_steps):
-            with sl.log_trace_span("fetching_batch"):
-                input_dict, labels = next(data_iterator)
-            local_valid_tokens += _host_valid_tokens(input_dict, labels)
-            microbatches.append((input_dict, labels))
+            group = []
+            for _ in range(self.num_pipeline_parallel_microbatches):
+                with sl.log_trace_span("fetching_batch"):
+                    input_dict, labels = next(data_iterator)
+                local_valid_tokens += _host_valid_tokens(input_dict, labels)
+                group.append((input_dict, labels))
+            groups.append(group)
         sl.log_trace_scalar({"local_valid_tokens": local_valid_tokens})
         count = torch.full((), local_valid_tokens, dtype=torch.int64, device=self.device)
         if pd.dp_enabled:
@@ -310,14 +328,15 @@ class HybridTrainer(Trainer):
         global_valid_tokens = count
 
         accumulated_loss: torch.Tensor | None = None
-        for input_dict, labels in microbatches:
-            on_device = {
-                k: self.to_device(v) if isinstance(v, torch.Tensor) else v
-                for k, v in input_dict.items()
-            }
+        for group in groups:
+            inputs = [
+                {k: self.to_device(v) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
+                for d, _ in group
+            ]
+            labels = [self.to_device(lab) for _, lab in group]
             loss = self.forward_backward_step(
-                input_dict=on_device,
-                labels=self.to_device(labels),
+                input_dict=inputs if pd.pp_enabled else inputs[0],
+                labels=labels if pd.pp_enabled else labels[0],
                 global_valid_tokens=global_valid_tokens,
             )
             if should_log:
@@ -447,7 +466,7 @@ def recipe_config() -> HybridTrainer.Config:
         ),
         dataloader=PackedTextDataLoader.Config(),
         metrics=HybridMetricsProcessor.Config(log_freq=1),
-        parallelism=ParallelismConfig(
+        parallelism=RecipeParallelism(
             spmd_backend="partial_dtensor", context_parallel_load_balancer="headtail"
         ),
         checkpoint=HybridCheckpointManager.Config(interval=10, last_save_model_only=False),

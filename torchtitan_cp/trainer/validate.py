@@ -30,6 +30,7 @@ __all__ = [
     "mesh_text",
     "parse_nnodes",
     "parse_nproc",
+    "pipeline_text",
     "validate",
 ]
 
@@ -91,19 +92,14 @@ def _dp_degree(config: Any, world_size: int) -> int:
     """Data-parallel (batch) degree torchtitan derives from the parallelism section."""
     p = config.parallelism
     _check_degrees(p)
-    _need(
-        p.pipeline_parallel_degree == 1,
-        f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}: this recipe has "
-        "no pipeline parallelism (torchtitan bans packed documents with PP); set it to 1",
-    )
     shard = p.data_parallel_shard_degree
-    tp = p.tensor_parallel_degree
-    others = p.data_parallel_replicate_degree * p.context_parallel_degree * tp
+    tp, pp = p.tensor_parallel_degree, p.pipeline_parallel_degree
+    others = p.data_parallel_replicate_degree * p.context_parallel_degree * tp * pp
     if shard == -1:
         _need(
             world_size % others == 0,
             f"parallelism.context_parallel_degree ({p.context_parallel_degree}) x "
-            f"tensor_parallel_degree ({tp}) x "
+            f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) x "
             f"data_parallel_replicate_degree ({p.data_parallel_replicate_degree}) = {others} "
             f"does not divide the {world_size} processes; use a divisor of {world_size} or "
             f"start a multiple of {others} processes (NPROC x NNODES)",
@@ -114,8 +110,8 @@ def _dp_degree(config: Any, world_size: int) -> int:
             shard * others == world_size,
             f"parallelism: data_parallel_shard_degree ({shard}) x replicate "
             f"({p.data_parallel_replicate_degree}) x context_parallel_degree "
-            f"({p.context_parallel_degree}) x tensor_parallel_degree ({tp}) = "
-            f"{shard * others}, but {world_size} processes "
+            f"({p.context_parallel_degree}) x tensor_parallel_degree ({tp}) x "
+            f"pipeline_parallel_degree ({pp}) = {shard * others}, but {world_size} processes "
             "run; make the product equal NPROC x NNODES or set data_parallel_shard_degree = -1",
         )
     ep = p.expert_parallel_degree
@@ -182,6 +178,119 @@ def _check_cp_within_nodes(config: Any, world_size: int, per_node: int) -> None:
         f"(NPROC_PER_NODE) divide neither way: CP groups would straddle nodes; use a CP degree "
         f"that divides {per_node} (CP inside a node) or a multiple of it (whole nodes)"
     )
+
+
+PIPELINE_MODELS = "hybrid"
+"""The models with pipeline parallelism (a ``RecipeModel.stage_plan``), for messages."""
+
+
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""torch's schedules with a separate weight-gradient pass."""
+
+
+def _check_pipeline(config: Any, model_cfg: Any, world_size: int) -> Any:
+    """Pipeline parallelism against the model, the schedule and the batch: the run's
+    ``StagePlan`` (None without PP), or a ConfigError naming the key."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from torchtitan_cp.models.blocks.pipeline import (
+        pipeline_stages,
+        schedule_problem,
+        stage_count,
+    )
+
+    p = config.parallelism
+    pp, split = p.pipeline_parallel_degree, p.pipeline_parallel_split
+    if pp == 1:
+        _need(
+            not split,
+            f"parallelism.pipeline_parallel_split {split!r} places pipeline stages, but "
+            "pipeline_parallel_degree is 1; set the degree or drop the split",
+        )
+        return None
+    entry = recipe_model(config.model.name)
+    stage_plan = entry.stage_plan
+    _need(
+        stage_plan is not None,
+        f"parallelism.pipeline_parallel_degree = {pp}: model.name = {config.model.name!r} has no "
+        f"pipeline parallelism in this recipe (it has: {PIPELINE_MODELS}); set it to 1",
+    )
+    schedule = p.pipeline_parallel_schedule
+    try:
+        get_schedule_class(schedule)
+    except ValueError as e:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule: {e}") from None
+    _need(
+        not p.pipeline_parallel_schedule_csv,
+        "parallelism.pipeline_parallel_schedule_csv: a schedule from a file is not supported "
+        "with this recipe's stage placement; name a schedule instead",
+    )
+    _need(
+        p.module_fqns_per_model_part is None and p.pipeline_parallel_layers_per_stage is None,
+        "parallelism.module_fqns_per_model_part / pipeline_parallel_layers_per_stage: this recipe "
+        "places stages by parallelism.pipeline_parallel_split (the layer pattern with '|'); "
+        "unset them",
+    )
+    lbs, mb = config.training.local_batch_size, p.pipeline_parallel_microbatch_size
+    _need(
+        mb >= 1 and lbs % mb == 0,
+        f"training.local_batch_size ({lbs}) must be a multiple of parallelism."
+        f"pipeline_parallel_microbatch_size ({mb}): each pipeline microbatch is that many rows",
+    )
+    n_stages = pipeline_stages(p)
+    if split:
+        _need(
+            n_stages % pp == 0,
+            f"parallelism.pipeline_parallel_split {split!r} places {n_stages} stages, which "
+            f"pipeline_parallel_degree {pp} does not divide; place a multiple of {pp} stages",
+        )
+    problem = schedule_problem(schedule, pp, n_stages, lbs // mb)
+    _need(
+        problem is None,
+        f"parallelism.pipeline_parallel_schedule = {schedule!r} cannot run this pipeline "
+        f"(pipeline_parallel_degree {pp}, {n_stages} stages, {lbs // mb} microbatches of "
+        f"{mb} rows): {problem}",
+    )
+    _need(
+        not getattr(model_cfg, "enable_weight_tying", False),
+        "model.enable_weight_tying cannot be combined with parallelism.pipeline_parallel_degree "
+        "> 1 (the embedding is on the first stage, the LM head on the last); set one of them off",
+    )
+    _need(
+        not config.spike_guard.enabled,
+        "spike_guard.enabled with parallelism.pipeline_parallel_degree > 1: only the last stage "
+        "sees the loss, and every stage must agree to skip; turn one of them off",
+    )
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        rest = p.data_parallel_replicate_degree * p.context_parallel_degree * pp
+        shard = world_size // max(1, rest * p.tensor_parallel_degree)
+    _need(
+        schedule not in ZERO_BUBBLE or shard * p.context_parallel_degree == 1,
+        f"parallelism.pipeline_parallel_schedule = {schedule!r} with FSDP (data_parallel_shard_"
+        f"degree x context_parallel_degree = {shard} x {p.context_parallel_degree}): its separate "
+        "weight-gradient pass loses gradients under FSDP here (pp2 x fsdp2: step 1's grad norm "
+        "3 % low); use 1F1B, Interleaved1F1B or GPipe, or no FSDP and no CP",
+    )
+    _need(
+        not (config.activation_checkpoint is not None and schedule in ZERO_BUBBLE),
+        f"activation_checkpoint with parallelism.pipeline_parallel_schedule = {schedule!r}: its "
+        "separate weight-gradient pass re-runs checkpointed forwards (not supported here); use "
+        "1F1B, Interleaved1F1B or GPipe, or no activation checkpointing",
+    )
+    try:
+        assert stage_plan is not None
+        return stage_plan(model_cfg, n_stages, config.training.seq_len, split)
+    except ValueError as e:
+        raise ConfigError(f"{e} ({stage_count(schedule, pp)[1]} with {schedule})") from None
+
+
+def pipeline_text(config: Any, world_size: int) -> str | None:
+    """``--check``'s line on the pipeline (the stage split and its costs), or None without PP."""
+    if config.parallelism.pipeline_parallel_degree == 1:
+        return None
+    plan = _check_pipeline(config, recipe_model_spec(config.model).model, world_size)
+    return plan.text()
 
 
 def _check_numbers(config: Any, dp: int) -> None:
@@ -529,6 +638,7 @@ def validate(
     _check_run_options(config, world_size)
     dp = _dp_degree(config, world_size)
     _check_cp_within_nodes(config, world_size, local_world_size or world_size)
+    _check_pipeline(config, model_cfg, world_size)
     _check_numbers(config, dp)
     _check_seq_len(config, model_cfg)
     _check_backends(config, model_cfg, device_type, local_world_size or world_size)

@@ -63,6 +63,10 @@ class RecipeModel:
     hf: HFFolders | None = None
     """Its Hugging Face folders (``checkpoint.initial_load_in_hf``, ``python -m
     torchtitan_cp.export_hf``); None: the model has none."""
+    stage_plan: Callable[[Any, int, int, str], Any] | None = None
+    """``stage_plan(model_cfg, n_stages, seq_len, split)``: where its pipeline stages fall
+    (``blocks.pipeline.StagePlan``; ``split``: ``parallelism.pipeline_parallel_split``), for
+    the config check and ``--check``; None: the model has no pipeline parallelism."""
 
     def takes(self, key: str, decoder_fields: set[str]) -> bool:
         """Whether ``[model] key`` applies to this model."""
@@ -77,11 +81,13 @@ def recipe_spec(
     *,
     moe: bool = False,
     state_dict_adapter: Any = None,
+    pipelining_fn: Callable[..., Any] | None = None,
 ) -> ModelSpec:
     """torchtitan's ``ModelSpec`` of model ``name`` / ``flavor`` with config ``model``.
 
-    No pipelining (``pipelining_fn`` None: no model here is split into stages; the config check
-    refuses ``pipeline_parallel_degree`` > 1). ``moe``: the model has MoE routers whose
+    ``pipelining_fn``: how the model is split into pipeline stages (``blocks.pipeline``);
+    None: the model has no pipeline parallelism (the config check refuses
+    ``pipeline_parallel_degree`` > 1). ``moe``: the model has MoE routers whose
     aux-free expert bias (HF's ``e_score_correction_bias``) is trained as DeepSeek-V3's, by
     torchtitan's step pre-hook that moves it by the sign of each expert's load (without it the
     bias never moves; a no-op for a flavor without MoE layers)."""
@@ -96,7 +102,7 @@ def recipe_spec(
         flavor=flavor,
         model=model,
         parallelize_fn=parallelize_fn,
-        pipelining_fn=None,
+        pipelining_fn=pipelining_fn,
         post_optimizer_build_fn=hook,
         state_dict_adapter=state_dict_adapter,
     )

@@ -23,6 +23,7 @@ heads with the routing of its CP rank unchanged. Two things the plans cannot exp
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -211,15 +212,20 @@ def parallelize_decoder_ends(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     them with sequence parallelism: the embedding vocab-parallel into ``Shard(1)``, the final
     norm sequence-parallel and gathering its output (torchtitan's chunked loss splits the
     replicated hidden states itself, next to the replicated labels), the LM head column-wise
-    with replicated logits."""
-    vocab_parallel_embedding(model.get_submodule("tok_embeddings"), tp_mesh)
-    parallelize_module(model.get_submodule("norm"), tp_mesh, SequenceParallel())
-    parallelize_module(model, tp_mesh, {
-        "norm": PrepareModuleOutput(
+    with replicated logits. A pipeline stage holds some of them (the others None): it shards
+    those it has."""
+    if getattr(model, "tok_embeddings", None) is not None:
+        vocab_parallel_embedding(model.get_submodule("tok_embeddings"), tp_mesh)
+    plan: dict[str, Any] = {}
+    if getattr(model, "norm", None) is not None:
+        parallelize_module(model.get_submodule("norm"), tp_mesh, SequenceParallel())
+        plan["norm"] = PrepareModuleOutput(
             output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
-        ),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
-    })  # fmt: skip # a table, laid out by hand to read across
+        )
+    if getattr(model, "lm_head", None) is not None:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
 
 
 def check_all_on_tp_mesh(model: nn.Module) -> None:

@@ -180,12 +180,17 @@ class HybridDecoder(RoutedDecoder, BaseModel):
     def routed_forward(
         self, tokens: torch.Tensor, positions: torch.Tensor | None, seq_ctx: SequenceContext
     ) -> torch.Tensor:
+        # Under pipeline parallelism a stage holds some of the modules (torchtitan's split sets
+        # the others to None): a later stage's ``tokens`` are the previous stage's hidden
+        # states [B, L_local, dim], and a stage before the last returns its hidden states.
         if positions is None:  # each row is one document: RoPE positions restart per row
-            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        h = self.tok_embeddings(tokens)
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            positions = positions.expand(tokens.shape[0], -1)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, seq_ctx, positions)
-        h = self.norm(h)
-        if self._skip_lm_head:
+        if self.norm is not None:
+            h = self.norm(h)
+        if self._skip_lm_head or self.lm_head is None:
             return h
         return self.lm_head(h)

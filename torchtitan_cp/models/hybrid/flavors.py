@@ -13,6 +13,7 @@ from torchtitan_cp.models.blocks.flex import resolve_attention_backend
 from torchtitan_cp.models.blocks.spec import RecipeModel, recipe_spec
 from torchtitan_cp.models.hybrid.decoder import HybridDecoder, parse_layer_pattern
 from torchtitan_cp.models.hybrid.layers import LAYERS, check_backend, check_tensor_parallel
+from torchtitan_cp.models.hybrid.stages import stage_plan
 
 # Sizes only; the layer pattern comes from config. Parameter counts are for the default
 # pattern of each flavor and the bundled tokenizer's vocabulary where it applies.
@@ -64,9 +65,10 @@ def model_config(flavor: str, **overrides) -> HybridDecoder.Config:
 def model_spec(flavor: str, **overrides) -> ModelSpec:
     """The trainer's spec. Imports ``parallelize`` here, not at module load: it pulls
     torchtitan's FSDP module (torch >= 2.14), and the model itself runs on torch >= 2.11."""
-    from torchtitan_cp.models.hybrid.parallelize import parallelize_hybrid
+    from torchtitan_cp.models.hybrid.parallelize import parallelize_hybrid, pipeline_hybrid
 
-    return recipe_spec("hybrid", flavor, model_config(flavor, **overrides), parallelize_hybrid)
+    cfg = model_config(flavor, **overrides)
+    return recipe_spec("hybrid", flavor, cfg, parallelize_hybrid, pipelining_fn=pipeline_hybrid)
 
 
 def check_run(cfg: HybridDecoder.Config, config: Any) -> None:
@@ -89,5 +91,5 @@ def check_run(cfg: HybridDecoder.Config, config: Any) -> None:
         )
 
 
-MODEL = RecipeModel(spec=model_spec, check=check_run)
+MODEL = RecipeModel(spec=model_spec, check=check_run, stage_plan=stage_plan)
 """The hybrid decoder in ``MODELS``: ``[model]`` sets any field of its config."""

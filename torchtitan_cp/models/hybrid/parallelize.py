@@ -4,6 +4,8 @@ decoder."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -15,6 +17,7 @@ from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
 from torchtitan_cp import compat
 from torchtitan_cp.models.blocks.flex import apply_flex_context_parallel
+from torchtitan_cp.models.blocks.pipeline import StagePlan, pipeline_decoder
 from torchtitan_cp.models.blocks.tensor_parallel import (
     check_all_on_tp_mesh,
     parallelize_decoder_ends,
@@ -22,8 +25,9 @@ from torchtitan_cp.models.blocks.tensor_parallel import (
 )
 from torchtitan_cp.models.hybrid.decoder import HybridBlock, HybridDecoder
 from torchtitan_cp.models.hybrid.layers import check_tensor_parallel
+from torchtitan_cp.models.hybrid.stages import stage_plan
 
-__all__ = ["apply_tensor_parallel", "parallelize_hybrid"]
+__all__ = ["apply_tensor_parallel", "parallelize_hybrid", "pipeline_hybrid"]
 
 
 def apply_tensor_parallel(model: HybridDecoder, tp_mesh: DeviceMesh) -> None:
@@ -96,3 +100,15 @@ def parallelize_hybrid(
         )
         compat.force_sum_reduction_on_gloo(model)
     return model
+
+
+def pipeline_hybrid(model: nn.Module, **kwargs: Any) -> tuple[Any, list[nn.Module], bool, bool]:
+    """torchtitan's ``pipelining_fn`` for the hybrid decoder (``blocks.pipeline``): stages
+    placed by ``parallelism.pipeline_parallel_split`` or the cost model (``stage_plan``), each
+    parallelized by ``parallelize_hybrid``."""
+
+    def plan(whole: nn.Module, n_stages: int, seq_len: int, split: str) -> StagePlan:
+        assert isinstance(whole, HybridDecoder)
+        return stage_plan(whole.config, n_stages, seq_len, split, model=whole)
+
+    return pipeline_decoder(model, plan_fn=plan, **kwargs)

@@ -1,0 +1,130 @@
+"""Pipeline parallelism through torchtitan's schedules: the parity table (slow;
+docs/parallelism.md has the numbers).
+
+Every run starts from one seed checkpoint, float32 on gloo, ``--debug.deterministic``, the
+hybrid debug model with one layer of each kind (``KGMRA``, Mamba2 in two B/C groups as in the
+TP table), 10 steps, two pipeline
+microbatches of one row a step. Against dp1 (one rank, two rows a step): pp2 under 1F1B
+(stages ``KGMR|A`` by the cost model), under Interleaved1F1B (four stages, two per rank,
+``KG|M|R|A``), under ZBVZeroBubble (the V order, split ``K|GM|R|A``), GPipe,
+InterleavedZeroBubble, pp2 x cp2 and pp2 x tp2 (1F1B, four ranks each): the loss and grad norm within 1e-5 relative each step; host and readback routing
+train bit for bit the same under pp2 x cp2; pp2's validation loss is dp1's; a pp2 x cp2
+checkpoint of step 5 resumes under cp2, and a cp2 one under pp2 x cp2, on dp1's curve. pp2 x
+fsdp2 (1F1B, four ranks) against one rank reading the same global batches of four rows
+(``tests/helpers.row_aligned_corpus``). The runs are forked from one launcher that imported
+the trainer once (tests/fork_launch.py), as the TP table's are.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import row_aligned_corpus
+from tests.launch import Launch, fork_train, read_metrics
+from tests.test_tensor_parallel import HYBRID as TP_HYBRID
+
+pytestmark = pytest.mark.slow
+
+# the TP table's model: KGMRA, Mamba2 in 2 B/C groups (so TP 2 holds one group per rank)
+HYBRID = TP_HYBRID
+STEPS = 10
+REL = 1e-5
+RUN = ["--validator.no-enable", "--metrics.no-enable-wandb", "--debug.deterministic"]
+PP = [
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--parallelism.pipeline_parallel_microbatch_size",
+    "1",
+]
+CP = ["--parallelism.context_parallel_degree", "2"]
+READBACK = ["--linear_attention.routing_source", "device_readback"]
+VALIDATE = ["--validator.enable", "--validator.freq", str(STEPS // 2), "--validator.steps", "2"]
+
+
+def schedule(name: str, split: str = "") -> list[str]:
+    """The flags of pipeline schedule ``name`` (and a stage split, when given)."""
+    flags = ["--parallelism.pipeline_parallel_schedule", name]
+    return [*flags, "--parallelism.pipeline_parallel_split", split] if split else flags
+
+
+def _launch(name: str, nproc: int, *extra: str, seed: str, **kw) -> Launch:
+    """A run of STEPS steps from the seed, saving at step STEPS // 2 (``kw``: Launch's
+    copy_from / remove)."""
+    args = [*HYBRID, "--training.steps", str(STEPS), *RUN, "--checkpoint.enable"]
+    interval = ["--checkpoint.interval", str(STEPS // 2)]
+    return Launch(
+        name, nproc, [*args, *interval, "--checkpoint.initial_load_path", seed, *extra], **kw
+    )
+
+
+def _resume(source: str, name: str, nproc: int, *extra: str, seed: str) -> Launch:
+    """``source``'s dump with its step-5 checkpoint only, resumed to STEPS under another
+    layout."""
+    return _launch(
+        name, nproc, *extra, seed=seed, copy_from=source, remove=(f"checkpoint/step-{STEPS}",)
+    )
+
+
+def _rows(tmp_path, name: str) -> list[tuple[float, float]]:
+    rows = read_metrics(tmp_path / name)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), name
+    return [(r["loss"], r["grad_norm"]) for r in rows]
+
+
+def _validation(tmp_path, name: str) -> list[tuple[int, float]]:
+    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    return [(r["step"], r["validation_loss"]) for r in rows if "validation_loss" in r]
+
+
+def _worst(ref: list[tuple[float, float]], run: list[tuple[float, float]]) -> float:
+    return max(abs(a - b) / abs(a) for ra, rb in zip(ref, run, strict=True) for a, b in zip(ra, rb))
+
+
+def test_pipeline_parallel_parity_table(tmp_path):
+    """pp2 (1F1B, Interleaved1F1B, ZBVZeroBubble, GPipe, InterleavedZeroBubble), pp2 x cp2, pp2 x tp2 and pp2 x fsdp2 (1F1B)
+    give dp1's loss and grad norm within 1e-5 relative each step; host and readback routing
+    are bitwise equal under pp2 x cp2; pp2's validation loss is dp1's; a pp2 x cp2 checkpoint
+    resumes under cp2, and a cp2 one under pp2 x cp2, on dp1's curve."""
+    seed = str(tmp_path / "seed" / "checkpoint" / "step-0")
+    seed_args = [*HYBRID, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]
+    split, interleaved = tmp_path / "split.jsonl", tmp_path / "interleaved.jsonl"
+    row_aligned_corpus(split, interleaved, seq_len=256, rows=2 * STEPS)
+    data = ["--dataloader.dataset", "jsonl", "--dataloader.dataset_path"]
+    layouts = {
+        "pp2-1f1b": (2, [*PP, *schedule("1F1B"), *VALIDATE]),
+        "pp2-interleaved": (2, [*PP, *schedule("Interleaved1F1B")]),
+        "pp2-zbv": (2, [*PP, *schedule("ZBVZeroBubble", "K|GM|R|A")]),
+        "pp2-gpipe": (2, [*PP, *schedule("GPipe")]),
+        "pp2-interleaved-zb": (2, [*PP, *schedule("InterleavedZeroBubble")]),
+        "pp2xcp2": (4, [*PP, *CP]),
+        "pp2xtp2": (4, [*PP, "--parallelism.tensor_parallel_degree", "2"]),
+    }
+    fsdp = [*PP, *schedule("1F1B"), *data, str(split)]
+    print(fork_train([
+        Launch("seed", 1, [*seed_args, "--metrics.no-enable-wandb"]),
+        _launch("dp1", 1, *VALIDATE, seed=seed),
+        *(_launch(name, n, *flags, seed=seed) for name, (n, flags) in layouts.items()),
+        _launch("pp2xcp2-readback", 4, *PP, *CP, *READBACK, seed=seed),
+        _launch("cp2", 2, *CP, seed=seed),
+        _resume(str(tmp_path / "pp2xcp2"), "pp2xcp2-to-cp2", 2, *CP, seed=seed),
+        _resume(str(tmp_path / "cp2"), "cp2-to-pp2xcp2", 4, *PP, *CP, seed=seed),
+        _launch("dp1-aligned", 1, *data, str(interleaved), "--training.local_batch_size", "4",
+                seed=seed),
+        _launch("pp2xfsdp2", 4, *fsdp, seed=seed),
+    ], folder=tmp_path))  # fmt: skip # a table, laid out by hand to read across
+    assert _rows(tmp_path, "pp2xcp2") == _rows(tmp_path, "pp2xcp2-readback")
+    ref = _rows(tmp_path, "dp1")
+    worst = {name: _worst(ref, _rows(tmp_path, name)) for name in layouts}
+    for name in ("pp2xcp2-to-cp2", "cp2-to-pp2xcp2"):
+        worst[name] = _worst(ref[STEPS // 2 :], _rows(tmp_path, name)[STEPS // 2 :])
+    worst["pp2xfsdp2"] = _worst(_rows(tmp_path, "dp1-aligned"), _rows(tmp_path, "pp2xfsdp2"))
+    val_ref, val_pp = _validation(tmp_path, "dp1"), _validation(tmp_path, "pp2-1f1b")
+    assert [s for s, _ in val_ref] == [1, STEPS // 2, STEPS], val_ref
+    worst["pp2 validation"] = max(
+        abs(a - b) / a for (_, a), (_, b) in zip(val_ref, val_pp, strict=True)
+    )
+    print("worst relative error against dp1:", worst)
+    assert all(err <= REL for err in worst.values()), worst
