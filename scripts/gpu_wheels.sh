@@ -50,9 +50,26 @@ TARGET=(--only-binary=:all: --implementation cp --python-version "$PYVER"
         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64)
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
+# The image's torch stands in as a metadata-only wheel (version IMAGE_TORCH+image, no
+# dependencies), pinned by a constraint: the resolve then takes what the image has as given, as
+# the install on the image does. Resolving PyPI's torch instead pulled its CUDA stack's metadata
+# and backtracked through nine torch releases (about 100 s and 1 GiB of downloads per run) for
+# wheels that are all dropped below.
+IMAGE_TORCH=2.11.0
+mkdir -p "$TMP/provided"
+"$PY" - "$TMP/provided" "$IMAGE_TORCH+image" <<'PY'
+import sys, zipfile
+folder, version = sys.argv[1], sys.argv[2]
+info = f"torch-{version}.dist-info"
+with zipfile.ZipFile(f"{folder}/torch-{version}-py3-none-any.whl", "w") as whl:
+    whl.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+    whl.writestr(f"{info}/RECORD", "")
+PY
+echo "torch==$IMAGE_TORCH+image" > "$TMP/image.txt"
 # Resolve (metadata only, nothing is installed) for the target interpreter.
 "$PY" -m pip install -q --dry-run --ignore-installed --target "$TMP/t" --report "$TMP/deps.json" \
-  "${TARGET[@]}" "${WITH_DEPS[@]}"
+  --find-links "$TMP/provided" -c "$TMP/image.txt" "${TARGET[@]}" "${WITH_DEPS[@]}"
 "$PY" -m pip install -q --dry-run --ignore-installed --no-deps --target "$TMP/t" \
   --report "$TMP/nodeps.json" "${TARGET[@]}" "${NO_DEPS[@]}"
 "$PY" - "$TMP" "$IMAGE_HAS|$NOT_NEEDED" > "$TMP/pins.txt" <<'EOF'
