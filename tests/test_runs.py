@@ -342,17 +342,21 @@ NAN = [
 ]
 
 
-@pytest.mark.parametrize("guard", ["off", "stop", "skip"])
+@pytest.mark.parametrize("guard", ["off", "off_log_freq_3", "stop", "skip"])
 def test_a_non_finite_loss_ends_in_one_line_naming_the_step_and_where_to_resume(tmp_path, guard):
     """Before: "Loss is not finite ... Stopping training." as a 151-line traceback, exit 1,
     with the spike guard on or off (it left inf and nan to that check, after the update). Now
     one line, exit 1: without the guard after step 2's update, which no checkpoint holds; with
     ``stop`` before it; with ``skip`` step 2's update is dropped (the parameters stay step
     1's) and the next in a row (``max_skips`` 1) stops the run. Each line says where a rerun
-    resumes. About 25 s of CPU each."""
+    resumes. ``off_log_freq_3``: step 2 is no log step (1 and 3 are), so torchtitan reads no
+    loss there; before, step 2 was saved with nan parameters and the run stopped at step 3. Now
+    the device-side marker of every step stops it before step 2's save. About 25 s of CPU
+    each."""
     dump = tmp_path / "run"
     args = {
         "off": [],
+        "off_log_freq_3": ["--metrics.log_freq", "3"],
         "stop": ["--spike_guard.factor", "3"],
         "skip": [
             "--spike_guard.factor",
@@ -364,10 +368,12 @@ def test_a_non_finite_loss_ends_in_one_line_naming_the_step_and_where_to_resume(
         ],
     }[guard]
     line = error_line(python_train([*NAN, *args], dump_folder=dump, check=False), code=1)
-    at = {"off": 2, "stop": 2, "skip": 3}[guard]
+    at = {"off": 2, "off_log_freq_3": 2, "stop": 2, "skip": 3}[guard]
     said = {
         "off": ", after its update (its parameters may be nan now; no checkpoint holds "
         "this step): ",
+        "off_log_freq_3": ", after its update (its parameters may be nan now; no checkpoint "
+        "holds this step): ",
         "stop": "; stopped before the update (spike_guard.action = 'stop'): ",
         "skip": ", 2 spikes in a row (updates of step 2 skipped",
     }[guard]

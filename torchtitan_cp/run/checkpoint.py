@@ -16,6 +16,7 @@ import pickle
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -232,6 +233,9 @@ class HybridCheckpointManager(CheckpointManager):
         # save (for "where to resume" in a stopped run's line).
         self.newest_step: int | None = None
         self.on_loaded: Any = None
+        # Called with the step on every rank before a checkpoint is written (the trainer's
+        # finite-loss check: a step whose update applied a nan or inf loss is never saved).
+        self.before_save: Callable[[int], None] | None = None
         # comm.train_timeout_seconds (set by the trainer): the control group's timeout once
         # training runs, as torchtitan sets it for the other groups after the first step.
         self.train_timeout: timedelta | None = None
@@ -316,6 +320,8 @@ class HybridCheckpointManager(CheckpointManager):
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
             return False
+        if self.before_save is not None:
+            self.before_save(curr_step)
         step_dir = self._create_checkpoint_id(curr_step)
         run_id = self._run_id()
         pg = self._pg()

@@ -100,6 +100,9 @@ class HybridValidator(Validator):
         return self.sequence.preprocess(input_dict, labels)
 
 
+_NONE = 2**62  # _note_finite's marker: no non-finite step yet
+
+
 def _host_valid_tokens(input_dict: dict[str, Any], labels: torch.Tensor) -> int:
     """Labels that count in the loss: the loader's host count, else counted on the loader's
     (host) labels, as torchtitan does."""
@@ -183,6 +186,7 @@ class HybridTrainer(Trainer):
             ckpt.plan = self.run.plan
             ckpt.on_loaded = self._start_metrics_run
             ckpt.train_timeout = timedelta(seconds=config.comm.train_timeout_seconds)
+            ckpt.before_save = lambda step: self._stop_if_not_finite()
         self.spike_guard = SpikeGuard(config.spike_guard) if config.spike_guard.enabled else None
         self._step_loss: torch.Tensor | None = None
         self._update_skipped = False  # this step's update dropped by the spike guard
@@ -190,6 +194,9 @@ class HybridTrainer(Trainer):
         # rank-normalised global_max_loss.
         self._rank_loss_sum: torch.Tensor | None = None
         self._rank_tokens: torch.Tensor | None = None
+        # The first step since the last check whose update applied a non-finite loss, kept on
+        # the device (``_note_finite``) and read at log steps, before a save and at the end.
+        self._first_non_finite: torch.Tensor | None = None
         if self.spike_guard is not None:
             self.optimizers.register_step_pre_hook(lambda *args, **kwargs: self._guard_step())
 
@@ -222,6 +229,7 @@ class HybridTrainer(Trainer):
             )
             return
         super().train()  # its checkpointer.load() starts the metrics run (on_loaded)
+        self._stop_if_not_finite()  # the steps after the last log step and save
 
     def close(self) -> None:
         try:
@@ -356,6 +364,8 @@ class HybridTrainer(Trainer):
             self.checkpointer.maybe_wait_for_staging()
             self.optimizers.step()
             self.lr_schedulers.step()
+        if not self._update_skipped:
+            self._note_finite()
         if should_log:
             assert accumulated_loss is not None
             self._log_step(
@@ -373,6 +383,7 @@ class HybridTrainer(Trainer):
         """torchtitan's end of a log step: global average and max loss, tokens seen, the
         finite-loss check. These read the device (the step's only synchronisations)."""
         pd = self.parallel_dims
+        self._stop_if_not_finite()  # this step's, and those since the last log step
         with sl.log_trace_span("collect_dist_metrics"):
             total = int(global_valid_tokens) if pd.dp_enabled else local_valid_tokens
             sl.log_trace_scalar({"global_valid_tokens": total})
@@ -397,6 +408,37 @@ class HybridTrainer(Trainer):
             float(grad_norm.item()),
             extra_metrics={"n_tokens_seen": global_ntokens_seen, **lr_metrics},
         )
+
+    def _note_finite(self) -> None:
+        """Remember on the device whether this step applied an update from a non-finite loss,
+        without reading it: between log steps (``metrics.log_freq`` > 1) torchtitan reads no
+        loss, and a step that leaves nan in the parameters must still never be saved.
+        ``_first_non_finite`` holds ``2 * step + isinf`` of the first such step (nan before
+        inf within a step), ``_NONE`` while there is none."""
+        loss = self._rank_loss_sum
+        if loss is None:
+            return
+        loss = loss.detach().sum()
+        key = torch.where(
+            torch.isfinite(loss), _NONE, 2 * self.step + torch.isinf(loss).to(torch.int64)
+        )
+        first = self._first_non_finite
+        self._first_non_finite = key if first is None else torch.minimum(first, key)
+
+    def _stop_if_not_finite(self) -> None:
+        """The one read of ``_note_finite``'s marker, on every rank together (at log steps,
+        before a checkpoint is written, after the last step): a minimum over all ranks (under
+        pipeline parallelism only the last stage has a loss), then the run's one line."""
+        if self._first_non_finite is None:
+            return
+        key = self._first_non_finite.clone()
+        self._first_non_finite = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(key, op=dist.ReduceOp.MIN)
+        first = int(key.item())
+        if first != _NONE:
+            loss = math.inf if first % 2 else math.nan
+            raise non_finite_error(first // 2, loss, resume=self._resume_hint())
 
     def _global_max_loss(self) -> float:
         """The largest per-rank average loss of the step: each rank's loss sum over its own
