@@ -108,8 +108,9 @@ def test_gpu_check_one_call_dry_run(tmp_path):
         len(r["cp_gradients"]["max_rel_grad_err_per_rank"]) == 4 for r in cp
     )
     # trainer_sync: steps 2-3 of the host path, on the configured backend and on torch, list
-    # nothing; the log step reads the loss and the gradient norm (_log_step) and puts the
-    # routing counters on the device for their all-reduce and reads them back.
+    # nothing; the log step reads the loss and the gradient norm (_log_step), the first
+    # non-finite loss mark (_stop_if_not_finite), and puts the routing counters on the device
+    # for their all-reduce and reads them back.
     for name in ("host", "host_torch"):
         steps = by["trainer_sync", name]["steps"]
         assert steps["2"] == steps["3"] == [], (name, steps)
@@ -118,6 +119,7 @@ def test_gpu_check_one_call_dry_run(tmp_path):
             ("readback", "_log_step"),
             ("readback", "_log_step"),
             ("readback", "_routing_metrics"),
+            ("readback", "_stop_if_not_finite"),
         ], steps["4"]
     readback = by["trainer_sync", "device_readback"]
     assert readback["synchronised"]
