@@ -78,3 +78,44 @@ def test_check_prints_the_split(capsys, tmp_path):
     )
     assert (code, out) == (0, "2\n"), err
     assert "[mesh] pp 2 (2 processes)\n[pipeline] KGMR|A (cost model; MFLOPs/token" in err
+
+
+def test_pipeline_models_are_the_registry_entries_with_a_stage_plan():
+    from torchtitan_cp.models.recipe import MODELS, recipe_model
+    from torchtitan_cp.trainer.validate import PIPELINE_MODELS
+
+    have = [n for n in MODELS if recipe_model(n).stage_plan is not None]
+    assert PIPELINE_MODELS == ", ".join(have) == "hybrid, qwen3_5"
+
+
+def test_qwen35_stages_follow_its_layer_letters():
+    """Qwen3.5 2B (GGGA x 6, built on the meta device): the split is over its own letters. At
+    4k tokens its LM head (6 x dim x 248320 vocab FLOPs per token) outweighs seven blocks, so
+    the last stage holds one layer; at 256k each attention layer weighs more and the middle
+    stages shrink to six and seven layers, the last growing to four."""
+    from torchtitan_cp.models.qwen35.model import qwen35_config
+    from torchtitan_cp.models.qwen35.stages import stage_plan as qwen35_plan
+
+    cfg = qwen35_config("2B")
+    short = qwen35_plan(cfg, 4, 4096)
+    assert short.pattern == "GGGA" * 6 and short.source == "cost model"
+    assert short.split_text() == "GGGAGGG|AGGGAGGG|AGGGAGGG|A"
+    assert qwen35_plan(cfg, 4, 262144).split_text() == "GGGAGGG|AGGGAG|GGAGGGA|GGGA"
+    with pytest.raises(ValueError, match="must be the qwen3_5 layers"):
+        qwen35_plan(cfg, 2, 4096, "GG|GA")
+
+
+def test_check_prints_the_qwen35_split(capsys, tmp_path):
+    code, out, err = check(
+        capsys,
+        "--config_file",
+        "configs/qwen35_debug_cpu.toml",
+        "--dump_folder",
+        str(tmp_path),
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "1",
+    )
+    assert (code, out) == (0, "2\n"), err
+    assert "[pipeline] GGG|A (cost model; MFLOPs/token" in err

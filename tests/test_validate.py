@@ -142,7 +142,12 @@ BAD_VALUES = [
       "2"], "2", ["expert_parallel_degree = 2: this qwen3_5 flavor has no experts"]),
     # issue 37: pipeline parallelism (the hybrid decoder; KGKA, 2 rows a step)
     (["--config_file", "configs/qwen35_debug_cpu.toml", "--parallelism.pipeline_parallel_degree",
-      "2"], "2", ["parallelism.pipeline_parallel_degree > 1 is not supported for qwen3_5"]),
+      "2", *PP_MB1, "--parallelism.pipeline_parallel_split", "GG|AG"], "2",
+     ["pipeline_parallel_split 'GG|AG' must be the qwen3_5 layers (G: GatedDeltaNet, A: "
+      "attention; model.n_layers keeps the first) 'GGGA' with '|'"]),
+    (["--config_file", "configs/qwen35_debug_cpu.toml", "--model.vision",
+      "--parallelism.pipeline_parallel_degree", "2", *PP_MB1], "2",
+     ["model.vision = true cannot run under pipeline parallelism"]),
     (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "1"], "2",
      ["pipeline_parallel_schedule = '1F1B' cannot run this pipeline", "1 microbatches of 1 rows",
       "at least as many microbatches as stages (2)"]),

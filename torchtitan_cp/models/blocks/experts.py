@@ -98,7 +98,7 @@ def apply_fsdp_with_experts(
         param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
         reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
-        pp_enabled=False,
+        pp_enabled=parallel_dims.pp_enabled,  # under PP each stage keeps its parameters
     )
     if encoder is not None:
         from torchtitan.distributed.fsdp import apply_fsdp_to_vision_encoder

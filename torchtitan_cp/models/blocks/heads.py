@@ -1,5 +1,6 @@
 """What the multi-head recurrent mixers (KDA, GDN, retention) share: a config sized by the
-decoder's shared fields, the layer registry's hooks, and the FLOPs of a chunked recurrence."""
+decoder's shared fields, the layer registry's hooks, and the FLOPs of a chunked recurrence (and
+of softmax attention, its counterpart in the pipeline's cost model)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torchtitan.protocols.module import Module
 from torchtitan_cp.ops import Backend
 from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
 
-__all__ = ["HeadsMixer", "recurrence_flops"]
+__all__ = ["HeadsMixer", "attention_flops", "recurrence_flops"]
 
 
 class HeadsMixer(Module):
@@ -86,3 +87,10 @@ def recurrence_flops(heads: int, k: int, v: int) -> int:
     """Training FLOPs per token of a chunked recurrence beyond its parameter matmuls: per head,
     state update and readout ~2·K·V MACs each, plus the intra-chunk work ~chunk·(K+V)."""
     return 6 * heads * (4 * k * v + FLA_CHUNK_SIZE * (k + v))
+
+
+def attention_flops(heads: int, head_dim: int, seq_len: int) -> int:
+    """Training FLOPs per token of softmax attention beyond its parameter matmuls: QK^T and PV
+    over the causal context of a ``seq_len`` row, documents not masked out (an upper bound),
+    forward and backward."""
+    return 6 * heads * 2 * head_dim * seq_len

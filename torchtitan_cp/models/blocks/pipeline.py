@@ -178,15 +178,18 @@ class StagePlan:
         head_cost: int,
         n_stages: int,
         split: str = "",
+        pattern_name: str = "model.layer_pattern",
     ) -> StagePlan:
         """The plan of ``n_stages`` stages: ``split`` (the pattern with ``|`` at each boundary)
         when set, else the cost model's balance of ``layer_costs`` (the head's ``head_cost``
         on the last stage). A ValueError naming ``parallelism.pipeline_parallel_split`` for a
-        split that is not the pattern, has an empty stage or another count of stages."""
+        split that is not the pattern, has an empty stage or another count of stages.
+        ``pattern_name``: what the messages call the pattern (a model without a
+        ``layer_pattern`` key names where its letters come from)."""
         n = len(pattern)
         if n_stages > n:
             raise ValueError(
-                f"{n_stages} pipeline stages for {n} layers (model.layer_pattern {pattern!r}): "
+                f"{n_stages} pipeline stages for {n} layers ({pattern_name} {pattern!r}): "
                 "every stage needs a layer; use fewer stages (pipeline_parallel_degree, the "
                 "schedule's stages per rank) or more layers"
             )
@@ -194,7 +197,7 @@ class StagePlan:
             parts = split.split(SPLIT_MARK)
             if "".join(parts) != pattern or any(not p for p in parts):
                 raise ValueError(
-                    f"{SPLIT_KEY} {split!r} must be model.layer_pattern {pattern!r} with "
+                    f"{SPLIT_KEY} {split!r} must be {pattern_name} {pattern!r} with "
                     f"'{SPLIT_MARK}' between stages (no empty stage)"
                 )
             if len(parts) != n_stages:

@@ -33,6 +33,7 @@ from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.blocks.attention_cp import DEFAULT_ATTENTION_CP, AttentionCP
 from torchtitan_cp.models.blocks.flex import AttentionBackend
+from torchtitan_cp.models.blocks.heads import attention_flops
 from torchtitan_cp.models.blocks.init import linear
 from torchtitan_cp.models.blocks.rope import apply_rope
 from torchtitan_cp.models.blocks.routed_attention import RoutedInnerAttention
@@ -89,8 +90,8 @@ class SoftmaxAttention(Module):
 
     @staticmethod
     def flops(cfg: Any, seq_len: int) -> int:
-        """QK^T and PV over the (causal, un-sparsified) context, forward and backward."""
-        return 6 * cfg.attn_n_heads * 2 * cfg.attn_head_dim * seq_len
+        """QK^T and PV over the (causal, un-sparsified) context (``attention_flops``)."""
+        return attention_flops(cfg.attn_n_heads, cfg.attn_head_dim, seq_len)
 
     def __init__(self, config: Config):
         super().__init__()

@@ -238,8 +238,10 @@ class Qwen35TextModel(RoutedDecoder, Qwen35Model):  # pyrefly: ignore[inconsiste
     def routed_forward(
         self, tokens: torch.Tensor, positions: torch.Tensor | None, seq_ctx: SequenceContext
     ) -> torch.Tensor:
-        if positions is None:  # each row is one document
-            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        if positions is None:  # each row is one document (tokens: hidden states after stage 1)
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand(
+                tokens.shape[0], -1
+            )
         if get_spmd_backend() == "spmd_types":
             raise ValueError(
                 "qwen3_5 under torchtitan_cp runs with parallelism.spmd_backend = "
@@ -324,9 +326,12 @@ def check_qwen35_parallelism(cfg: Any, parallelism: Any) -> None:
             f"(parallelism.context_parallel_degree = {cp}): Qwen3.5 scatters image embeddings "
             "into the unsharded sequence; train text-only (model.vision = false)"
         )
-    if getattr(parallelism, "pipeline_parallel_degree", 1) > 1:
+    pp = getattr(parallelism, "pipeline_parallel_degree", 1)
+    if cfg.vision_encoder is not None and pp > 1:
         raise ValueError(
-            "parallelism.pipeline_parallel_degree > 1 is not supported for qwen3_5 by this recipe"
+            f"model.vision = true cannot run under pipeline parallelism "
+            f"(parallelism.pipeline_parallel_degree = {pp}): the vision encoder is not split "
+            "into stages by this recipe; train text-only (model.vision = false)"
         )
     tp = getattr(parallelism, "tensor_parallel_degree", 1)
     ep = getattr(parallelism, "expert_parallel_degree", 1)

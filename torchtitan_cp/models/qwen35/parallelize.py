@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,6 +19,7 @@ from torchtitan.models.qwen3_5.model import Qwen35TransformerBlock
 
 from torchtitan_cp.models.blocks.experts import apply_fsdp_with_experts, parallelize_moe
 from torchtitan_cp.models.blocks.flex import apply_flex_context_parallel
+from torchtitan_cp.models.blocks.pipeline import StagePlan, pipeline_decoder
 from torchtitan_cp.models.blocks.tensor_parallel import (
     check_all_on_tp_mesh,
     distribute_parameter,
@@ -26,9 +27,10 @@ from torchtitan_cp.models.blocks.tensor_parallel import (
     read_locally,
     sequence_parallel_block,
 )
-from torchtitan_cp.models.qwen35.model import check_qwen35_tensor_parallel
+from torchtitan_cp.models.qwen35.model import Qwen35TextModel, check_qwen35_tensor_parallel
+from torchtitan_cp.models.qwen35.stages import stage_plan
 
-__all__ = ["apply_tensor_parallel_qwen35", "parallelize_qwen35"]
+__all__ = ["apply_tensor_parallel_qwen35", "parallelize_qwen35", "pipeline_qwen35"]
 
 
 def apply_tensor_parallel_qwen35(model: nn.Module, tp_mesh: DeviceMesh, ep: int = 1) -> None:
@@ -104,10 +106,6 @@ def parallelize_qwen35(
     construction), so CP only adds torchtitan's K/V all-gather to flex attention layers (before
     FSDP, as torchtitan requires). CP ranks hold the same parameters: FSDP shards and reduces
     gradients over the flattened dp_shard x cp mesh, as for the hybrid decoder."""
-    if parallel_dims.pp_enabled:
-        raise NotImplementedError(
-            "parallelism.pipeline_parallel_degree > 1 is not supported for qwen3_5"
-        )
     if parallel_dims.tp_enabled:
         apply_tensor_parallel_qwen35(model, parallel_dims.get_mesh("tp"), parallel_dims.ep)
     if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
@@ -132,3 +130,16 @@ def parallelize_qwen35(
             encoder=vision,
         )
     return model
+
+
+def pipeline_qwen35(model: nn.Module, **kwargs: Any) -> tuple[Any, list[nn.Module], bool, bool]:
+    """torchtitan's ``pipelining_fn`` for ``Qwen35TextModel`` (``blocks.pipeline``): stages
+    placed by ``parallelism.pipeline_parallel_split`` over its layer letters (``GGGA``) or by the
+    cost model (``qwen35.stages``), each parallelized by ``parallelize_qwen35``. Upstream's
+    forward already skips what a stage lacks (embedding, norm, head)."""
+
+    def plan(whole: nn.Module, n_stages: int, seq_len: int, split: str) -> StagePlan:
+        cfg = cast(Qwen35TextModel, whole).config
+        return stage_plan(cfg, n_stages, seq_len, split, model=whole)
+
+    return pipeline_decoder(model, plan_fn=plan, **kwargs)

@@ -11,7 +11,8 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan_cp.models.blocks.spec import HFFolders, RecipeModel, recipe_spec
 from torchtitan_cp.models.qwen35.hf import check_hf_folder, write_hf_folder
 from torchtitan_cp.models.qwen35.model import check_qwen35_parallelism, qwen35_config
-from torchtitan_cp.models.qwen35.parallelize import parallelize_qwen35
+from torchtitan_cp.models.qwen35.parallelize import parallelize_qwen35, pipeline_qwen35
+from torchtitan_cp.models.qwen35.stages import stage_plan
 
 __all__ = ["MODEL", "qwen35_model_spec"]
 
@@ -27,6 +28,7 @@ def qwen35_model_spec(flavor: str, **kwargs: Any) -> ModelSpec:
         parallelize_qwen35,
         moe=True,
         state_dict_adapter=Qwen35StateDictAdapter,
+        pipelining_fn=pipeline_qwen35,
     )
 
 
@@ -48,5 +50,6 @@ MODEL = RecipeModel(
     ),
     check=check_run,
     hf=HFFolders(check=check_hf_folder, write=write_hf_folder),
+    stage_plan=stage_plan,
 )
 """Qwen3.5 in ``MODELS``: its flavor fixes the architecture but for the keys listed."""

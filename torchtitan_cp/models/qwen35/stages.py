@@ -1,0 +1,52 @@
+"""Where Qwen3.5's pipeline stages fall: its layers' costs under ``models.blocks.pipeline``'s
+cost model, its layer letters those of ``qwen35_layers_summary`` (G: GatedDeltaNet, A: gated
+attention)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan_cp.models.blocks.heads import attention_flops, recurrence_flops
+from torchtitan_cp.models.blocks.pipeline import StagePlan
+from torchtitan_cp.models.qwen35.model import qwen35_layers_summary
+
+__all__ = ["PATTERN_NAME", "layer_flops", "stage_plan"]
+
+PATTERN_NAME = "the qwen3_5 layers (G: GatedDeltaNet, A: attention; model.n_layers keeps the first)"
+"""What the stage messages call Qwen3.5's layer letters (it has no ``layer_pattern`` key)."""
+
+
+def layer_flops(layer: Any, seq_len: int) -> int:
+    """Training FLOPs per token of one Qwen3.5 layer (a ``Qwen35TransformerBlock.Config``)
+    beyond its parameter matmuls: its attention's ``attention_flops`` or its GatedDeltaNet's
+    ``recurrence_flops`` over the value heads."""
+    if layer.attention is not None:
+        return attention_flops(layer.attention.n_heads, layer.attention.head_dim, seq_len)
+    dn = layer.delta_net
+    return recurrence_flops(dn.in_proj_a.out_features, dn.key_head_dim, dn.value_head_dim)
+
+
+def stage_plan(
+    cfg: Any, n_stages: int, seq_len: int, split: str = "", model: nn.Module | None = None
+) -> StagePlan:
+    """Where Qwen3.5's pipeline stages fall (``models.blocks.pipeline``'s cost model): each
+    block ``6 x its parameters + layer_flops`` FLOPs per token (an MoE block counts all its
+    experts' parameters, an upper bound on the few each token runs), the LM head
+    ``6 x dim x vocab``. ``model``: the built model (else one is built on the meta device to
+    count the parameters)."""
+    if model is None:
+        with torch.device("meta"):
+            model = cfg.build()
+    assert model is not None
+    layers = model.get_submodule("layers")
+    costs = [
+        6 * sum(p.numel() for p in layers.get_submodule(str(i)).parameters())
+        + layer_flops(lay, seq_len)
+        for i, lay in enumerate(cfg.layers)
+    ]
+    head = 6 * cfg.dim * cfg.vocab_size
+    pattern = qwen35_layers_summary(cfg)
+    return StagePlan.build(pattern, costs, head, n_stages, split, pattern_name=PATTERN_NAME)
