@@ -8,6 +8,7 @@ import itertools
 import random
 
 import pytest
+import torch
 
 from tests.test_validate import check
 from torchtitan_cp.models.blocks.pipeline import StagePlan, balanced_boundaries, schedule_problem
@@ -85,7 +86,7 @@ def test_pipeline_models_are_the_registry_entries_with_a_stage_plan():
     from torchtitan_cp.trainer.validate import PIPELINE_MODELS
 
     have = [n for n in MODELS if recipe_model(n).stage_plan is not None]
-    assert PIPELINE_MODELS == ", ".join(have) == "hybrid, qwen3_5"
+    assert PIPELINE_MODELS == ", ".join(have) == "hybrid, qwen3_5, kimi_linear"
 
 
 def test_qwen35_stages_follow_its_layer_letters():
@@ -119,3 +120,31 @@ def test_check_prints_the_qwen35_split(capsys, tmp_path):
     )
     assert (code, out) == (0, "2\n"), err
     assert "[pipeline] GGG|A (cost model; MFLOPs/token" in err
+
+
+def test_kimi_linear_stages_count_the_experts_a_token_runs():
+    """Kimi-Linear-48B-A3B (KKKA x 6 + KKA, built on the meta device): an MoE block costs the
+    parameters a token runs (8 of its 256 routed experts, the router and shared expert in
+    full), so the blocks a token runs total 2.7B of the model's 48B, and the split is over K/A
+    letters. Counting all experts weighed every block alike and gave ``KKKAKKK|AKKKAKK|...`` at
+    any length; with the active share the LM head and MLA's context cost decide."""
+    from torchtitan_cp.models.blocks.pipeline import params_per_token
+    from torchtitan_cp.models.kimi_linear.model import kimi_linear_config
+    from torchtitan_cp.models.kimi_linear.stages import stage_plan as kimi_plan
+
+    cfg = kimi_linear_config("48B-A3B")
+    with torch.device("meta"):
+        model = cfg.build()
+    blocks = list(model.layers.values())
+    moe = blocks[1].get_submodule("moe")
+    routed = sum(p.numel() for p in moe.routed_experts.parameters())
+    assert (moe.router.top_k, moe.router.num_experts) == (8, 256)
+    every = sum(p.numel() for p in blocks[1].parameters())
+    assert params_per_token(blocks[1]) == every - routed + routed * 8 // 256
+    assert params_per_token(blocks[0]) == sum(p.numel() for p in blocks[0].parameters())
+    assert 2.6e9 < sum(params_per_token(b) for b in blocks) < 2.8e9
+    plan = kimi_plan(cfg, 4, 4096, model=model)
+    assert plan.pattern == "KKKA" * 6 + "KKA" and plan.source == "cost model"
+    assert plan.split_text() == "KKKAKKKA|KKKAKKK|AKKKAKKK|AKKA"
+    with pytest.raises(ValueError, match="must be the kimi_linear layers"):
+        kimi_plan(kimi_linear_config("debug"), 2, 256, "KK|AK")

@@ -180,7 +180,7 @@ def _check_cp_within_nodes(config: Any, world_size: int, per_node: int) -> None:
     )
 
 
-PIPELINE_MODELS = "hybrid, qwen3_5"
+PIPELINE_MODELS = "hybrid, qwen3_5, kimi_linear"
 """The models with pipeline parallelism (a ``RecipeModel.stage_plan``), for messages
 (tests/test_pipeline_placement.py holds it to the registry)."""
 

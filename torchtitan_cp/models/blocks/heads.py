@@ -89,8 +89,10 @@ def recurrence_flops(heads: int, k: int, v: int) -> int:
     return 6 * heads * (4 * k * v + FLA_CHUNK_SIZE * (k + v))
 
 
-def attention_flops(heads: int, head_dim: int, seq_len: int) -> int:
-    """Training FLOPs per token of softmax attention beyond its parameter matmuls: QK^T and PV
-    over the causal context of a ``seq_len`` row, documents not masked out (an upper bound),
-    forward and backward."""
-    return 6 * heads * 2 * head_dim * seq_len
+def attention_flops(heads: int, head_dim: int, seq_len: int, v_head_dim: int | None = None) -> int:
+    """Training FLOPs per token of softmax attention beyond its parameter matmuls: QK^T
+    (``head_dim`` channels per head) and PV (``v_head_dim``, default ``head_dim``) over the
+    causal context of a ``seq_len`` row, documents not masked out (an upper bound), forward and
+    backward."""
+    v = head_dim if v_head_dim is None else v_head_dim
+    return 6 * heads * (head_dim + v) * seq_len

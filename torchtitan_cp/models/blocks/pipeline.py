@@ -8,7 +8,8 @@ microbatch's own ``seq_ctx`` (built on its host from the loader's metadata by th
 preprocessor), so the stages exchange activations only.
 
 The cost model of the default placement, per token of a row of ``seq_len`` tokens (training
-FLOPs, forward and backward): a block costs ``6 x its parameters`` (its matmuls) plus its mixer's
+FLOPs, forward and backward): a block costs ``6 x the parameters a token runs`` (its matmuls;
+``params_per_token``: an MoE layer's top-k share of its experts) plus its mixer's
 own ``LayerKind.flops(cfg, seq_len)``: softmax attention ``12 x heads x head_dim x seq_len``
 (QK^T and PV over the causal context, documents not masked out, so an upper bound), the
 linear-attention kinds a constant per token (their chunked recurrences' state work). The LM
@@ -29,6 +30,8 @@ __all__ = [
     "SPLIT_MARK",
     "StagePlan",
     "balanced_boundaries",
+    "decoder_stage_plan",
+    "params_per_token",
     "pipeline_decoder",
     "pipeline_stages",
     "schedule_problem",
@@ -219,6 +222,44 @@ class StagePlan:
         stage_costs = [sum(layer_costs[a:b]) for a, b in zip(edges, edges[1:])]
         stage_costs[-1] += head_cost
         return cls(pattern, boundaries, tuple(stage_costs), source)
+
+
+def params_per_token(block: nn.Module) -> int:
+    """The parameters one token runs through in ``block``: all of them, except that an MoE
+    layer (a module with ``routed_experts`` and a ``router`` of ``top_k`` of ``num_experts``,
+    torchtitan's ``MoE``) counts ``top_k / num_experts`` of its routed experts (its router and
+    shared experts in full). Counting all experts would weigh a 256-expert layer 32 times what
+    a token computes and hide the attention cost that grows with the context."""
+    total = sum(p.numel() for p in block.parameters())
+    for module in block.modules():
+        experts = getattr(module, "routed_experts", None)
+        router: Any = getattr(module, "router", None)
+        if not isinstance(experts, nn.Module) or not hasattr(router, "top_k"):
+            continue
+        routed = sum(p.numel() for p in experts.parameters())
+        total -= routed - routed * router.top_k // router.num_experts
+    return total
+
+
+def decoder_stage_plan(
+    model: nn.Module,
+    pattern: str,
+    mixer_flops: Sequence[int],
+    head_cost: int,
+    n_stages: int,
+    split: str = "",
+    pattern_name: str = "model.layer_pattern",
+) -> StagePlan:
+    """``StagePlan.build`` for a decoder whose blocks are ``model.layers.<i>``, one letter of
+    ``pattern`` each: block ``i`` costs ``6 x params_per_token + mixer_flops[i]`` FLOPs per
+    token (the cost model above; an MoE block its routed experts' top-k share), the head
+    ``head_cost`` (``6 x dim x vocab``)."""
+    layers = model.get_submodule("layers")
+    costs = [
+        6 * params_per_token(layers.get_submodule(str(i))) + flops
+        for i, flops in enumerate(mixer_flops)
+    ]
+    return StagePlan.build(pattern, costs, head_cost, n_stages, split, pattern_name)
 
 
 def pipeline_decoder(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtitan_cp.models.blocks.pipeline import StagePlan
+from torchtitan_cp.models.blocks.pipeline import StagePlan, decoder_stage_plan
 from torchtitan_cp.models.hybrid.decoder import HybridDecoder
 from torchtitan_cp.models.hybrid.layers import LAYERS
 
@@ -27,9 +27,6 @@ def stage_plan(
     if model is None:
         with torch.device("meta"):
             model = HybridDecoder(cfg)
-    costs = [
-        6 * sum(p.numel() for p in model.get_submodule(f"layers.{i}").parameters())
-        + LAYERS[c].flops(cfg, seq_len)
-        for i, c in enumerate(cfg.layer_pattern)
-    ]
-    return StagePlan.build(cfg.layer_pattern, costs, 6 * cfg.dim * cfg.vocab_size, n_stages, split)
+    flops = [LAYERS[c].flops(cfg, seq_len) for c in cfg.layer_pattern]
+    head = 6 * cfg.dim * cfg.vocab_size
+    return decoder_stage_plan(model, cfg.layer_pattern, flops, head, n_stages, split)

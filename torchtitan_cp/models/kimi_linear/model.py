@@ -38,7 +38,6 @@ from torchtitan.models.deepseek_v3.model import Attention
 
 from torchtitan_cp.models.blocks.experts import check_expert_parallel, set_moe_sharding
 from torchtitan_cp.models.blocks.flex import resolve_attention_backend
-from torchtitan_cp.models.blocks.heads import recurrence_flops
 from torchtitan_cp.models.blocks.init import BASE_STD
 from torchtitan_cp.models.blocks.routed_attention import (
     RoutedInnerAttention,
@@ -52,6 +51,7 @@ from torchtitan_cp.models.blocks.routed_decoder import (
     RoutedOptions,
 )
 from torchtitan_cp.models.context import SequenceContext
+from torchtitan_cp.models.kimi_linear.stages import layer_flops
 from torchtitan_cp.models.mixers.delta_net import KDAMixer
 from torchtitan_cp.ops import context_parallel_attention
 from torchtitan_cp.ops.cp.collectives import all_gather_autograd
@@ -327,8 +327,7 @@ class KimiLinearModel(RoutedDecoder, Decoder):  # pyrefly: ignore[inconsistent-i
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
             """(parameters, training FLOPs per token): 6 x the parameters a token passes
             through (the routed experts' top-k share, no embedding), plus MLA's attention
-            scores (12 x heads x (qk + v head dims) / 2 x seq_len per layer) and KDA's
-            recurrence (``recurrence_flops``) per layer."""
+            scores and KDA's recurrence per layer (``stages.layer_flops``)."""
             nparams = sum(p.numel() for p in model.parameters())
             # pyrefly: ignore[missing-attribute]  (an nn.Embedding, typed through Module.__getattr__)
             embed = sum(p.numel() for p in model.tok_embeddings.parameters())
@@ -339,12 +338,7 @@ class KimiLinearModel(RoutedDecoder, Decoder):  # pyrefly: ignore[inconsistent-i
                     inactive += int(sum(p.numel() for p in m.parameters()) * share)
             flops = 6 * (nparams - embed - inactive)
             for lay in self.layers:
-                if lay.attention is not None:
-                    a = lay.attention
-                    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-                    flops += 6 * a.n_heads * (qk + a.v_head_dim) * seq_len
-                else:
-                    flops += recurrence_flops(lay.kda.n_heads, lay.kda.head_dim, lay.kda.v_dim)
+                flops += layer_flops(lay, seq_len)
             return nparams, flops
 
         @property
@@ -502,17 +496,14 @@ def check_kimi_linear_parallelism(cfg: Any, parallelism: Any) -> None:
     layers through the recipe's attention CP: the compressed latent's all-gather on sdpa and
     flex, expanded K/V on pass-KV with ``model.attention_cp``), and
     expert parallelism (torchtitan's MoE sharding and all-to-all dispatcher, composed with CP
-    and FSDP) when its degree divides the experts. Tensor parallelism is refused."""
-    for key, why in (
-        ("tensor_parallel_degree", "tensor parallelism of KDA + MLA + MoE is not built"),
-        ("pipeline_parallel_degree", "pipeline parallelism is not supported by this recipe"),
-    ):
-        degree = getattr(parallelism, key, 1)
-        if degree > 1:
-            raise ValueError(
-                f"parallelism.{key} = {degree} is not supported for model.name = "
-                f"'kimi_linear' yet: {why}; set it to 1"
-            )
+    and FSDP) when its degree divides the experts, and pipeline parallelism (``stages``). Tensor
+    parallelism is refused."""
+    tp = getattr(parallelism, "tensor_parallel_degree", 1)
+    if tp > 1:
+        raise ValueError(
+            f"parallelism.tensor_parallel_degree = {tp} is not supported for model.name = "
+            "'kimi_linear' yet: tensor parallelism of KDA + MLA + MoE is not built; set it to 1"
+        )
     ep = getattr(parallelism, "expert_parallel_degree", 1)
     if ep > 1:
         check_expert_parallel(cfg, ep, "kimi_linear")

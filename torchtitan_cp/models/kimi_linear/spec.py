@@ -16,7 +16,11 @@ from torchtitan_cp.models.kimi_linear.hf import (
     write_hf_folder,
 )
 from torchtitan_cp.models.kimi_linear.model import check_kimi_linear_parallelism, kimi_linear_config
-from torchtitan_cp.models.kimi_linear.parallelize import parallelize_kimi_linear
+from torchtitan_cp.models.kimi_linear.parallelize import (
+    parallelize_kimi_linear,
+    pipeline_kimi_linear,
+)
+from torchtitan_cp.models.kimi_linear.stages import stage_plan
 
 __all__ = ["MODEL", "kimi_linear_model_spec"]
 
@@ -33,6 +37,7 @@ def kimi_linear_model_spec(flavor: str, **kwargs: Any) -> ModelSpec:
         parallelize_kimi_linear,
         moe=True,
         state_dict_adapter=KimiLinearStateDictAdapter,
+        pipelining_fn=pipeline_kimi_linear,
     )
 
 
@@ -64,5 +69,6 @@ MODEL = RecipeModel(
     settable=("n_layers", "vocab_size", "attention_backend", "attention_cp"),
     check=check_run,
     hf=HFFolders(check=check_hf_folder, write=write_hf_folder, reader=read_hf_folder),
+    stage_plan=stage_plan,
 )
 """Kimi Linear in ``MODELS``: its flavor fixes the architecture but for the keys listed."""

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from torchtitan_cp.models.blocks.heads import attention_flops, recurrence_flops
-from torchtitan_cp.models.blocks.pipeline import StagePlan
+from torchtitan_cp.models.blocks.pipeline import StagePlan, decoder_stage_plan
 from torchtitan_cp.models.qwen35.model import qwen35_layers_summary
 
 __all__ = ["PATTERN_NAME", "layer_flops", "stage_plan"]
@@ -33,20 +33,13 @@ def stage_plan(
     cfg: Any, n_stages: int, seq_len: int, split: str = "", model: nn.Module | None = None
 ) -> StagePlan:
     """Where Qwen3.5's pipeline stages fall (``models.blocks.pipeline``'s cost model): each
-    block ``6 x its parameters + layer_flops`` FLOPs per token (an MoE block counts all its
-    experts' parameters, an upper bound on the few each token runs), the LM head
+    block ``6 x params_per_token + layer_flops`` FLOPs per token (``decoder_stage_plan``), the LM head
     ``6 x dim x vocab``. ``model``: the built model (else one is built on the meta device to
     count the parameters)."""
     if model is None:
         with torch.device("meta"):
             model = cfg.build()
     assert model is not None
-    layers = model.get_submodule("layers")
-    costs = [
-        6 * sum(p.numel() for p in layers.get_submodule(str(i)).parameters())
-        + layer_flops(lay, seq_len)
-        for i, lay in enumerate(cfg.layers)
-    ]
-    head = 6 * cfg.dim * cfg.vocab_size
-    pattern = qwen35_layers_summary(cfg)
-    return StagePlan.build(pattern, costs, head, n_stages, split, pattern_name=PATTERN_NAME)
+    flops = [layer_flops(lay, seq_len) for lay in cfg.layers]
+    pattern, head = qwen35_layers_summary(cfg), 6 * cfg.dim * cfg.vocab_size
+    return decoder_stage_plan(model, pattern, flops, head, n_stages, split, PATTERN_NAME)
