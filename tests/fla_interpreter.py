@@ -57,6 +57,13 @@ def install() -> str | None:
     _patch_autotuner(Autotuner)
     _patch_loop_variables(interp)
     _patch_fla_shared_memory()
+    # fla's modules import triton.experimental.gluon, which wraps Triton's standard functions
+    # once, asserting that they are JIT functions unless the interpreter is on at that moment:
+    # import it now, so a test that turns the interpreter off (``interpreter_off``) before this
+    # process first imports fla.modules still imports it (test_validate's Qwen3.5 rows failed
+    # with a bare AssertionError when run alone, and passed after any test that imported it).
+    import triton.experimental.gluon  # noqa: F401
+
     # fla warns once per device query that Triton has no GPU here; expected in this tier.
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
     _state.update(installed=True, reason=None)
