@@ -896,13 +896,13 @@ def _tool_version(cmd: list[str]) -> str | None:
 def environment(device: str) -> dict[str, Any]:
     """What decides correctness on the GPU: torch, its CUDA build, triton, the ptxas Triton
     compiles with (FLA #1262: wrong Hopper state gradients with ptxas 12.8.93), the driver, the
-    device and its capability, fla-core, tilelang and nvcc, and which kernels run GDN's
-    backward and why (``fla_refusals``: Hopper with 3.4.0 <= triton < 3.7.1, fla #640; fla's
-    TileLang route needs an nvcc, fla #1026)."""
+    device and its capability, fla-core, tilelang and nvcc, and which kernels run the gated
+    backward (GDN, Mamba2, retention) and why (``fla_refusals``: Hopper with 3.4.0 <= triton <
+    3.7.1, fla #640; fla's TileLang route needs an nvcc, fla #1026)."""
     from torchtitan_cp.ops.common.fla_refusals import (
         device_facts,
-        fla_gdn_backward_refusal,
-        gdn_backward_path,
+        fla_gated_backward_path,
+        fla_gated_backward_refusal,
     )
 
     facts = device_facts()
@@ -932,8 +932,8 @@ def environment(device: str) -> dict[str, Any]:
         env["driver"] = _tool_version(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
         )
-    env["fla_gdn_backward"] = fla_gdn_backward_refusal(facts) or "runs"
-    env["gdn_backward"] = gdn_backward_path(facts)
+    env["fla_gated_backward"] = fla_gated_backward_refusal(facts) or "runs"
+    env["gated_backward"] = fla_gated_backward_path(facts)
     return env
 
 
@@ -1092,7 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
         res = Results(args.results, "call", args.device, args.started_at)
         env = environment(args.device)
         res.add("environment", True, 0.0, **env)
-        print(f"gpu_check: {env['gdn_backward']}", flush=True)
+        print(f"gpu_check: {env['gated_backward']}", flush=True)
         with timed() as t:
             import gpu_imports
 

@@ -50,7 +50,7 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "torchtitan_cp.routing.host_metadata:HostMetadata",
     "torchtitan_cp.models.sequence:SequencePreprocessor",
     "torchtitan_cp.ops.common.fla_autotune:persist",  # autotune once per machine
-    "torchtitan_cp.ops.common.fla_refusals:gdn_backward_path",
+    "torchtitan_cp.ops.common.fla_refusals:fla_gated_backward_path",
     # the runner of the check's correctness part and CUDA-only tests (which need nothing else)
     "pytest",
     "tests.cp_gradients:cp_gradients",

@@ -270,11 +270,9 @@ def test_fla_ops_opcheck_cuda(case: RecurrenceCase):
     """Every registered recurrence's fla op under ``opcheck`` against the real Triton kernels,
     called as its local kernel calls it (its case's fla op call: SSD's q/k repeated to the value
     heads), float32 inputs, fla building its own chunk tables."""
-    from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
-
-    refused = fla_gdn_backward_refusal() if case.name == "gdn" else None
+    refused = recurrence(case.name, **case.options).fla_refusal()
     if refused is not None:  # opcheck runs the backward, which fla raises in here (fla #640)
-        pytest.skip(f"GDN's fla backward is refused here: {refused}")
+        pytest.skip(f"{case.id}'s fla backward is refused here: {refused}")
     ins = [x.detach().cuda().float().requires_grad_(True) for x in _case_inputs(case)]
     torch.library.opcheck(*case.fla_op(ins[:-1], ins[-1], CU.cuda(), CU, None, None, 0.4))
 

@@ -25,7 +25,6 @@ from tests import cp_gradients, fla_interpreter
 from tests.recurrences import CASES, RecurrenceCase
 from tests.reference import rel_err
 from torchtitan_cp.ops import causal_conv1d
-from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
 from torchtitan_cp.ops.cp.recurrence import SequenceTables, recurrence, run_local
 from torchtitan_cp.routing import chunk_indices, chunk_offsets
 
@@ -58,8 +57,9 @@ def _needs_fla() -> None:
         pytest.skip(why)
 
 
-def _gdn_backward_refused(case: RecurrenceCase) -> str | None:
-    return fla_gdn_backward_refusal() if case.name == "gdn" else None
+def _fla_refused(case: RecurrenceCase) -> str | None:
+    """Why fla refuses this case's recurrence here (its kernels' own answer), or None."""
+    return recurrence(case.name, **case.options).fla_refusal()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -75,9 +75,9 @@ def test_cp_gradients_on_every_rank_torch(case, record_property):
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=FLA) for c in CASES])
 def test_cp_gradients_on_every_rank_fla(case, record_property):
     _needs_fla()
-    refused = _gdn_backward_refused(case)
+    refused = _fla_refused(case)
     if refused is not None:
-        pytest.skip(f"fla refuses GDN's backward here: {refused}")
+        pytest.skip(f"fla refuses this backward here: {refused}")
     cmp = cp_gradients.cp_gradients(case, "fla", DEVICE, tokens_per_rank=PER_RANK, K=K, V=V)
     res = cp_gradients.compare(cmp, CP_TOL["fla"])
     record_property("cp_gradients", res)
@@ -140,8 +140,8 @@ def test_fla_matches_torch(case, dtype, record_property):
     # Token inputs in dtype, except the gates (fla keeps log gates in float32), h0 float32.
     inputs = [x if n == "g" else x.to(dtype) for x, n in zip(inputs, case.names)]
     inputs.append(h0.to(DEVICE))
-    # Where fla refuses GDN's backward (fla #640) its forward is still checked, and says so.
-    refused = _gdn_backward_refused(case)
+    # Where fla refuses the case's backward (fla #640) its forward is still checked, and says so.
+    refused = _fla_refused(case)
     if refused is not None:
         record_property("note", f"forward only: {refused}")
     fla = _local(case, inputs, "fla", CU, backward=refused is None)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.reference import conv_reference, delta_rule_reference, rel_err
-from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
 from torchtitan_cp.ops.conv.local import causal_conv1d
+from torchtitan_cp.ops.cp.recurrence import recurrence
 from torchtitan_cp.ops.delta_rule.local import chunk_delta_rule
 from torchtitan_cp.ops.ssd.local import chunk_ssd
 from torchtitan_cp.routing import chunk_indices, chunk_offsets
@@ -57,7 +57,7 @@ def test_fla_delta_rule_matches_oracle(kind, tables):
         **_tables(cu, tables),
     )
     assert rel_err(o, o_ref) < TOL and rel_err(ht, ht_ref) < TOL
-    refused = fla_gdn_backward_refusal() if kind == "gdn" else None
+    refused = recurrence(kind).fla_refusal()
     if refused is not None:  # fla raises in GDN's backward here (fla #640): forward only
         pytest.skip(f"GDN checked forward only: {refused}")
     do, dht = torch.randn_like(o_ref), torch.randn_like(ht_ref)
@@ -111,16 +111,18 @@ def _delta_and_conv_step(with_tables: bool) -> None:
     y = causal_conv1d(x, w, chunk_indices=tables.get("chunk_indices"), **kw)
     q, k, v = (F.normalize(t, dim=-1) for t in y.view(1, T, 3, H, K).unbind(2))
     loss = y.new_zeros(())
-    # GDN's fla backward is refused on some Hopper + Triton pairs (fla #640): KDA only there.
-    for kind in ("kda",) if fla_gdn_backward_refusal() else ("kda", "gdn"):
+    # fla's gated backward is refused on some Hopper + Triton pairs (fla #640): KDA only there.
+    for kind in ("kda",) if recurrence("gdn").fla_refusal() else ("kda", "gdn"):
         g = -torch.rand(*((1, T, H, K) if kind == "kda" else (1, T, H)), device="cuda")
         o, _ = chunk_delta_rule(
             q, k, v, g, torch.rand(1, T, H, device="cuda"), kind=kind, **tables, **kw
         )
         loss = loss + o.sum()
     # SSD on fla's simple GLA: without the tables it also reads its chunk count back (.item()).
-    o, _ = chunk_ssd(q, k, v, -torch.rand(1, T, H, device="cuda"), **tables, **kw)
-    loss = loss + o.sum()
+    # Its backward runs the same gated kernel as GDN's, refused with it.
+    if recurrence("ssd").fla_refusal() is None:
+        o, _ = chunk_ssd(q, k, v, -torch.rand(1, T, H, device="cuda"), **tables, **kw)
+        loss = loss + o.sum()
     loss.backward()
 
 

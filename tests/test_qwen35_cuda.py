@@ -23,6 +23,11 @@ def test_cp1_matches_upstream_qwen35_on_its_own_cuda_path():
     fla kernels and flex blocks)."""
     from torchtitan.models.qwen3_5 import qwen3_5_configs
 
+    from torchtitan_cp.ops.cp.recurrence import recurrence
+
+    refused = recurrence("gdn").fla_refusal()
+    if refused is not None:  # the GatedDeltaNets' backward on fla (fla #640)
+        pytest.skip(f"fla refuses the GatedDeltaNet backward here: {refused}")
     dev = torch.device("cuda")
     torch.manual_seed(0)
     cfg = qwen35_config(

@@ -98,8 +98,9 @@ def test_gpu_check_one_call_dry_run(tmp_path):
     env = by["call", "environment"]
     assert env["torch_version"] == torch.__version__ and env["fla_core"] == "0.6.0"
     assert {"cuda", "triton", "ptxas", "tilelang", "nvcc"} <= env.keys()
-    assert env["fla_gdn_backward"] == "runs" and env["gdn_backward"].startswith("GDN backward:")
-    assert "gpu_check: GDN backward: " in proc.stdout  # the one line
+    assert env["fla_gated_backward"] == "runs"
+    assert env["gated_backward"].startswith("gated backward (GDN, Mamba2, retention):")
+    assert "gpu_check: gated backward (GDN, Mamba2, retention): " in proc.stdout  # the one line
     # correctness: the parity tests of every registered recurrence, one line each.
     from tests.recurrences import CASES
 

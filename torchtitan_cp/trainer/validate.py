@@ -411,14 +411,12 @@ def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: 
             f"'{backend}' uses fla-core on CUDA, which is not installed; pip install "
             "fla-core==0.6.0, or use 'torch'",
         )
-    if backend == "fla" and device_type == "cuda" and _has_gdn(model_cfg):
-        from torchtitan_cp.ops.common.fla_refusals import fla_gdn_backward_refusal
-
-        reason = fla_gdn_backward_refusal()
-        _need(
-            reason is None,
-            f"linear_attention.backend = 'fla' for GDN layers: {reason}; "
-            "or use 'auto' (GDN on the PyTorch kernels)",
+    refused = _fla_refused(model_cfg) if backend == "fla" and device_type == "cuda" else []
+    if refused:  # one fla kernel today, so one reason; every refused kind is named
+        layers = " and ".join(name for name, _ in refused)
+        raise ConfigError(
+            f"linear_attention.backend = 'fla' for {layers}: {refused[0][1]}; "
+            "or use 'auto' (those layers on the PyTorch kernels)"
         )
     if device_type == "cuda":
         import torch
@@ -435,13 +433,19 @@ def _check_backends(config: Any, model_cfg: Any, device_type: str, local_world: 
     check_attention_backend(config, model_cfg, device_type=device_type)
 
 
-def _has_gdn(model_cfg: Any) -> bool:
-    """Whether the model has GDN layers: hybrid ``G`` letters, Qwen3.5's GatedDeltaNets."""
-    if "G" in getattr(model_cfg, "layer_pattern", ""):
-        return True
-    return any(
-        getattr(lay, "delta_net", None) is not None for lay in getattr(model_cfg, "layers", ())
-    )
+def _fla_refused(model_cfg: Any) -> list[tuple[str, str]]:
+    """``(layers, reason)`` for each kind of the model's layers whose recurrence's fla kernels
+    are refused here (``Recurrence.fla_refusal``): the hybrid's letters by their kind's
+    recurrence, Qwen3.5's GatedDeltaNets (the ``gdn`` recurrence)."""
+    from torchtitan_cp.models.hybrid.layers import LAYERS
+    from torchtitan_cp.ops.cp.recurrence import recurrence
+
+    kinds = [LAYERS[c] for c in dict.fromkeys(getattr(model_cfg, "layer_pattern", ""))]
+    named = [(f"{k.description} layers", k.recurrence) for k in kinds if k.recurrence]
+    if any(getattr(lay, "delta_net", None) is not None for lay in getattr(model_cfg, "layers", ())):
+        named.append(("GatedDeltaNet layers", "gdn"))
+    found = [(layers, recurrence(name).fla_refusal()) for layers, name in named]
+    return [(layers, reason) for layers, reason in found if reason is not None]
 
 
 def _check_torch(config: Any, world_size: int) -> None:

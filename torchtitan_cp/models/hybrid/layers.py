@@ -1,7 +1,8 @@
 """The layer registry: every ``layer_pattern`` letter maps to one ``LayerKind`` here.
 
 A kind names its mixer class, the kernels that class runs (which backends they have, whether
-they compile) and whether it needs the document ``BlockMask`` of flex attention. The decoder, its
+they compile), the recurrence it runs (whose fla kernels may be refused on a machine) and
+whether it needs the document ``BlockMask`` of flex attention. The decoder, its
 FLOPs count, init, parallelize, the compile check and the backend check only ever ask this table.
 A kind's own sizes live in ``LayerOptions`` (``[model.layer_options.<name>]``); a kind that uses
 the shared model fields has none (docs/architecture.md, "Adding a layer kind").
@@ -18,6 +19,8 @@ from torchtitan_cp.models.mixers.attention import SoftmaxAttention
 from torchtitan_cp.models.mixers.delta_net import GDNMixer, KDAMixer
 from torchtitan_cp.models.mixers.mamba2 import Mamba2Mixer, Mamba2Options
 from torchtitan_cp.models.mixers.retention import RetentionMixer
+from torchtitan_cp.ops.common.fla_refusals import fla_backend
+from torchtitan_cp.ops.cp import recurrence as recurrences
 
 __all__ = [
     "LAYERS",
@@ -78,13 +81,16 @@ ATTENTION = Kernels((), compiles=True)  # its backend is model.attention_backend
 @dataclass(frozen=True)
 class LayerKind:
     """One letter of ``layer_pattern``: a name, a description (for errors), its mixer class,
-    the kernels it runs, and whether it needs the document ``BlockMask`` when flex runs."""
+    the kernels it runs, whether it needs the document ``BlockMask`` when flex runs, and the
+    registered recurrence (``ops.cp.recurrence.RECURRENCES``) its mixer runs, whose
+    ``fla_refusal`` decides where its fla kernels are refused."""
 
     name: str
     description: str
     mixer: Mixer
     kernels: Kernels
     flex_mask: bool = False
+    recurrence: str | None = None
 
     @property
     def compiles(self) -> bool:
@@ -92,14 +98,13 @@ class LayerKind:
 
     def backend(self, requested: str) -> str:
         """The backend this kind runs for ``linear_attention.backend = requested``: ``auto``
-        picks only what the kind has (both: fla on CUDA, torch elsewhere; one: that one). GDN
-        where fla-core refuses its backward (``ops.common.fla_refusals``): ``auto`` runs torch
-        (one warning), ``fla`` is a ValueError naming the versions."""
+        picks only what the kind has (both: fla on CUDA, torch elsewhere; one: that one).
+        Where fla-core refuses the kernels of its recurrence (``ops.common.fla_refusals``):
+        ``auto`` runs torch (one warning), ``fla`` is a ValueError naming the versions."""
         has = self.kernels.backends
-        if self.name == "gdn":  # fla refuses GDN's backward on some GPU + Triton pairs
-            from torchtitan_cp.ops.common.fla_refusals import gdn_backend
-
-            requested = gdn_backend(requested)
+        if self.recurrence is not None:
+            refusal = recurrences.recurrence(self.recurrence).fla_refusal()
+            requested = fla_backend(requested, refusal, f"{self.description} layers")
         if requested != "auto" or not has or set(has) >= {"torch", "fla"}:
             return requested
         return has[0]
@@ -113,11 +118,11 @@ class LayerKind:
 
 
 LAYERS: dict[str, LayerKind] = {
-    "K": LayerKind("kda", "KDA (Kimi Delta Attention)", KDAMixer, DELTA_RULE),
-    "G": LayerKind("gdn", "GDN (Gated DeltaNet)", GDNMixer, DELTA_RULE),
+    "K": LayerKind("kda", "KDA (Kimi Delta Attention)", KDAMixer, DELTA_RULE, recurrence="kda"),
+    "G": LayerKind("gdn", "GDN (Gated DeltaNet)", GDNMixer, DELTA_RULE, recurrence="gdn"),
     "A": LayerKind("attention", "softmax attention", SoftmaxAttention, ATTENTION, flex_mask=True),
-    "M": LayerKind("mamba2", "Mamba2 (SSD)", Mamba2Mixer, SSD),
-    "R": LayerKind("retention", "RetNet retention", RetentionMixer, SSD),
+    "M": LayerKind("mamba2", "Mamba2 (SSD)", Mamba2Mixer, SSD, recurrence="ssd"),
+    "R": LayerKind("retention", "RetNet retention", RetentionMixer, SSD, recurrence="ssd"),
 }
 
 

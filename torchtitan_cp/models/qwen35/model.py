@@ -230,10 +230,14 @@ class Qwen35TextModel(RoutedDecoder, Qwen35Model):  # pyrefly: ignore[inconsiste
         if config.vision_encoder is not None:
             self.vision_encoder = config.vision_encoder.build()
             self.spatial_merge_size = config.vision_encoder.spatial_merge_size
-        from torchtitan_cp.ops.common.fla_refusals import gdn_backend
+        from torchtitan_cp.ops.common.fla_refusals import fla_backend
+        from torchtitan_cp.ops.cp.recurrence import recurrence
 
-        # fla refuses GatedDeltaNet's backward on some GPU + Triton pairs: auto runs torch there.
-        route_delta_nets(self, gdn_backend(config.linear_attention_backend))  # type: ignore[arg-type]
+        # fla refuses the gated delta rule's backward on some GPU + Triton pairs: auto runs
+        # torch there.
+        refusal = recurrence("gdn").fla_refusal()
+        backend = fla_backend(config.linear_attention_backend, refusal, "GatedDeltaNet layers")
+        route_delta_nets(self, backend)  # type: ignore[arg-type]
 
     def routed_forward(
         self, tokens: torch.Tensor, positions: torch.Tensor | None, seq_ctx: SequenceContext

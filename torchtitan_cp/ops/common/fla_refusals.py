@@ -1,17 +1,22 @@
 """What fla-core 0.6.0 refuses to run on this machine, known before the first backward.
 
-fla-core 0.6.0's ``chunk_bwd_dqkwg`` (``fla/ops/common/chunk_o.py``), which GDN's backward
-(``chunk_gated_delta_rule`` with a gate; Qwen3.5's GatedDeltaNet) calls, raises RuntimeError on
-Hopper GPUs (compute capability 9.x) for 3.4.0 <= triton < 3.7.1: those Triton versions give
-wrong results there (fla issue #640). Its TileLang backend takes the call instead, but only
-where fla 0.6.0 can use it (``fla/backends.py``, ``TileLangBackend.is_available`` and
-``is_enabled``): ``tilelang`` importable, a usable ``nvcc`` for TileLang's JIT
-(``fla/utils/env.py:has_usable_nvcc``: ``$CUDA_HOME`` or ``$CUDA_PATH`` ``/bin/nvcc``, ``nvcc`` on
-``PATH``, the ``nvidia-cuda-nvcc`` wheel's binary, ``/usr/local/cuda/bin/nvcc``; fla #1026), and
-``FLA_TILELANG`` not ``0``. Without an nvcc fla falls back to Triton and raises. KDA's backward
-does not use that function. The GPU machine lent to this project
-(H200, triton 3.6.0) is such a machine, so the recipe asks here, before a run starts, rather
-than failing at the first GDN backward.
+fla-core 0.6.0's gated ``chunk_bwd_dqkwg`` (``fla/ops/common/chunk_o.py``, called with a gate
+``g``) raises RuntimeError on Hopper GPUs (compute capability 9.x) for 3.4.0 <= triton < 3.7.1:
+those Triton versions give wrong results there (fla issue #640). Its TileLang backend takes the
+call instead, but only where fla 0.6.0 can use it (``fla/backends.py``,
+``TileLangBackend.is_available`` and ``is_enabled``): ``tilelang`` importable, a usable
+``nvcc`` for TileLang's JIT (``fla/utils/env.py:has_usable_nvcc``: ``$CUDA_HOME`` or
+``$CUDA_PATH`` ``/bin/nvcc``, ``nvcc`` on ``PATH``, the ``nvidia-cuda-nvcc`` wheel's binary,
+``/usr/local/cuda/bin/nvcc``; fla #1026), and ``FLA_TILELANG`` not ``0``. Without an nvcc fla
+falls back to Triton and raises. The GPU machine lent to this project (H200, triton 3.6.0) is
+such a machine, so the recipe asks here, before a run starts, rather than failing at the first
+backward.
+
+The refusal is keyed on that kernel, not on a layer: each recurrence says whether its fla
+backward calls it (``Recurrence.fla_refusal``): the scalar-gate delta rule (GDN,
+``chunk_gated_delta_rule``) and SSD with a gate per head (Mamba2 and retention,
+``chunk_simple_gla``) do; KDA (its own fused ``dqkg``) and GLA (``chunk_gla``) do not.
+``fla_backend`` then turns a layer's requested backend into the one it runs.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ __all__ = [
     "DeviceFacts",
     "device_facts",
     "find_nvcc",
-    "fla_gdn_backward_refusal",
-    "gdn_backend",
-    "gdn_backward_path",
+    "fla_backend",
+    "fla_gated_backward_path",
+    "fla_gated_backward_refusal",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,8 +111,9 @@ def _hopper_bad_triton(f: DeviceFacts) -> bool:
     return low <= _release(f.triton) < high
 
 
-def fla_gdn_backward_refusal(facts: DeviceFacts | None = None) -> str | None:
-    """One line saying why fla-core refuses GDN's backward here, or None where it runs."""
+def fla_gated_backward_refusal(facts: DeviceFacts | None = None) -> str | None:
+    """One line saying why fla-core refuses its gated ``chunk_bwd_dqkwg`` here (the backward
+    of every recurrence whose ``fla_refusal`` asks), or None where it runs."""
     f = facts if facts is not None else device_facts()
     if not _hopper_bad_triton(f) or (f.tilelang and f.nvcc is not None):
         return None
@@ -118,43 +124,43 @@ def fla_gdn_backward_refusal(facts: DeviceFacts | None = None) -> str | None:
         else "no tilelang"
     )
     return (
-        f"fla-core refuses GDN's backward (gated chunk_bwd_dqkwg) on this Hopper GPU (compute "
+        f"fla-core refuses the backward of its gated chunk_bwd_dqkwg on this Hopper GPU (compute "
         f"capability {cap}) with triton {f.triton}: triton >= 3.4.0 and < 3.7.1 gives wrong "
         f"gradients there (fla issue #640), and {tl}; install triton >= 3.7.1, or tilelang "
         "with an nvcc (CUDA_HOME or PATH)"
     )
 
 
-def gdn_backward_path(facts: DeviceFacts | None = None) -> str:
-    """One line: which kernels run GDN's backward under ``backend = "auto"`` here, and why."""
+def fla_gated_backward_path(facts: DeviceFacts | None = None) -> str:
+    """One line: which kernels run the gated backward (GDN, Mamba2, retention) under
+    ``backend = "auto"`` here, and why."""
     f = facts if facts is not None else device_facts()
+    what = "gated backward (GDN, Mamba2, retention)"
     if f.capability is None:
-        return "GDN backward: PyTorch kernels (no CUDA device)"
+        return f"{what}: PyTorch kernels (no CUDA device)"
     if not _hopper_bad_triton(f):
-        return f"GDN backward: fla's Triton kernels (triton {f.triton}, capability {f.capability[0]}.{f.capability[1]})"
+        return f"{what}: fla's Triton kernels (triton {f.triton}, capability {f.capability[0]}.{f.capability[1]})"
     if f.tilelang and f.nvcc is not None:
-        return f"GDN backward: fla's TileLang kernels (triton {f.triton} is refused on Hopper, fla #640; tilelang with nvcc {f.nvcc})"
-    return f"GDN backward: PyTorch kernels ({fla_gdn_backward_refusal(f)})"
+        return f"{what}: fla's TileLang kernels (triton {f.triton} is refused on Hopper, fla #640; tilelang with nvcc {f.nvcc})"
+    return f"{what}: PyTorch kernels ({fla_gated_backward_refusal(f)})"
 
 
-_warned = False
+_warned: set[str] = set()
 
 
-def gdn_backend(requested: str, facts: DeviceFacts | None = None) -> str:
-    """The backend GDN layers run for ``linear_attention.backend = requested``: ``fla`` where
-    fla refuses GDN's backward is a ValueError (one line, the versions); ``auto`` there runs
-    the PyTorch kernels (one warning per process); anything else is ``requested``."""
-    global _warned
-    if requested not in ("auto", "fla"):
-        return requested
-    reason = fla_gdn_backward_refusal(facts)
-    if reason is None:
+def fla_backend(requested: str, refusal: str | None, layers: str) -> str:
+    """The backend ``layers`` (e.g. "GDN (Gated DeltaNet) layers") run for
+    ``linear_attention.backend = requested`` when their recurrence's fla kernels are refused
+    here for ``refusal`` (its ``fla_refusal()``; None: not refused): ``fla`` is a ValueError
+    (one line, the versions), ``auto`` runs the PyTorch kernels (one warning per process and
+    ``layers``); anything else, or no refusal, is ``requested``."""
+    if requested not in ("auto", "fla") or refusal is None:
         return requested
     if requested == "fla":
-        raise ValueError(f"linear_attention.backend = 'fla' for GDN layers: {reason}")
-    if not _warned:
+        raise ValueError(f"linear_attention.backend = 'fla' for {layers}: {refusal}")
+    if layers not in _warned:
         logger.warning(
-            f"{reason}; GDN layers run the PyTorch kernels (linear_attention.backend = 'auto')"
+            f"{refusal}; {layers} run the PyTorch kernels (linear_attention.backend = 'auto')"
         )
-        _warned = True
+        _warned.add(layers)
     return "torch"

@@ -47,6 +47,8 @@ class SequenceTables(NamedTuple):
 
     ``cu_seqlens [N+1]`` on the inputs' device, ``cu_seqlens_cpu`` its host copy, and the
     ``[NT, 2]`` / ``[N+1]`` chunk tables (``DeviceRouting.chunk_indices`` ...; may be None).
+    The field names are the local kernels' keywords (``chunk_delta_rule(...,
+    **tables._asdict())``), so the tables travel as one value and are spelled out once.
     """
 
     cu_seqlens: Tensor
@@ -112,6 +114,12 @@ class Recurrence(Protocol):
 
     def identity(self, state_shape: tuple[int, int, int], dtype, device) -> Tensor:
         """``[1, *summary_shape]``: the map of an empty range."""
+        ...
+
+    def fla_refusal(self) -> str | None:
+        """Why fla-core refuses this recurrence's fla kernels on this machine (one line,
+        ``ops.common.fla_refusals``), or None: asked of the kernels it calls, so a layer or
+        a variant that runs them inherits the refusal."""
         ...
 
     def apply(self, summary: Tensor, state: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..common import checks
+from ..common import checks, fla_refusals
 from ..common.custom_ops import op_args
 from ..cp.driver import context_parallel_recurrence
 from ..cp.recurrence import InitialState, SequenceTables, SummaryRows, TokenPrepared, resolve_state
@@ -55,6 +55,11 @@ class DeltaRule:
     def state_shape(self, inputs: tuple[Tensor, ...]) -> tuple[int, int, int]:
         q, _, v = inputs[:3]
         return v.shape[2], q.shape[3], v.shape[3]
+
+    def fla_refusal(self) -> str | None:
+        # GDN's fla backward (chunk_gated_delta_rule, and the summaries' state backward)
+        # calls the gated chunk_bwd_dqkwg; KDA's has its own fused dqkg kernel.
+        return fla_refusals.fla_gated_backward_refusal() if self.kind == "gdn" else None
 
     def prepare(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Any:
         # The torch kernel splits into a state-independent step and the state scan in eager
@@ -93,11 +98,8 @@ class DeltaRule:
             scale=self.scale,
             initial_state=h0,
             output_final_state=output_final_state,
-            cu_seqlens=tables.cu_seqlens,
-            cu_seqlens_cpu=tables.cu_seqlens_cpu,
-            chunk_indices=tables.chunk_indices,
-            chunk_offsets=tables.chunk_offsets,
             backend=self.backend,
+            **tables._asdict(),
         )
 
     def identity(self, state_shape: tuple[int, int, int], dtype, device) -> Tensor:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..common import checks
+from ..common import checks, fla_refusals
 from ..common.checks import Backend
 from ..common.dtypes import compute_dtype
 from ..cp.driver import context_parallel_recurrence
@@ -77,6 +77,11 @@ class SSD:
         q, _, v = inputs[:3]
         return v.shape[2], q.shape[3], v.shape[3]
 
+    def fla_refusal(self) -> str | None:
+        # A gate per head runs chunk_simple_gla, whose backward calls the gated
+        # chunk_bwd_dqkwg (a fixed decay too: it is passed as that gate); chunk_gla does not.
+        return fla_refusals.fla_gated_backward_refusal() if self.gate == "head" else None
+
     def prepare(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> TokenPrepared:
         # SSD's summary is a states-only pass over the published tokens (no scores, no solve:
         # about one K x V product per token), so nothing is worth sharing with the local kernel.
@@ -91,11 +96,8 @@ class SSD:
             scale=self.scale,
             initial_state=initial_state,
             output_final_state=output_final_state,
-            cu_seqlens=tables.cu_seqlens,
-            cu_seqlens_cpu=tables.cu_seqlens_cpu,
             backend=self.backend,
-            chunk_indices=tables.chunk_indices,
-            chunk_offsets=tables.chunk_offsets,
+            **tables._asdict(),
         )
 
     def identity(self, state_shape: tuple[int, int, int], dtype, device) -> Tensor:
@@ -121,16 +123,7 @@ class SSD:
             # fla has no state-only autograd entry point, and under torch.compile the local
             # kernel runs as an opaque custom op: both compute, and discard, the [.., V] output.
             _, E = chunk_ssd(
-                q,
-                k,
-                v,
-                g,
-                output_final_state=True,
-                cu_seqlens=tables.cu_seqlens,
-                cu_seqlens_cpu=tables.cu_seqlens_cpu,
-                backend=self.backend,
-                chunk_indices=tables.chunk_indices,
-                chunk_offsets=tables.chunk_offsets,
+                q, k, v, g, output_final_state=True, backend=self.backend, **tables._asdict()
             )
         assert E is not None
         # Log decay of every sequence: differences of a float64 prefix sum at the offsets
