@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tests.reference import delta_rule_reference, ssd_reference
+from tests.reference import delta_product_reference, delta_rule_reference, ssd_reference
 
 __all__ = ["CASES", "H", "HV", "K", "V", "OpCall", "RecurrenceCase", "head_decay", "ssd_inputs"]
 
@@ -42,6 +42,8 @@ class RecurrenceCase:
     for one dense sequence (``(o, final)``). ``torch_op(inputs, h0, cu_cpu, scale)`` and
     ``fla_op(inputs, h0, cu, cu_cpu, chunk_indices, chunk_offsets, scale)``: the custom op the local
     kernel runs under torch.compile on that backend, with its arguments (``OpCall``).
+    ``steps``: the kernel steps per token of the stream that op runs on (the op's outputs at
+    each token's last step are the recurrence's; ``token_outputs``).
     """
 
     id: str
@@ -53,6 +55,19 @@ class RecurrenceCase:
     torch_op: Callable[..., OpCall]
     fla_op: Callable[..., OpCall]
     options: dict[str, Any] = field(default_factory=dict)
+    steps: int = 1
+
+    def projected(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        """``(q, k, v)`` as this case takes them from one token's projections ``[1, T, heads,
+        width]``: with several steps per token, k and v repeated over the steps (stride-0
+        views, so their gradients sum over the steps)."""
+        if self.steps == 1:
+            return q, k, v
+        return q, *(x.unsqueeze(2).expand(-1, -1, self.steps, -1, -1) for x in (k, v))
+
+    def token_outputs(self, o: Tensor) -> Tensor:
+        """The recurrence's outputs ``[1, T, ...]`` of its op's outputs ``[1, steps T, ...]``."""
+        return o if self.steps == 1 else o.unflatten(1, (-1, self.steps))[:, :, -1]
 
 
 def _rnd(gen: torch.Generator) -> Callable[..., Tensor]:
@@ -106,6 +121,60 @@ def _delta_rule(kind: str) -> RecurrenceCase:
 
     return RecurrenceCase(
         kind, kind, inputs, ("q", "k", "v", "g", "beta"), oracle, fla_naive, torch_op, fla_op
+    )
+
+
+def _delta_product(n: int) -> RecurrenceCase:
+    """GDN with ``n`` steps per token; its ops are the delta rule's on the stream of steps."""
+
+    def inputs(
+        T: int, seed: int, dtype: torch.dtype = torch.float64, *, K: int = K, V: int = V
+    ) -> list[Tensor]:
+        rnd = _rnd(torch.Generator().manual_seed(seed))
+        q, k = F.normalize(rnd(1, T, H, K), dim=-1), F.normalize(rnd(1, T, n, H, K), dim=-1)
+        v, g = rnd(1, T, n, HV, V), -F.softplus(rnd(1, T, HV)) * 0.3
+        beta = torch.sigmoid(rnd(1, T, n, HV))
+        return [x.to(dtype) for x in (q, k, v, g, beta)]
+
+    def fla_naive(q, k, v, g, beta, *, initial_state):
+        from fla.ops.gated_delta_product.naive import naive_recurrent_gated_delta_product
+
+        q, k = _rep(q, k.flatten(1, 2))  # no grouped heads either
+        return naive_recurrent_gated_delta_product(
+            *(q, k, v.flatten(1, 2), g, beta.flatten(1, 2)),
+            scale=q.shape[-1] ** -0.5,
+            initial_state=initial_state,
+            output_final_state=True,
+            num_householder=n,
+        )
+
+    def torch_op(xs, h0, cu_cpu, scale) -> OpCall:
+        from torchtitan_cp.ops.delta_rule.custom_ops import delta_rule_torch_op
+        from torchtitan_cp.ops.delta_rule.product import step_stream
+
+        cu_cpu = None if cu_cpu is None else cu_cpu * n
+        return delta_rule_torch_op, (*step_stream(xs), h0, cu_cpu, "gdn", scale)
+
+    def fla_op(xs, h0, cu, cu_cpu, chunk_indices, chunk_offsets, scale) -> OpCall:
+        from torchtitan_cp.ops.cp.recurrence import SequenceTables
+        from torchtitan_cp.ops.delta_rule.custom_ops import delta_rule_fla_op
+        from torchtitan_cp.ops.delta_rule.product import step_stream
+
+        t = SequenceTables(cu, cu_cpu, chunk_indices, chunk_offsets).expanded(n, xs[0].shape[1])
+        stream = (t.cu_seqlens, t.cu_seqlens_cpu, t.chunk_indices)
+        return delta_rule_fla_op, (*step_stream(xs), h0, *stream, "gdn", scale, True)
+
+    return RecurrenceCase(
+        f"gdp{n}",
+        "gdp",
+        inputs,
+        ("q", "k", "v", "g", "beta"),
+        delta_product_reference,
+        fla_naive,
+        torch_op,
+        fla_op,
+        {"householder": n},
+        steps=n,
     )
 
 
@@ -205,6 +274,8 @@ def _diagonal(
 CASES: list[RecurrenceCase] = [
     _delta_rule("kda"),
     _delta_rule("gdn"),
+    # Two delta-rule steps per token (DeltaProduct): the delta rule on a stream twice as long.
+    _delta_product(2),
     _diagonal("ssd", "ssd", ssd_inputs),
     # SSD with a fixed decay per head instead of the gate input (what retention runs).
     _diagonal(

@@ -15,6 +15,7 @@ from torch import Tensor
 
 __all__ = [
     "conv_reference",
+    "delta_product_reference",
     "delta_rule_reference",
     "rel_err",
     "seq_bounds",
@@ -71,10 +72,50 @@ def delta_rule_reference(
 
     def step(S: Tensor, t: int, kt: Tensor, vt: Tensor) -> Tensor:  # kt [HV,K], vt [HV,V]
         S = g64[t].exp()[..., None] * S  # decay first
-        pred = torch.einsum("hk,hkv->hv", kt, S)  # current read-out of key k_t
-        return S + b64[t][:, None, None] * kt[..., None] * (vt - pred)[:, None, :]
+        return _delta_update(S, kt, vt, b64[t])
 
     return token_scan(q, k, v, step, scale, initial_state, cu_seqlens)
+
+
+def _delta_update(S: Tensor, kt: Tensor, vt: Tensor, bt: Tensor) -> Tensor:
+    """``S + b k (v - kᵀ S)`` per value head: ``S [HV,K,V]``, ``kt [HV,K]``, ``vt [HV,V]``, ``bt [HV]``."""
+    pred = torch.einsum("hk,hkv->hv", kt, S)  # current read-out of key k_t
+    return S + bt[:, None, None] * kt[..., None] * (vt - pred)[:, None, :]
+
+
+def delta_product_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    kind: str = "gdn",
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The gated delta product, one token (and within it one step) at a time, in float64.
+
+    q ``[1,T,H,K]``; k ``[1,T,n,H,K]``, v ``[1,T,n,HV,V]``, beta ``[1,T,n,HV]``: ``n`` steps per
+    token; g ``[1,T,HV]`` (gdn) or ``[1,T,HV,K]`` (kda). Per token: ``S = Diag(exp g_t) S``, then
+    for each step ``j`` in order ``S = (I - b_tj k_tj k_tjᵀ) S + b_tj k_tj v_tjᵀ``; ``o_t = S_tᵀ
+    (scale q_t)``. Returns ``(o [1,T,HV,V], final_states [N,HV,K,V])`` in float64."""
+    T, n, H, K = k.shape[1:]
+    HV = v.shape[3]
+    g64 = g[0].double()
+    if kind == "gdn":
+        g64 = g64[..., None].expand(T, HV, K)
+    k64 = k[0].double().repeat_interleave(HV // H, dim=2)  # [T, n, HV, K]
+    v64, b64 = v[0].double(), beta[0].double()
+
+    def step(S: Tensor, t: int, _k: Tensor, _v: Tensor) -> Tensor:
+        S = g64[t].exp()[..., None] * S
+        for j in range(n):
+            S = _delta_update(S, k64[t, j], v64[t, j], b64[t, j])
+        return S
+
+    return token_scan(q, q, v[:, :, 0], step, scale, initial_state, cu_seqlens)
 
 
 def ssd_reference(

@@ -77,6 +77,7 @@ def test_torch_op_matches_kernel_bitwise(case, with_final):
     assert fin is not None
     op, args = case.torch_op(ins[:-1], ins[-1], CU, 0.4)
     o2, fin2 = op(*args)
+    o2 = case.token_outputs(o2)  # a stream of several steps per token: each token's last
     assert torch.equal(o, o2) and torch.equal(fin, fin2)
     do, dfin = torch.randn_like(o), torch.randn_like(fin)
     cots = [do, dfin] if with_final else [do]
@@ -217,7 +218,8 @@ def test_fla_fake_impls_give_fla_shapes(case: RecurrenceCase):
     gates and states): the output in the values' dtype, float32 final states and cumulative
     gates, the delta rule's scores ``[1, T, HV, 64]``; and through its
     registered autograd, every gradient (the backward op's fake) in its input's shape and
-    dtype. Every registered recurrence, from its case's fla op call."""
+    dtype. Every registered recurrence, from its case's fla op call, whose stream has
+    ``case.steps`` steps per token."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     xs = [
@@ -236,13 +238,14 @@ def test_fla_fake_impls_give_fla_shapes(case: RecurrenceCase):
             for a in args
         ]
         o, fin, g_cum, *scores = op(*args)
-        assert (o.shape, o.dtype) == ((1, T, HV, V), torch.bfloat16)
+        stream = T * case.steps
+        assert (o.shape, o.dtype) == ((1, stream, HV, V), torch.bfloat16)
         assert (fin.shape, fin.dtype) == ((3, HV, K, V), torch.float32)
         gate = args[3]  # every family's fla op takes (q, k, v, gate, ...)
         assert (g_cum.shape, g_cum.dtype) == (gate.shape, torch.float32)
         if scores:  # the delta rule saves its chunk scores [1, T, HV, 64] (KDA: two of them)
             a1, a2 = scores
-            assert a1.shape == (1, T, HV, FLA_CHUNK_SIZE)
+            assert a1.shape == (1, stream, HV, FLA_CHUNK_SIZE)
             assert a2.shape == (a1.shape if gate.dim() == 4 else (0,))
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         grads = torch.autograd.grad(o.float().sum() + fin.sum(), leaves, allow_unused=True)
@@ -405,6 +408,7 @@ def _cp_summaries_compiled(rank: int, world: int) -> dict:
 
     from tests.dist_utils import device_routing, span_index
     from torchtitan_cp.ops import context_parallel_delta_rule
+    from torchtitan_cp.ops.cp.driver import context_parallel_recurrence
     from torchtitan_cp.routing import headtail_fragments
 
     group = dist.group.WORLD
@@ -419,11 +423,22 @@ def _cp_summaries_compiled(rank: int, world: int) -> dict:
     )
     table = headtail_fragments(row_len, rows, world)
 
+    product = recurrence("gdp", householder=2)  # built outside the graph: the registry imports
+
     def layer(q, k, v, g_kda, g_gdn, beta, routing, grp):
         kw = dict(routing=routing, group=grp)
         o1, _ = context_parallel_delta_rule(q, k, v, g_kda, beta, kind="kda", **kw)
         o2, _ = context_parallel_delta_rule(q, k, v, g_gdn, beta, kind="gdn", **kw)
-        return o1 + o2
+        # Two steps per token (DeltaProduct): its stream's offsets and chunk tables come from
+        # SequenceTables.expanded, padded, so capped layouts still share one graph.
+        steps = (
+            torch.stack([k, F.normalize(k + q, dim=-1)], 2),
+            torch.stack([v, v.flip(-1)], 2),
+            torch.stack([beta, 1 - beta], 2),
+        )
+        gdp = (q, steps[0], steps[1], g_gdn, steps[2])
+        o3, _ = context_parallel_recurrence(product, gdp, **kw)
+        return o1 + o2 + o3
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
@@ -459,7 +474,7 @@ def _cp_summaries_compiled(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_cp_summaries_op_compiled_matches_unsharded():
-    """2 gloo ranks: compiled KDA + GDN CP layers, whose summaries run as the states-only custom
+    """2 gloo ranks: compiled KDA + GDN + gated delta product (2 steps per token) CP layers, whose summaries run as the states-only custom
     op (backward from the full cotangent [dE | dM]), equal the unsharded eager layer within 2e-5
     (float32, outputs and every gradient); 2 layouts, one compile."""
     results = run_distributed(_cp_summaries_compiled, 2, timeout=400)

@@ -126,8 +126,14 @@ def fla_recorder(monkeypatch):
     return rec
 
 
-def check_launches(rec: Recorder, cu_expected: list[torch.Tensor] | None) -> dict[str, set[str]]:
-    """Assert every varlen launch got fla-equal chunk tables; returns checked kernels per phase."""
+def check_launches(
+    rec: Recorder, cu_expected: list[torch.Tensor] | None, steps: int = 1
+) -> dict[str, set[str]]:
+    """Assert every varlen launch got fla-equal chunk tables; returns checked kernels per phase.
+
+    ``cu_expected``: the offsets every launch must get (those very tensors), or for a kernel
+    stream of ``steps > 1`` steps per token, their values times ``steps`` (built on the device
+    by ``SequenceTables.expanded``; the meta-device runs show nothing crossed to the host)."""
     checked: dict[str, set[str]] = {"fwd": set(), "bwd": set()}
     for ln in rec.launches:
         assert not any(isinstance(a, torch.Tensor) for a in ln.args), f"{ln.kernel}: positional"
@@ -135,7 +141,12 @@ def check_launches(rec: Recorder, cu_expected: list[torch.Tensor] | None) -> dic
         if cu is None:
             continue
         if cu_expected is not None:
-            assert any(cu is c for c in cu_expected), f"{ln.kernel} got foreign cu_seqlens"
+            ours = (
+                any(cu is c for c in cu_expected)
+                if steps == 1
+                else any(torch.equal(cu, c * steps) for c in cu_expected)
+            )
+            assert ours, f"{ln.kernel} got foreign cu_seqlens"
         bt = ln.kwargs.get("BT")
         for key, ref_fn in (
             ("chunk_indices", REF_CHUNK_INDICES),
@@ -392,6 +403,61 @@ def test_chunk_helpers_match_fla_for_other_chunk_sizes(chunk):
     assert torch.equal(chunk_offsets(cu, chunk), REF_CHUNK_OFFSETS(cu, chunk))
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         chunk_indices(cu, 0)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+@pytest.mark.parametrize("capped", [False, True])
+def test_expanded_tables_equal_fla_helpers_of_the_step_stream(steps, capped):
+    # A kernel stream of `steps` steps per token (SequenceTables / SummaryRows.expanded): its
+    # offsets are the routing's times `steps` and its tables, built on the device, are fla's
+    # own of those offsets in their first NT rows, then (-1, -1) rows up to chunk_bound of
+    # the stream (one shape per span length, whatever the layout).
+    from torchtitan_cp.ops.cp.driver import local_tables, summary_rows
+
+    gen = torch.Generator().manual_seed(steps)
+    cu = random_cu_seqlens(gen, rows=2, row_len=160, max_doc=150)
+    table = random_layout(gen, cu[-1], 2)
+    caps = loose_caps(cu, table) if capped else None
+    for rank in range(2):
+        r = RoutingPlan.build(cu, table, rank).to_device("cpu", caps=caps, chunk_size=64)
+        rows = summary_rows(r)
+        expanded = (
+            (local_tables(r).expanded(steps, r.num_tokens), r.cu_seqlens, r.num_tokens),
+            (rows.expanded(steps).tables, r.summary_cu_seqlens, rows.token_index.numel()),
+        )
+        for t, cu_routing, tokens in expanded:
+            assert torch.equal(t.cu_seqlens, cu_routing * steps)
+            assert torch.equal(t.cu_seqlens_cpu, t.cu_seqlens)
+            ref_ci, ref_co = (
+                REF_CHUNK_INDICES(t.cu_seqlens, 64),
+                REF_CHUNK_OFFSETS(t.cu_seqlens, 64),
+            )
+            nt, ci = ref_ci.shape[0], t.chunk_indices
+            assert ci is not None and t.chunk_offsets is not None
+            assert ci.dtype == ref_ci.dtype and torch.equal(ci[:nt], ref_ci)
+            assert torch.equal(t.chunk_offsets, ref_co)
+            if steps > 1:
+                assert ci.shape[0] == chunk_bound(steps * tokens, t.cu_seqlens.numel() - 1, 64)
+            assert bool((ci[nt:] == -1).all())
+        index = rows.expanded(steps).token_index.view(-1, steps)
+        assert torch.equal(index[:, 0] // steps, rows.token_index)
+        assert torch.equal(index - index[:, :1], torch.arange(steps).expand_as(index))
+
+
+def test_device_chunk_tables_read_nothing_on_the_host():
+    # Built from device offsets alone: on the meta device (no values) it still runs, so it
+    # reads no value back; a zero-length sequence owns no chunk; no sequence gives all padding.
+    from torchtitan_cp.routing import chunk_tables, device_chunk_tables
+
+    cu = torch.tensor([0, 0, 1, 64, 65, 65, 200, 329], dtype=torch.int32)
+    ci, co = device_chunk_tables(cu, 64, 12)
+    ref_ci, ref_co = chunk_tables(cu, 64)
+    assert torch.equal(ci[: ref_ci.shape[0]], ref_ci) and torch.equal(co, ref_co)
+    assert ci.shape == (12, 2) and bool((ci[ref_ci.shape[0] :] == -1).all())
+    meta_ci, meta_co = device_chunk_tables(cu.to("meta"), 64, 12)
+    assert meta_ci.shape == (12, 2) and meta_co.shape == co.shape
+    empty, offsets = device_chunk_tables(torch.zeros(1, dtype=torch.int32), 64, 3)
+    assert bool((empty == -1).all()) and offsets.tolist() == [0]
 
 
 def test_tables_travel_in_the_packed_copies():
@@ -672,5 +738,6 @@ def test_every_recurrence_fla_path_keeps_the_tables(fla_recorder, monkeypatch, c
     assert mode.seen == []
     assert all(x.grad is not None for x in xs)
     if device == "cpu":
-        checked = check_launches(fla_recorder, [r.cu_seqlens, r.summary_cu_seqlens])
+        cu = [r.cu_seqlens, r.summary_cu_seqlens]
+        checked = check_launches(fla_recorder, cu, case.steps)
         assert checked["fwd"] and checked["bwd"], checked

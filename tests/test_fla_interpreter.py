@@ -298,7 +298,7 @@ def _block(recs, x, w, h0, cu, ci, co, *gates):
     outs, rest = [], list(gates)
     for case, rec in zip(CASES, recs, strict=True):
         own = [rest.pop(0) for _ in case.names[3:]]
-        o, fin = run_local(rec, (q, k, v, *own), tables, h0, True)
+        o, fin = run_local(rec, (*case.projected(q, k, v), *own), tables, h0, True)
         outs += [o, fin]
     return outs
 

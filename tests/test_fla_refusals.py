@@ -56,6 +56,7 @@ def test_each_recurrence_answers_for_its_own_fla_kernels(monkeypatch):
     assert refused == {
         "kda": False,
         "gdn": True,
+        "gdp2": True,  # the delta rule on its stream of steps: GDN's kernels
         "ssd": True,
         "ssd-fixed-decay": True,
         **{c.id: False for c in CASES if c.name == "gla"},

@@ -10,6 +10,9 @@ and test_train.py; every other kind is one entry of ``KINDS`` below:
 * The real entry point: a trainer run at CP=2 gives the CP=1 loss and grad norm within 1e-5 over
   3 AdamW steps (tests/test_train.py's check, its launches forked by tests/launch.py::fork_train).
 
+Gated DeltaProduct (P): two delta-rule steps per token (the default ``householder``), so its
+stream's tables are the routing's expanded (``SequenceTables.expanded``).
+
 Mamba2 (M): the model tests build the debug flavor with the reference's Mamba2 sizes (head_dim
 64, state 128: two heads at dim 64); the trainer runs configs/debug_mamba2_cpu.toml.
 """
@@ -42,6 +45,8 @@ KINDS = {
         ("--config_file", "configs/debug_mamba2_cpu.toml"),
     ),
     "R": KindCases("RRA", [(2, balancer_names(), 2, 64)], ("--model.layer_pattern", "RRA")),
+    "P": KindCases("PPA", [(2, balancer_names(), 2, 64), (3, ("headtail",), 1, 96)],
+                   ("--model.layer_pattern", "PPA")),
 }  # fmt: skip # a table, laid out by hand to read across
 
 

@@ -100,9 +100,11 @@ def _tp_model(rank: int, world: int, pattern: str) -> dict[str, dict[str, float]
 
 
 def test_model_tp_equals_unsharded():
-    """Every kind (K, G, M, R, A) in one model, float64: loss and gradients under tp2 and
-    cp2 x tp2 equal the unsharded model's to 1e-10."""
-    for per_layout in run_distributed(_tp_model, 4, PATTERN):
+    """Every registered kind (``LAYERS``: K, G, P, A, M, R) in one model, float64: loss and
+    gradients under tp2 and cp2 x tp2 equal the unsharded model's to 1e-10."""
+    from torchtitan_cp.models.hybrid.layers import LAYERS
+
+    for per_layout in run_distributed(_tp_model, 4, "".join(LAYERS)):
         for layout, worst in per_layout.items():
             bad = {k: v for k, v in worst.items() if v > 1e-10}
             assert not bad, (layout, bad)

@@ -72,6 +72,8 @@ from fla.ops.utils.index import prepare_chunk_offsets
 from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 from torch import Tensor
 
+from torchtitan_cp.routing import device_chunk_tables
+
 from .common.fla import FLA_CHUNK_SIZE, contiguous
 
 __all__ = [
@@ -113,15 +115,9 @@ def _chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=None) -> Tensor | None
     if chunk_size == FLA_CHUNK_SIZE and t.chunk_indices is not None:
         return t.chunk_indices
     # fla's table for this chunk size from the device offsets; its length from the host.
-    counts = torch.div(
-        cu_seqlens[1:] - cu_seqlens[:-1] + chunk_size - 1, chunk_size, rounding_mode="floor"
-    ).to(torch.int64)
-    nt = _chunk_count(t, chunk_size)
-    seq = torch.arange(counts.numel(), device=cu_seqlens.device)
-    seq = torch.repeat_interleave(seq, counts, output_size=nt)
-    first = (torch.cumsum(counts, 0) - counts).index_select(0, seq)
-    idx = torch.arange(nt, device=cu_seqlens.device) - first
-    return torch.stack([seq, idx], 1).to(cu_seqlens)
+    return device_chunk_tables(cu_seqlens, chunk_size, _chunk_count(t, chunk_size))[0].to(
+        cu_seqlens
+    )
 
 
 def _chunk_offsets(cu_seqlens, chunk_size) -> Tensor | None:

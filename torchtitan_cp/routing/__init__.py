@@ -12,7 +12,7 @@ from .balancers import (
     register,
 )
 from .cache import PlanCache
-from .chunks import chunk_bound, chunk_indices, chunk_offsets, chunk_tables
+from .chunks import chunk_bound, chunk_indices, chunk_offsets, chunk_tables, device_chunk_tables
 from .device import DeviceRouting, RoutingCaps, RoutingCapsExceeded
 from .documents import document_mask_mod, row_document_index
 from .host_metadata import HostMetadata
@@ -62,6 +62,7 @@ __all__ = [
     "contiguous_fragments",
     "cu_seqlens_from_positions",
     "cu_seqlens_tensor_from_positions",
+    "device_chunk_tables",
     "format_fragments",
     "fragments_from_indices",
     "headtail_fragments",

@@ -16,7 +16,12 @@ from typing import Any, Protocol
 from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.mixers.attention import SoftmaxAttention
-from torchtitan_cp.models.mixers.delta_net import GDNMixer, KDAMixer
+from torchtitan_cp.models.mixers.delta_net import (
+    GatedDeltaProductMixer,
+    GatedDeltaProductOptions,
+    GDNMixer,
+    KDAMixer,
+)
 from torchtitan_cp.models.mixers.mamba2 import Mamba2Mixer, Mamba2Options
 from torchtitan_cp.models.mixers.retention import RetentionMixer
 from torchtitan_cp.ops.common.fla_refusals import fla_backend
@@ -39,6 +44,8 @@ class LayerOptions:
 
     mamba2: Mamba2Options = field(default_factory=Mamba2Options)
     """Sizes of the M (Mamba2) layers."""
+    gated_delta_product: GatedDeltaProductOptions = field(default_factory=GatedDeltaProductOptions)
+    """Sizes of the P (gated DeltaProduct) layers."""
 
 
 class Mixer(Protocol):
@@ -120,6 +127,13 @@ class LayerKind:
 LAYERS: dict[str, LayerKind] = {
     "K": LayerKind("kda", "KDA (Kimi Delta Attention)", KDAMixer, DELTA_RULE, recurrence="kda"),
     "G": LayerKind("gdn", "GDN (Gated DeltaNet)", GDNMixer, DELTA_RULE, recurrence="gdn"),
+    "P": LayerKind(
+        "gated_delta_product",
+        "gated DeltaProduct",
+        GatedDeltaProductMixer,
+        DELTA_RULE,
+        recurrence="gdp",
+    ),
     "A": LayerKind("attention", "softmax attention", SoftmaxAttention, ATTENTION, flex_mask=True),
     "M": LayerKind("mamba2", "Mamba2 (SSD)", Mamba2Mixer, SSD, recurrence="ssd"),
     "R": LayerKind("retention", "RetNet retention", RetentionMixer, SSD, recurrence="ssd"),

@@ -1,4 +1,4 @@
-"""KDA (Kimi Delta Attention) and GDN (Gated DeltaNet) token mixers.
+"""KDA (Kimi Delta Attention), GDN (Gated DeltaNet) and gated DeltaProduct token mixers.
 
 Both follow the published layers (Kimi Linear; Qwen3-Next / Gated DeltaNet): q/k/v projections,
 a width-4 causal depthwise convolution with SiLU per projection, L2-normalised q and k,
@@ -7,13 +7,18 @@ on the output and an output projection. KDA's gate is per channel,
 ``-exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)`` with shape ``[.., H, K]``; GDN's is one scalar per
 head, ``-exp(A_log) * softplus(a_proj(x) + dt_bias)``. Every document starts from a zero state
 and zero convolution history; under context parallelism both are carried in from other ranks.
+
+The gated DeltaProduct (Siems et al. 2025) is GDN with ``steps`` delta-rule updates per token:
+k, v and beta project ``steps`` times as wide (head-major, so a TP rank's columns hold whole
+heads with all their steps), the gate and the readout stay one per token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,19 +34,21 @@ from torchtitan_cp.models.blocks.init import init_decay, linear
 from torchtitan_cp.models.blocks.norm import GatedRMSNorm, fla_l2norm
 from torchtitan_cp.models.blocks.tensor_parallel import distribute_parameter, local, tp_heads
 from torchtitan_cp.models.context import SequenceContext
-from torchtitan_cp.ops import Kind
+from torchtitan_cp.ops import Backend
 from torchtitan_cp.ops.common.dtypes import compute_dtype
-from torchtitan_cp.ops.cp.recurrence import recurrence
+from torchtitan_cp.ops.cp.recurrence import Recurrence, recurrence
 
 
 class DeltaNetMixer(HeadsMixer):
-    """The shared KDA / GDN token mixer. Input/output ``[B, L, D]``; B·L is the local span.
+    """The shared delta-rule token mixer. Input/output ``[B, L, D]``; B·L is the local span.
 
-    A subclass fixes the recurrence ``kind`` and supplies the decay gate (``_init_gates``,
-    ``_gate``) and the output gate (``_output_gate``, activated by ``gate_activation``).
+    A subclass fixes the registered recurrence ``kind`` and supplies the decay gate
+    (``_init_gates``, ``_gate``) and the output gate (``_output_gate``, activated by
+    ``gate_activation``). ``Config.steps`` > 1 widens k, v and beta to that many delta-rule
+    steps per token (a recurrence that takes them: ``_recurrence``).
     """
 
-    kind: ClassVar[Kind]
+    kind: ClassVar[str]
     gate_activation: ClassVar[Literal["sigmoid", "silu"]]
     # Gate projections: per head (column-sharded under TP) and shared by the heads (replicated).
     head_projections: ClassVar[tuple[str, ...]]
@@ -57,22 +64,25 @@ class DeltaNetMixer(HeadsMixer):
         # "fla" is fla-core's in-kernel norm ``x * rsqrt(|x|^2 + 1e-6)``, which Kimi Linear's
         # published layer (and transformers' port of it) runs.
         qk_norm: Literal["normalize", "fla"] = "normalize"
+        # Delta-rule steps per token: k, v and beta are this many per head (DeltaProduct).
+        steps: int = 1
 
     def __init__(self, config: Config):
         super().__init__(config)
         h, k, v = self.n_heads, self.head_dim, self.value_head_dim
-        self.recurrence = recurrence(self.kind, backend=config.backend)
+        self.steps = config.steps
+        self.recurrence = self._recurrence(config)
         d = config.dim
         self.q_proj = linear(d, h * k)
-        self.k_proj = linear(d, h * k)
-        self.v_proj = linear(d, h * v)
+        self.k_proj = linear(d, self.steps * h * k)
+        self.v_proj = linear(d, self.steps * h * v)
         # One depthwise conv over [q | k | v] channels: the same as three separate ones, but a
         # single kernel call and a single history exchange under CP.
         self.qkv_conv = ShortConvolution.Config(
-            channels=2 * h * k + h * v, width=config.conv_width
+            channels=sum(self._widths(h)), width=config.conv_width
         ).build()
         self.qk_norm = config.qk_norm
-        self.b_proj = linear(d, h)
+        self.b_proj = linear(d, self.steps * h)
         self._init_gates(d, h, k, v)
         self.A_log = nn.Parameter(torch.empty(h))
         self.o_norm = GatedRMSNorm.Config(
@@ -80,6 +90,15 @@ class DeltaNetMixer(HeadsMixer):
         ).build()
         # Depth-scaled output projection, as torchtitan's decoders do.
         self.o_proj = linear(h * v, d, std=0.02 / math.sqrt(2 * (config.layer_id + 1)))
+
+    def _recurrence(self, config: Config) -> Recurrence:
+        """The registered recurrence ``kind`` (one delta-rule step per token)."""
+        return recurrence(self.kind, backend=config.backend)
+
+    def _widths(self, h: int) -> list[int]:
+        """Channels of q, k and v for ``h`` heads (the conv's ``[q | k | v]`` split)."""
+        k, v = self.head_dim, self.value_head_dim
+        return [h * k, self.steps * h * k, self.steps * h * v]
 
     def _init_gates(self, d: int, h: int, k: int, v: int) -> None:
         """Create the decay-gate and output-gate parameters (and ``dt_bias``)."""
@@ -92,13 +111,12 @@ class DeltaNetMixer(HeadsMixer):
         rows of ``[q | k | v]``; the low-rank gate inputs and the norm weight, shared by the
         heads, replicated. The forward then runs on this rank's heads."""
         tp_heads(mesh, self.n_heads, "model.n_heads")
-        h, k, v = self.n_heads, self.head_dim, self.value_head_dim
         columns = ("q_proj", "k_proj", "v_proj", "b_proj", *self.head_projections)
         plan: dict = {name: ColwiseParallel() for name in columns}
         plan |= {name: NoParallel(use_local_output=True) for name in self.shared_projections}
         plan["o_proj"] = RowwiseParallel(output_layouts=Shard(1))
         parallelize_module(self, mesh, plan)
-        self.qkv_conv.parallelize_heads(mesh, [h * k, h * k, h * v])
+        self.qkv_conv.parallelize_heads(mesh, self._widths(self.n_heads))
         distribute_parameter(self, "A_log", mesh, shard=True)
         distribute_parameter(self, "dt_bias", mesh, shard=True)
         distribute_parameter(self.o_norm, "weight", mesh, shard=False)
@@ -126,19 +144,24 @@ class DeltaNetMixer(HeadsMixer):
         self, x: torch.Tensor, ctx: SequenceContext, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        k, v = self.head_dim, self.value_head_dim
+        k, v, n = self.head_dim, self.value_head_dim, self.steps
         # The local span is the B rows' local pieces back to back: one packed stream.
         xs = x.reshape(1, bsz * seqlen, -1)
         qkv = torch.cat([self.q_proj(xs), self.k_proj(xs), self.v_proj(xs)], dim=-1)
-        h = qkv.shape[-1] // (2 * k + v)  # this rank's heads (all of them without TP)
-        q, kk, vv = self.qkv_conv(qkv, ctx, self.backend).split([h * k, h * k, h * v], dim=-1)
-        q, kk, vv = q.unflatten(-1, (h, k)), kk.unflatten(-1, (h, k)), vv.unflatten(-1, (h, v))
+        h = qkv.shape[-1] // ((1 + n) * k + n * v)  # this rank's heads (all without TP)
+        q, kk, vv = self.qkv_conv(qkv, ctx, self.backend).split(self._widths(h), dim=-1)
+        beta = torch.sigmoid(self.b_proj(xs).to(compute_dtype(xs.dtype))).to(xs.dtype)
+        q = q.unflatten(-1, (h, k))
+        if n == 1:
+            kk, vv = kk.unflatten(-1, (h, k)), vv.unflatten(-1, (h, v))
+        else:  # head-major columns [h, n, .] to the recurrence's step-major [1, T, n, h, .]
+            kk, vv = (y.unflatten(-1, (h, n, -1)).movedim(3, 2) for y in (kk, vv))
+            beta = beta.unflatten(-1, (h, n)).movedim(3, 2)
         if self.qk_norm == "fla":
             q, kk = fla_l2norm(q), fla_l2norm(kk)
         else:
             q = F.normalize(q, p=2, dim=-1)
             kk = F.normalize(kk, p=2, dim=-1)
-        beta = torch.sigmoid(self.b_proj(xs).to(compute_dtype(xs.dtype))).to(xs.dtype)
         o = ctx.run_recurrence(self.recurrence, (q, kk, vv, self._gate(xs), beta))
         gate = self._output_gate(xs)
         o = self.o_norm(o.to(xs.dtype), gate.unflatten(-1, (h, v)))
@@ -203,3 +226,44 @@ class GDNMixer(DeltaNetMixer):
 
     def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x)
+
+
+@dataclass(kw_only=True, slots=True)
+class GatedDeltaProductOptions:
+    """``[model.layer_options.gated_delta_product]``: sizes of the P (gated DeltaProduct)
+    layers."""
+
+    householder: int = 2
+    """Delta-rule steps (Householder reflections) per token: k, v and beta are this many per
+    head, the gate and the readout one (DeltaProduct's ``n_h``; 1 is GDN)."""
+
+
+class GatedDeltaProductMixer(GDNMixer):
+    """Gated DeltaProduct: GDN's gates with ``householder`` delta-rule steps per token
+    (Siems et al. 2025; fla's ``GatedDeltaProduct`` layer), the recurrence ``gdp``."""
+
+    kind = "gdp"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GDNMixer.Config):
+        pass
+
+    @classmethod
+    def from_model(cls, cfg: Any, layer_id: int, backend: Backend) -> DeltaNetMixer.Config:
+        steps = cfg.layer_options.gated_delta_product.householder
+        if steps < 1:
+            raise ValueError(
+                f"model.layer_options.gated_delta_product.householder must be >= 1, got {steps}"
+            )
+        config = super().from_model(cfg, layer_id, backend)
+        assert isinstance(config, DeltaNetMixer.Config)
+        return dataclasses.replace(config, steps=steps)
+
+    @staticmethod
+    def flops(cfg: Any, seq_len: int) -> int:
+        # The kernel runs the delta rule over ``householder`` steps per token.
+        steps = cfg.layer_options.gated_delta_product.householder
+        return steps * GDNMixer.flops(cfg, seq_len)
+
+    def _recurrence(self, config: DeltaNetMixer.Config) -> Recurrence:
+        return recurrence(self.kind, householder=config.steps, backend=config.backend)

@@ -27,7 +27,12 @@ import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
+import torch
 from torch import Tensor
+
+from torchtitan_cp.routing import chunk_bound, device_chunk_tables
+
+from ..common.fla import FLA_CHUNK_SIZE
 
 __all__ = [
     "RECURRENCES",
@@ -56,6 +61,24 @@ class SequenceTables(NamedTuple):
     chunk_indices: Tensor | None
     chunk_offsets: Tensor | None
 
+    def expanded(self, steps: int, num_tokens: int) -> SequenceTables:
+        """The same sequences as a kernel's stream of ``steps`` steps per token (step ``j`` of
+        token ``t`` at ``steps * t + j``): offsets times ``steps``, and fla chunk tables for
+        that stream built on the device (``routing.device_chunk_tables``), padded to
+        ``chunk_bound(steps * num_tokens, N)`` rows, so neither a host read nor a
+        layout-dependent shape. ``num_tokens``: the tokens of the unexpanded stream (the
+        inputs' ``T``). Without chunk tables, none are built (the torch kernels need none);
+        without offsets (one dense sequence) the tables stay as they are."""
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        if steps == 1 or self.cu_seqlens is None:
+            return self
+        cu, cu_cpu = self.cu_seqlens * steps, self.cu_seqlens_cpu * steps
+        if self.chunk_indices is None:
+            return SequenceTables(cu, cu_cpu, None, None)
+        rows = chunk_bound(steps * num_tokens, cu.numel() - 1, FLA_CHUNK_SIZE)
+        return SequenceTables(cu, cu_cpu, *device_chunk_tables(cu, FLA_CHUNK_SIZE, rows))
+
 
 class SummaryRows(NamedTuple):
     """The published subsequences of a span, one summary row each (``DeviceRouting.summary_*``).
@@ -70,6 +93,16 @@ class SummaryRows(NamedTuple):
     subsequence_cpu: Tensor
     token_index: Tensor
     tables: SequenceTables
+
+    def expanded(self, steps: int) -> SummaryRows:
+        """The same rows on a stream of ``steps`` kernel steps per token
+        (``SequenceTables.expanded``): each token index ``t`` becomes ``steps * t + j``."""
+        if steps == 1:
+            return self
+        sub = torch.arange(steps, device=self.token_index.device, dtype=self.token_index.dtype)
+        index = (self.token_index.unsqueeze(1) * steps + sub).reshape(-1)
+        tables = self.tables.expanded(steps, self.token_index.numel())
+        return SummaryRows(self.subsequence, self.subsequence_cpu, index, tables)
 
 
 InitialState = Tensor | Callable[[], Tensor | None] | None
@@ -161,6 +194,8 @@ RECURRENCES: dict[str, tuple[str, dict[str, str]]] = {
     "gdn": ("torchtitan_cp.ops.delta_rule.recurrence:DeltaRule", {"kind": "gdn"}),
     "ssd": ("torchtitan_cp.ops.ssd.recurrence:SSD", {}),
     "gla": ("torchtitan_cp.ops.ssd.recurrence:SSD", {"gate": "key"}),  # a gate per key
+    # DeltaProduct: several delta-rule steps per token, the delta rule on a longer stream.
+    "gdp": ("torchtitan_cp.ops.delta_rule.product:DeltaProduct", {"kind": "gdn"}),
 }
 
 
