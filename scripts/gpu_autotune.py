@@ -59,6 +59,15 @@ RULE = RULES["smallest"][1]
 _state: dict[str, Any] = {"rule": None, "pruned": [], "missing": None, "hook": None}
 
 
+def kernel_id(tuner: Any) -> str:
+    """A tuned kernel's name in the record: its module below ``fla.ops.`` and its function name.
+    fla-core reuses function names across modules (``chunk_fwd_kernel_o`` is both
+    ``common.chunk_o``'s and ``gated_delta_product.chunk_deltaproduct_o``'s), so the bare name
+    would let one kernel's entry stand for another's."""
+    fn = tuner.base_fn
+    return f"{fn.__module__.removeprefix('fla.ops.').removeprefix('fla.')}.{fn.__name__}"
+
+
 def prune(rule: str = "smallest") -> None:
     """Keep one config per fla-core autotuner in this process (``RULES[rule]``), built now or
     later; one rule per process. Without triton (a CPU-only torch) it only records that."""
@@ -100,7 +109,7 @@ def applied() -> dict[str, Any]:
         return {"rule": "none (fla-core autotunes every candidate config)"}
     pruned = _state["pruned"]
     used = {
-        t.base_fn.__name__: str(t.configs[0])
+        kernel_id(t): str(t.configs[0])
         for t in pruned
         if getattr(t, "best_config", None) is not None
     }
