@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -732,15 +733,15 @@ def cp_op_timing(
     h0 = torch.zeros(n_sub, H, K, K, device=dev)  # the entry states a rank would receive
     ones = None
 
-    def local() -> torch.Tensor:
+    def kernel(plan: RoutingPlan, initial_state: torch.Tensor | None = None) -> torch.Tensor:
         return chunk_delta_rule(
             *leaves,
             kind="kda",
-            initial_state=h0,
-            cu_seqlens=routing.cu_seqlens,
-            cu_seqlens_cpu=routing.cu_seqlens_cpu,
-            chunk_indices=routing.chunk_indices,
-            chunk_offsets=routing.chunk_offsets,
+            initial_state=initial_state,
+            cu_seqlens=plan.cu_seqlens,
+            cu_seqlens_cpu=plan.cu_seqlens_cpu,
+            chunk_indices=plan.chunk_indices,
+            chunk_offsets=plan.chunk_offsets,
             backend=backend,
         )[0]
 
@@ -750,17 +751,8 @@ def cp_op_timing(
         )[0]
 
     whole = RoutingPlan.build([0, T], [[(0, T)]], 0).to_device(dev)  # its chunk tables
-
-    def unsharded() -> torch.Tensor:
-        return chunk_delta_rule(
-            *leaves,
-            kind="kda",
-            cu_seqlens=whole.cu_seqlens,
-            cu_seqlens_cpu=whole.cu_seqlens_cpu,
-            chunk_indices=whole.chunk_indices,
-            chunk_offsets=whole.chunk_offsets,
-            backend=backend,
-        )[0]
+    local = functools.partial(kernel, routing, h0)
+    unsharded = functools.partial(kernel, whole)
 
     out: dict[str, Any] = {
         "tokens": T,

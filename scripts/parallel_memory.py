@@ -80,55 +80,60 @@ def pipeline_rank(
 
 PIPELINE_MICROBATCHES = 16
 
+CP_TP_LAYOUTS = {  # (model, tokens): its (CP, TP, dp_shard) rows
+    ("27B", 131072): [(8, 1, 1), (4, 2, 1)],
+    ("27B", 1048576): [(32, 1, 1), (16, 4, 1), (8, 8, 1)],
+    ("35B-A3B", 131072): [(8, 1, 1), (4, 2, 1), (8, 1, 2)],
+    ("35B-A3B", 1048576): [(32, 1, 1), (16, 2, 1)],
+    ("Kimi-48B-A3B", 131072): [(8, 1, 2)],
+    ("Kimi-48B-A3B", 1048576): [(32, 1, 1), (32, 1, 2)],
+}
+PP_LAYOUTS = {  # (model, tokens): its (PP, CP, TP, dp_shard) rows
+    ("397B-A17B", 131072): [(8, 8, 1, 2), (16, 8, 1, 1)],
+    ("397B-A17B", 1048576): [(8, 32, 1, 1), (4, 16, 4, 1)],
+    ("Kimi-48B-A3B", 131072): [(2, 8, 1, 1)],
+    ("Kimi-48B-A3B", 1048576): [(2, 32, 1, 1)],
+}
+# per_rank's parts, in the tables' GiB columns
+GIB_COLUMNS = {
+    "state": "state",
+    "saved": "saved inputs",
+    "layer": "one layer",
+    "kv": "K/V",
+    "logits": "logits",
+    "total": "total GiB",
+}
+
+
+def print_table(columns: list[str], rows: list[list[str]]) -> None:
+    """A Markdown table, as docs/parallelism.md holds it."""
+    print("| " + " | ".join(columns) + " |")
+    print("|---" * len(columns) + "|")
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
+
+
+def row(name: str, seq: int, ranks: str, g: dict[str, float]) -> list[str]:
+    """The cells of one layout: model, tokens, ranks, then the GiB columns."""
+    return [name, f"{seq // 1024}k", ranks, *(f"{g[k]:.1f}" for k in GIB_COLUMNS)]
+
 
 def main() -> None:
-    layouts = [
-        ("27B", 131072, 8, 1, 1),
-        ("27B", 131072, 4, 2, 1),
-        ("27B", 1048576, 32, 1, 1),
-        ("27B", 1048576, 16, 4, 1),
-        ("27B", 1048576, 8, 8, 1),
-        ("35B-A3B", 131072, 8, 1, 1),
-        ("35B-A3B", 131072, 4, 2, 1),
-        ("35B-A3B", 131072, 8, 1, 2),
-        ("35B-A3B", 1048576, 32, 1, 1),
-        ("35B-A3B", 1048576, 16, 2, 1),
-        ("Kimi-48B-A3B", 131072, 8, 1, 2),
-        ("Kimi-48B-A3B", 1048576, 32, 1, 1),
-        ("Kimi-48B-A3B", 1048576, 32, 1, 2),
+    rows = [
+        row(name, seq, f"{cp} x {tp} ({cp * tp * dps})", per_rank(MODELS[name], seq, cp, tp, dps))
+        for (name, seq), layouts in CP_TP_LAYOUTS.items()
+        for cp, tp, dps in layouts
     ]
-    print(
-        "| model | tokens | CP x TP (ranks) | state | saved inputs | one layer | K/V | "
-        "logits | total GiB |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, seq, cp, tp, dps in layouts:
-        g = per_rank(MODELS[name], seq, cp, tp, dps)
-        print(
-            f"| {name} | {seq // 1024}k | {cp} x {tp} ({cp * tp * dps}) | {g['state']:.1f} | "
-            f"{g['saved']:.1f} | {g['layer']:.1f} | {g['kv']:.1f} | {g['logits']:.1f} | "
-            f"{g['total']:.1f} |"
-        )
+    print_table(["model", "tokens", "CP x TP (ranks)", *GIB_COLUMNS.values()], rows)
     print()
-    print(
-        "| model | tokens | PP x CP x TP x dp_shard (ranks) | state | saved inputs | one layer | "
-        "K/V | logits | total GiB | bubble 1F1B | bubble interleaved (2/rank) |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, seq, pp, cp, tp, dps in [
-        ("397B-A17B", 131072, 8, 8, 1, 2),
-        ("397B-A17B", 131072, 16, 8, 1, 1),
-        ("397B-A17B", 1048576, 8, 32, 1, 1),
-        ("397B-A17B", 1048576, 4, 16, 4, 1),
-        ("Kimi-48B-A3B", 131072, 2, 8, 1, 1),
-        ("Kimi-48B-A3B", 1048576, 2, 32, 1, 1),
-    ]:
-        g = pipeline_rank(MODELS[name], seq, pp, cp, tp, dps, PIPELINE_MICROBATCHES)
-        print(
-            f"| {name} | {seq // 1024}k | {pp} x {cp} x {tp} x {dps} ({pp * cp * tp * dps}) | "
-            f"{g['state']:.1f} | {g['saved']:.1f} | {g['layer']:.1f} | {g['kv']:.1f} | "
-            f"{g['logits']:.1f} | {g['total']:.1f} | {g['bubble']:.1%} | {g['bubble_v2']:.1%} |"
-        )
+    rows = []
+    for (name, seq), layouts in PP_LAYOUTS.items():
+        for pp, cp, tp, dps in layouts:
+            g = pipeline_rank(MODELS[name], seq, pp, cp, tp, dps, PIPELINE_MICROBATCHES)
+            ranks = f"{pp} x {cp} x {tp} x {dps} ({pp * cp * tp * dps})"
+            rows.append([*row(name, seq, ranks, g), f"{g['bubble']:.1%}", f"{g['bubble_v2']:.1%}"])
+    columns = ["model", "tokens", "PP x CP x TP x dp_shard (ranks)", *GIB_COLUMNS.values()]
+    print_table([*columns, "bubble 1F1B", "bubble interleaved (2/rank)"], rows)
 
 
 if __name__ == "__main__":

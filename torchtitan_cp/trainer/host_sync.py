@@ -149,13 +149,17 @@ class _State:
             self.tainted[t] = True
 
 
-class _FunctionLevel(TorchFunctionMode):
-    """Calls that never reach the dispatcher on CPU: ``.to``/``.cpu`` between "devices" that
-    are both the CPU, ``.tolist()``, and factories told to build on the device."""
+class _Level:
+    """Base of the two torch modes: they record into one ``_State``."""
 
     def __init__(self, state: _State) -> None:
         super().__init__()
         self.s = state
+
+
+class _FunctionLevel(_Level, TorchFunctionMode):
+    """Calls that never reach the dispatcher on CPU: ``.to``/``.cpu`` between "devices" that
+    are both the CPU, ``.tolist()``, and factories told to build on the device."""
 
     def __torch_function__(self, func, types, args: tuple[Any, ...] = (), kwargs=None):
         kwargs = kwargs or {}
@@ -208,12 +212,8 @@ class _FunctionLevel(TorchFunctionMode):
         return out
 
 
-class _DispatchLevel(TorchDispatchMode):
+class _DispatchLevel(_Level, TorchDispatchMode):
     """Every aten op: propagates device-ness and records reads of device values."""
-
-    def __init__(self, state: _State) -> None:
-        super().__init__()
-        self.s = state
 
     def __torch_dispatch__(self, func, types, args: tuple[Any, ...] = (), kwargs=None):
         kwargs = kwargs or {}

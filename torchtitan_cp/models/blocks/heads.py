@@ -1,19 +1,23 @@
 """What the multi-head recurrent mixers (KDA, GDN, retention) share: a config sized by the
 decoder's shared fields, the layer registry's hooks, and the FLOPs of a chunked recurrence (and
-of softmax attention, its counterpart in the pipeline's cost model)."""
+of softmax attention, its counterpart in the pipeline's cost model). Every mixer of the layer
+registry builds its config from the decoder's as they do (``config_from_model``)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from torchtitan.protocols.module import Module
 
 from torchtitan_cp.ops import Backend
 from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
 
-__all__ = ["HeadsMixer", "attention_flops", "recurrence_flops"]
+__all__ = ["HeadsMixer", "attention_flops", "config_from_model", "recurrence_flops"]
+
+C = TypeVar("C", bound=Module.Config)
 
 
 class HeadsMixer(Module):
@@ -54,21 +58,8 @@ class HeadsMixer(Module):
         registry's ``backend``. A field the mixer's ``Config`` adds takes the decoder field of
         the same name where the decoder has one (``rope_theta``), else keeps its default (the
         mixer's own constant)."""
-        own = {f.name for f in dataclasses.fields(HeadsMixer.Config)} | set(cls.variant_fields)
-        added = [
-            f.name
-            for f in dataclasses.fields(cls.Config)
-            if f.name not in own and hasattr(cfg, f.name)
-        ]
-        return cls.Config(
-            dim=cfg.dim,
-            n_heads=cfg.n_heads,
-            head_dim=cfg.head_dim,
-            value_head_dim=cfg.value_head_dim,
-            norm_eps=cfg.norm_eps,
-            layer_id=layer_id,
-            backend=backend,
-            **{name: getattr(cfg, name) for name in added},
+        return config_from_model(
+            cls.Config, cfg, layer_id=layer_id, backend=backend, skip=cls.variant_fields
         )
 
     @staticmethod
@@ -81,6 +72,26 @@ class HeadsMixer(Module):
     def flops(cfg: Any, seq_len: int) -> int:
         """Training FLOPs per token beyond the parameter matmuls (``recurrence_flops``)."""
         return recurrence_flops(cfg.n_heads, cfg.head_dim, cfg.value_head_dim or cfg.head_dim)
+
+
+def config_from_model(
+    config_cls: type[C],
+    cfg: Any,
+    *,
+    skip: Iterable[str] = (),
+    **given: Any,
+) -> C:
+    """A mixer's ``config_cls`` for a ``HybridDecoder.Config`` ``cfg``: the fields ``given``;
+    every other field that ``cfg`` has a field of the same name for takes its value (``dim``,
+    ``norm_eps``, ``rope_theta``, ...); those of ``Module.Config`` (the decoder's own
+    ``param_init``, ``sharding_config``) and those in ``skip`` keep their defaults."""
+    not_shared = {f.name for f in dataclasses.fields(Module.Config)} | set(skip) | set(given)
+    shared = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(config_cls)
+        if f.name not in not_shared and hasattr(cfg, f.name)
+    }
+    return config_cls(**shared, **given)
 
 
 def recurrence_flops(heads: int, k: int, v: int) -> int:

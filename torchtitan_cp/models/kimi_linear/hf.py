@@ -19,6 +19,7 @@ no import of transformers (a dev dependency only).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -98,6 +99,27 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 
 
+def _layer_items(
+    state: dict[str, Any],
+    top: dict[str, str],
+    layer: re.Pattern[str],
+    out: dict[str, Any],
+    unknown: str,
+) -> Iterator[tuple[str, Any, str, str]]:
+    """``(key, value, layer index, suffix)`` of each entry of ``state`` that ``layer`` matches,
+    in order; an entry named in ``top`` goes to ``out`` under its new name on the way, any other
+    raises ``KeyError(unknown.format(key))``."""
+    for key, value in state.items():
+        if key in top:
+            out[top[key]] = value
+            continue
+        m = layer.match(key)
+        if m is None:
+            raise KeyError(unknown.format(key))
+        i, rest = m.groups()
+        yield key, value, i, rest
+
+
 class KimiLinearStateDictAdapter(StateDictAdapter):
     """Recipe (``KimiLinearModel``) <-> HF (published Kimi Linear) state dicts.
 
@@ -117,14 +139,8 @@ class KimiLinearStateDictAdapter(StateDictAdapter):
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for key, value in state_dict.items():
-            if key in _TOP:
-                out[_TOP[key]] = value
-                continue
-            m = _LAYER.match(key)
-            if m is None:
-                raise KeyError(f"no HF name for {key!r}")
-            i, rest = m.groups()
+        unknown = "no HF name for {!r}"
+        for key, value, i, rest in _layer_items(state_dict, _TOP, _LAYER, out, unknown):
             pre = f"model.layers.{i}."
             if rest == "kda.qkv_conv.weight":
                 for name, part in zip("qkv", value.chunk(3, dim=0), strict=True):
@@ -141,7 +157,7 @@ class KimiLinearStateDictAdapter(StateDictAdapter):
             else:
                 hf = _KDA.get(rest) or _MLA.get(rest) or _MOE.get(rest) or _NORMS.get(rest)
                 if hf is None:
-                    raise KeyError(f"no HF name for {key!r}")
+                    raise KeyError(unknown.format(key))
                 out[pre + hf] = value
         return out
 
@@ -158,14 +174,8 @@ class KimiLinearStateDictAdapter(StateDictAdapter):
             for i, lay in enumerate(self.model_config.layers)
             if lay.kda is not None
         }
-        for key, value in hf_state_dict.items():
-            if key in top:
-                out[top[key]] = value
-                continue
-            m = _HF_LAYER.match(key)
-            if m is None:
-                raise KeyError(f"{key!r} is not a Kimi Linear text-model weight")
-            i, rest = m.groups()
+        unknown = "{!r} is not a Kimi Linear text-model weight"
+        for key, value, i, rest in _layer_items(hf_state_dict, top, _HF_LAYER, out, unknown):
             pre = f"layers.{i}."
             conv = re.fullmatch(r"self_attn\.([qkv])_conv1d\.weight", rest)
             expert = _HF_EXPERT.match(rest)

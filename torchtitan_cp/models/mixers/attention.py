@@ -33,7 +33,7 @@ from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.blocks.attention_cp import DEFAULT_ATTENTION_CP, AttentionCP
 from torchtitan_cp.models.blocks.flex import AttentionBackend
-from torchtitan_cp.models.blocks.heads import attention_flops
+from torchtitan_cp.models.blocks.heads import attention_flops, config_from_model
 from torchtitan_cp.models.blocks.init import linear
 from torchtitan_cp.models.blocks.rope import apply_rope
 from torchtitan_cp.models.blocks.routed_attention import RoutedInnerAttention
@@ -67,14 +67,14 @@ class SoftmaxAttention(Module):
     def from_model(cfg: Any, layer_id: int, backend: str) -> SoftmaxAttention.Config:
         """The attention of layer ``layer_id`` of a ``HybridDecoder.Config`` (the registry's
         hook). Its backend is ``model.attention_backend``; ``backend`` (the linear layers') is
-        not read."""
-        return SoftmaxAttention.Config(
-            dim=cfg.dim,
+        not read. Its sizes are the ``attn_*`` fields (``n_heads``, ``head_dim`` are the linear
+        layers'); ``dim``, ``use_rope``, ``rope_theta`` the fields of those names."""
+        return config_from_model(
+            SoftmaxAttention.Config,
+            cfg,
             n_heads=cfg.attn_n_heads,
             n_kv_heads=cfg.attn_n_kv_heads,
             head_dim=cfg.attn_head_dim,
-            use_rope=cfg.use_rope,
-            rope_theta=cfg.rope_theta,
             layer_id=layer_id,
             backend=cfg.attention_backend,
             cp_mode=cfg.attention_cp,

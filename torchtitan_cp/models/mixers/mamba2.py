@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_modul
 from torchtitan.protocols.module import Module
 
 from torchtitan_cp.models.blocks.conv import ShortConvolution
-from torchtitan_cp.models.blocks.heads import recurrence_flops
+from torchtitan_cp.models.blocks.heads import config_from_model, recurrence_flops
 from torchtitan_cp.models.blocks.init import init_decay, linear
 from torchtitan_cp.models.blocks.norm import GatedGroupRMSNorm
 from torchtitan_cp.models.blocks.tensor_parallel import (
@@ -92,13 +92,13 @@ class Mamba2Mixer(Module):
     @staticmethod
     def from_model(cfg: Any, layer_id: int, backend: Backend) -> Mamba2Mixer.Config:
         """The mixer of layer ``layer_id`` of a ``HybridDecoder.Config`` (the registry's hook);
-        a ValueError naming the keys when the sizes do not fit together."""
+        a ValueError naming the keys when the sizes do not fit together. ``dim``,
+        ``conv_width``, ``norm_eps``: the decoder's fields of those names."""
         _check_sizes(cfg.dim, cfg.layer_options.mamba2)
-        return Mamba2Mixer.Config(
-            dim=cfg.dim,
+        return config_from_model(
+            Mamba2Mixer.Config,
+            cfg,
             options=cfg.layer_options.mamba2,
-            conv_width=cfg.conv_width,
-            norm_eps=cfg.norm_eps,
             layer_id=layer_id,
             backend=backend,
         )

@@ -324,19 +324,17 @@ def qwen35_layers_summary(cfg: Qwen35Model.Config) -> str:
 def check_qwen35_parallelism(cfg: Any, parallelism: Any) -> None:
     """A ValueError naming the key where Qwen3.5 cannot run with ``parallelism``."""
     cp = parallelism.context_parallel_degree
-    if cfg.vision_encoder is not None and cp > 1:
-        raise ValueError(
-            f"model.vision = true cannot run under context parallelism "
-            f"(parallelism.context_parallel_degree = {cp}): Qwen3.5 scatters image embeddings "
-            "into the unsharded sequence; train text-only (model.vision = false)"
-        )
     pp = getattr(parallelism, "pipeline_parallel_degree", 1)
-    if cfg.vision_encoder is not None and pp > 1:
-        raise ValueError(
-            f"model.vision = true cannot run under pipeline parallelism "
-            f"(parallelism.pipeline_parallel_degree = {pp}): the vision encoder is not split "
-            "into stages by this recipe; train text-only (model.vision = false)"
-        )
+    for kind, degree, why in (
+        ("context", cp, "Qwen3.5 scatters image embeddings into the unsharded sequence"),
+        ("pipeline", pp, "the vision encoder is not split into stages by this recipe"),
+    ):
+        if cfg.vision_encoder is not None and degree > 1:
+            raise ValueError(
+                f"model.vision = true cannot run under {kind} parallelism "
+                f"(parallelism.{kind}_parallel_degree = {degree}): {why}; train text-only "
+                "(model.vision = false)"
+            )
     tp = getattr(parallelism, "tensor_parallel_degree", 1)
     ep = getattr(parallelism, "expert_parallel_degree", 1)
     if tp > 1:
