@@ -124,6 +124,44 @@ def fork_train(launches: list[Launch], *, folder: Path, timeout: float = 1200) -
     return proc.stdout
 
 
+def seeded_runs(
+    folder: Path,
+    extra: list[str],
+    runs: dict[str, tuple[int, list[str]]],
+    config: list[str],
+    steps: int = 3,
+    seed_extra: tuple[str, ...] = (),
+) -> dict[str, list[dict]]:
+    """``steps`` AdamW steps from one seed checkpoint (one process of ``config`` +
+    ``seed_extra``) for each ``name: (nproc, args)`` of ``config``; every run also gets
+    ``extra``. Returns each run's metrics rows. The seed and every run are launched from one
+    process that imported the trainer once (``fork_train``): process start-ups were most of
+    these tests' CPU time."""
+    seed = [
+        *config,
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--metrics.no-enable-wandb",
+        *seed_extra,
+    ]
+    common = [
+        *config,
+        "--training.steps",
+        str(steps),
+        "--validator.no-enable",
+        "--metrics.no-enable-wandb",
+        "--debug.deterministic",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(folder / "seed" / "checkpoint" / "step-0"),
+        *extra,
+    ]
+    launches = [Launch("seed", 1, seed)]
+    launches += [Launch(name, nproc, [*common, *args]) for name, (nproc, args) in runs.items()]
+    print(fork_train(launches, folder=folder))
+    return {name: read_metrics(folder / name) for name in runs}
+
+
 def python_train_cmd(args: list[str], *, dump_folder: Path) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of ``python -m torchtitan_cp.train ARGS``."""
     env = repo_env()

@@ -298,14 +298,20 @@ def _layer(q, k, v, g, beta, w, cu_cpu):
     return o + o_ssd
 
 
-def test_local_kernels_compile_fullgraph_without_recompiles():
-    """Different document layouts of the same shape reuse one compiled graph; outputs and
-    gradients match eager."""
+def _counted_compile(fn):
+    """``fn`` compiled fullgraph on aot_eager from a fresh dynamo cache, and the counter of the
+    frames it compiles (one: no recompile)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(_layer, backend=counter, fullgraph=True)
+    return torch.compile(fn, backend=counter, fullgraph=True), counter
+
+
+def test_local_kernels_compile_fullgraph_without_recompiles():
+    """Different document layouts of the same shape reuse one compiled graph; outputs and
+    gradients match eager."""
+    compiled, counter = _counted_compile(_layer)
     gen = torch.Generator().manual_seed(3)
     ins = _delta_inputs("kda", 1, torch.float32)[:5]
     w = torch.randn(HV * V, 4, generator=gen).requires_grad_(True)
@@ -322,16 +328,11 @@ def test_local_kernels_compile_fullgraph_without_recompiles():
         assert counter.frame_count == 1, f"layout {i} recompiled"
 
 
-def _cp_compiled(rank: int, world: int) -> dict:
-    """CP delta rule, SSD + conv history under compile vs eager, three layouts, capped
-    routing."""
-    import torch.distributed as dist
-
-    from torchtitan_cp.ops import context_parallel_conv_history, context_parallel_delta_rule
-    from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
+def _capped_headtail(world: int):
+    """``(rows, row_len, caps, table)``: two 48-token rows, head-tail over ``world`` ranks, the
+    routing caps every layout of them pads to (one compiled graph) and the fragment table."""
     from torchtitan_cp.routing import headtail_fragments
 
-    group = dist.group.WORLD
     rows, row_len = 2, 48
     caps = routing_caps(
         load_balancer="headtail",
@@ -341,7 +342,19 @@ def _cp_compiled(rank: int, world: int) -> dict:
         ptrr_block_size=128,
         max_subsequences=32,
     )
-    table = headtail_fragments(row_len, rows, world)
+    return rows, row_len, caps, headtail_fragments(row_len, rows, world)
+
+
+def _cp_compiled(rank: int, world: int) -> dict:
+    """CP delta rule, SSD + conv history under compile vs eager, three layouts, capped
+    routing."""
+    import torch.distributed as dist
+
+    from torchtitan_cp.ops import context_parallel_conv_history, context_parallel_delta_rule
+    from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
+
+    group = dist.group.WORLD
+    rows, row_len, caps, table = _capped_headtail(world)
 
     def step(x, w, q, k, g, beta, routing):
         hist = context_parallel_conv_history(x, routing=routing, group=group)
@@ -359,11 +372,7 @@ def _cp_compiled(rank: int, world: int) -> dict:
         o_ssd, _ = context_parallel_ssd(q, k, v, g, routing=routing, group=group, scale=1.0)
         return o + o_ssd
 
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    compiled, counter = _counted_compile(step)
     gen = torch.Generator().manual_seed(7)
     n = rows * row_len // world
     worst = 0.0
@@ -404,24 +413,13 @@ def _cp_summaries_compiled(rank: int, world: int) -> dict:
     the unsharded eager layer (world 1, one fragment), float32, two head-tail layouts with
     capped routing; outputs and every gradient on this rank's span."""
     import torch.distributed as dist
-    from torch._dynamo.testing import CompileCounterWithBackend
 
     from tests.dist_utils import device_routing, span_index
     from torchtitan_cp.ops import context_parallel_delta_rule
     from torchtitan_cp.ops.cp.driver import context_parallel_recurrence
-    from torchtitan_cp.routing import headtail_fragments
 
     group = dist.group.WORLD
-    rows, row_len = 2, 48
-    caps = routing_caps(
-        load_balancer="headtail",
-        batch_size=rows,
-        seq_len=row_len,
-        cp_degree=world,
-        ptrr_block_size=128,
-        max_subsequences=32,
-    )
-    table = headtail_fragments(row_len, rows, world)
+    rows, row_len, caps, table = _capped_headtail(world)
 
     product = recurrence("gdp", householder=2)  # built outside the graph: the registry imports
 
@@ -440,9 +438,7 @@ def _cp_summaries_compiled(rank: int, world: int) -> dict:
         o3, _ = context_parallel_recurrence(product, gdp, **kw)
         return o1 + o2 + o3
 
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    compiled, counter = _counted_compile(layer)
     gen = torch.Generator().manual_seed(17)
     total = rows * row_len
     worst = 0.0

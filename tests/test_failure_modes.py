@@ -451,24 +451,10 @@ def _kimi_no_weights(env: Env) -> str:
 
 @case("linear_attention.backend = 'fla': layer X")
 def _no_fla_kernel(env: Env) -> str:
-    from torchtitan_cp.models.hybrid.layers import LAYERS, Kernels
+    from tests.test_layers import FLA_WITH_TORCH_ONLY_KIND, register_torch_only_kind
 
-    only_torch = dataclasses.replace(
-        LAYERS["M"],
-        name="torch-only",
-        description="SSD, torch only",
-        kernels=Kernels(("torch",), compiles=False),
-    )
-    env.mp.setitem(LAYERS, "T", only_torch)
-    return check(
-        env,
-        "--config_file",
-        "configs/debug_mamba2_cpu.toml",
-        "--model.layer_pattern",
-        "MTA",
-        "--linear_attention.backend",
-        "fla",
-    )
+    register_torch_only_kind(env.mp)
+    return check(env, *FLA_WITH_TORCH_ONLY_KIND)
 
 
 @case("compile.enable: model.layer_pattern has layers without")

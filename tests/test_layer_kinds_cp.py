@@ -82,45 +82,18 @@ def test_host_and_readback_train_bitwise_identically(pattern):
 
 @pytest.mark.parametrize("letter", sorted(KINDS))
 def test_trainer_cp2_matches_cp1(tmp_path, letter):
-    from tests.launch import Launch, fork_train, read_metrics
+    from tests.launch import seeded_runs
 
-    opts = KINDS[letter].trainer
-    run = ["--config_file", "configs/debug_cpu.toml", *opts]
-    seed = [
-        *run,
-        "--checkpoint.enable",
-        "--checkpoint.create_seed_checkpoint",
-        "--metrics.no-enable-wandb",
-        "--parallelism.context_parallel_degree",
-        "1",
-    ]
-    common = [
-        *run,
-        "--training.steps",
-        "3",
-        "--validator.no-enable",
-        "--metrics.no-enable-wandb",
-        "--debug.deterministic",
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_path",
-        str(tmp_path / "seed" / "checkpoint" / "step-0"),
-    ]
-    # One process imports the trainer once and forks every launch's ranks (fork_train).
-    print(
-        fork_train(
-            [
-                Launch("seed", 1, seed),
-                *(
-                    Launch(
-                        f"cp{cp}", cp, [*common, "--parallelism.context_parallel_degree", str(cp)]
-                    )
-                    for cp in (1, 2)
-                ),
-            ],
-            folder=tmp_path,
-        )
+    degree = "--parallelism.context_parallel_degree"
+    run = ["--config_file", "configs/debug_cpu.toml", *KINDS[letter].trainer]
+    runs = seeded_runs(
+        tmp_path,
+        [],
+        {"cp1": (1, [degree, "1"]), "cp2": (2, [degree, "2"])},
+        run,
+        seed_extra=(degree, "1"),  # one process, whatever CP degree the kind's config sets
     )
-    ref, cp = read_metrics(tmp_path / "cp1"), read_metrics(tmp_path / "cp2")
+    ref, cp = runs["cp1"], runs["cp2"]
     for a, b in zip(ref, cp, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a["step"], a["grad_norm"])

@@ -227,13 +227,21 @@ def test_every_shipped_kind_compiles(monkeypatch) -> None:
         load_config(args)
 
 
-def test_a_kind_has_only_its_backends(monkeypatch) -> None:
-    # A kind declares its kernels' backends. Register one with the torch kernel only (Mamba2's
-    # mixer): backend = "fla" is refused in one line naming the key, the letter and what it has,
-    # before launch; "auto" builds it on torch, while a kind with both keeps "auto" (fla on CUDA).
+# Refused for layer T of ``register_torch_only_kind``; tests/test_failure_modes.py holds the
+# documented line to the same refusal.
+FLA_WITH_TORCH_ONLY_KIND = [
+    "--config_file",
+    "configs/debug_mamba2_cpu.toml",
+    "--model.layer_pattern",
+    "MTA",
+    "--linear_attention.backend",
+    "fla",
+]
+
+
+def register_torch_only_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registers letter T: Mamba2's mixer with its torch kernel only (no fla, no custom ops)."""
     from torchtitan_cp.models.hybrid.layers import Kernels
-    from torchtitan_cp.train import load_config
-    from torchtitan_cp.trainer.config import ConfigError
 
     only_torch = dataclasses.replace(
         LAYERS["M"],
@@ -242,6 +250,16 @@ def test_a_kind_has_only_its_backends(monkeypatch) -> None:
         kernels=Kernels(("torch",), compiles=False),
     )
     monkeypatch.setitem(LAYERS, "T", only_torch)
+
+
+def test_a_kind_has_only_its_backends(monkeypatch) -> None:
+    # A kind declares its kernels' backends. Register one with the torch kernel only (Mamba2's
+    # mixer): backend = "fla" is refused in one line naming the key, the letter and what it has,
+    # before launch; "auto" builds it on torch, while a kind with both keeps "auto" (fla on CUDA).
+    from torchtitan_cp.train import load_config
+    from torchtitan_cp.trainer.config import ConfigError
+
+    register_torch_only_kind(monkeypatch)
     want = (
         r"^linear_attention.backend = 'fla': layer T \(SSD, torch only\) has no fla kernel, "
         r"only torch; use 'auto' or one of those$"
@@ -249,16 +267,7 @@ def test_a_kind_has_only_its_backends(monkeypatch) -> None:
     with pytest.raises(ValueError, match=want):
         model_config("debug", layer_pattern="TA", linear_attention_backend="fla")
     with pytest.raises(ConfigError, match=want):
-        load_config(
-            [
-                "--config_file",
-                "configs/debug_mamba2_cpu.toml",
-                "--model.layer_pattern",
-                "MTA",
-                "--linear_attention.backend",
-                "fla",
-            ]
-        )
+        load_config(FLA_WITH_TORCH_ONLY_KIND)
     opts = LayerOptions(mamba2=Mamba2Options(head_dim=16, state_dim=8))
     model = model_config("debug", layer_pattern="TMA", layer_options=opts).build()
     assert model.layers["0"].mixer.backend == "torch"

@@ -22,6 +22,7 @@ from tests.dist_utils import (
     span_index,
 )
 from tests.helpers import positions_from_lengths
+from tests.test_routing_sources import preprocessors
 from torchtitan_cp.models.sequence import SequencePreprocessor
 from torchtitan_cp.ops.attention.pass_kv import (
     PairMask,
@@ -198,17 +199,7 @@ def test_host_and_readback_give_the_same_schedule_bitwise(world, balancer, bsz, 
     rank = data.draw(st.integers(0, world - 1))
     positions = positions_from_lengths(bsz, seqlen, lengths)
     tokens = torch.arange(bsz * seqlen).reshape(bsz, seqlen)
-    common = dict(
-        device="cpu",
-        cp_group=None,
-        load_balancer=balancer,
-        cp_rank=rank,
-        cp_world_size=world,
-        ptrr_block_size=4,
-        attention_cp="pass_kv",
-    )
-    host = SequencePreprocessor(routing_source="host", **common)
-    readback = SequencePreprocessor(routing_source="device_readback", **common)
+    host, readback = preprocessors(rank, world, balancer, attention_cp="pass_kv")
     a = host(tokens, tokens, positions, HostMetadata(positions.clone()))[3].pass_kv
     b = readback(tokens, tokens, positions, None)[3].pass_kv
     assert a is not None and b is not None and a.schedule is not b.schedule
@@ -222,14 +213,7 @@ def test_host_and_readback_give_the_same_schedule_bitwise(world, balancer, bsz, 
 
 
 def test_plan_cache_hits_reuse_the_schedule():
-    pre = SequencePreprocessor(
-        device="cpu",
-        cp_group=None,
-        load_balancer="headtail",
-        cp_rank=1,
-        cp_world_size=2,
-        attention_cp="pass_kv",
-    )
+    pre, _ = preprocessors(1, 2, "headtail", attention_cp="pass_kv")
     positions = positions_from_lengths(1, 32, [5, 20, 7])
     tokens = torch.zeros(1, 32, dtype=torch.int64)
     first = pre(tokens, tokens, positions, HostMetadata(positions.clone()))[3].pass_kv
@@ -237,15 +221,7 @@ def test_plan_cache_hits_reuse_the_schedule():
     assert first is not None and again is not None
     assert again.schedule is first.schedule and again is not first  # fresh device ids per batch
     # Flex layers under pass-KV build per-pair masks: no CP-sharded BlockMask (and no mesh).
-    flex = SequencePreprocessor(
-        device="cpu",
-        cp_group=None,
-        load_balancer="headtail",
-        cp_rank=0,
-        cp_world_size=2,
-        attention_cp="pass_kv",
-        flex_attention=True,
-    )
+    flex, _ = preprocessors(0, 2, "headtail", attention_cp="pass_kv", flex_attention=True)
     ctx = flex(tokens, tokens, positions, HostMetadata(positions.clone()))[3]
     assert ctx.block_mask is None and ctx.pass_kv is not None
     # Without CP no schedule travels with the context.

@@ -118,6 +118,20 @@ def _loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def upstream_backward(theirs, tokens, positions, labels) -> torch.Tensor:
+    """Upstream's Qwen3.5 ``theirs`` on the packed batch (its own masks from ``positions``, no
+    image or video tokens), its loss backward; its logits."""
+    masks = theirs.get_attention_masks(positions)  # upstream: nonzero + .tolist() per row
+    logits = theirs(
+        tokens,
+        attention_masks=masks,
+        positions=positions,
+        special_tokens={"image_id": -1, "video_id": -1},
+    )
+    _loss(logits, labels).backward()
+    return logits
+
+
 @pytest.mark.parametrize("bsz, seqlen", [(2, 48), (1, 80)])
 def test_cp1_matches_upstream_qwen35_with_reference_kernels(bsz, seqlen):
     """This recipe's Qwen3.5 (host routing, recipe kernels) == torchtitan's Qwen3.5 path with
@@ -135,14 +149,7 @@ def test_cp1_matches_upstream_qwen35_with_reference_kernels(bsz, seqlen):
     logits = ours(inp, pos, ctx)
     _loss(logits, lab).backward()
 
-    masks = theirs.get_attention_masks(positions)  # upstream: nonzero + .tolist() per row
-    ref_logits = theirs(
-        tokens,
-        attention_masks=masks,
-        positions=positions,
-        special_tokens={"image_id": -1, "video_id": -1},
-    )
-    _loss(ref_logits, labels).backward()
+    ref_logits = upstream_backward(theirs, tokens, positions, labels)
 
     assert (logits - ref_logits).abs().max() <= 1e-10
     ref_params = dict(theirs.named_parameters())

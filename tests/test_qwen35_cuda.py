@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_qwen35 import VOCAB, _loss, make_batch  # skips this module below torch 2.14
+from tests.test_qwen35 import (  # skips this module below torch 2.14
+    VOCAB,
+    _loss,
+    make_batch,
+    upstream_backward,
+)
 from torchtitan_cp.models.qwen35.model import qwen35_config
 from torchtitan_cp.models.sequence import SequencePreprocessor
 from torchtitan_cp.routing.host_metadata import HostMetadata
@@ -55,14 +60,7 @@ def test_cp1_matches_upstream_qwen35_on_its_own_cuda_path():
     inp, lab, pos, ctx = seq(tokens, labels, positions, host)
     logits = ours(inp, pos, ctx)
     _loss(logits, lab).backward()
-    masks = theirs.get_attention_masks(positions)
-    ref = theirs(
-        tokens,
-        attention_masks=masks,
-        positions=positions,
-        special_tokens={"image_id": -1, "video_id": -1},
-    )
-    _loss(ref, labels).backward()
+    ref = upstream_backward(theirs, tokens, positions, labels)
 
     def rel(a, b):
         return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))

@@ -139,13 +139,10 @@ def test_missing_shard_is_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_training_config_checks_the_hf_folder_before_starting(tmp_path):
-    from torchtitan_cp.train import load_config
-
-    model = _random_model(0)
-    folder = write_hf_folder(model, model.config, tmp_path / "hf", tokenizer_dir=TOKENIZER)
-    (folder / "model.safetensors").unlink()
-    argv = [
+def _initial_hf_load(folder: Path) -> list[str]:
+    """The trainer arguments that start a run from the model weights of the HF folder
+    ``folder`` (the recipe's debug config)."""
+    return [
         "--config_file",
         CONFIG,
         "--checkpoint.enable",
@@ -154,8 +151,16 @@ def test_training_config_checks_the_hf_folder_before_starting(tmp_path):
         "--checkpoint.initial_load_path",
         str(folder),
     ]
+
+
+def test_training_config_checks_the_hf_folder_before_starting(tmp_path):
+    from torchtitan_cp.train import load_config
+
+    model = _random_model(0)
+    folder = write_hf_folder(model, model.config, tmp_path / "hf", tokenizer_dir=TOKENIZER)
+    (folder / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="no \\*.safetensors weights"):
-        load_config(argv)
+        load_config(_initial_hf_load(folder))
 
 
 @pytest.fixture(scope="module")
@@ -208,17 +213,8 @@ def _pre_launch_error(tmp_path: Path, hf_folder: Path, name: str, edit) -> tuple
     shutil.copytree(hf_folder, folder)
     path = folder / name
     path.write_text(edit(path.read_text() if path.exists() else ""))
-    argv = [
-        "--config_file",
-        CONFIG,
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_in_hf",
-        "--checkpoint.initial_load_model_only",
-        "--checkpoint.initial_load_path",
-        str(folder),
-    ]
     with pytest.raises(ConfigError) as e:
-        load_config(argv)
+        load_config(_initial_hf_load(folder))
     assert "\n" not in str(e.value)
     return path, str(e.value)
 

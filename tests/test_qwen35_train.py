@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from tests.launch import Launch, fork_train, read_metrics
+from tests.launch import Launch, fork_train, read_metrics, seeded_runs
 
 pytestmark = pytest.mark.slow
 
@@ -36,39 +38,8 @@ def test_qwen35_debug_trains_on_two_cpu_ranks(tmp_path, cp):
     assert all(r["routing/source"] == "host" and r["routing/readbacks"] == 0 for r in rows)
 
 
-def _seeded_runs(
-    tmp_path,
-    extra: list[str],
-    runs: dict[str, tuple[int, list[str]]],
-    config: list[str] = CONFIG,
-    steps: int = 3,
-) -> dict:
-    """``steps`` AdamW steps from one seed checkpoint for each ``name: (nproc, args)`` of
-    ``config``; every run also gets ``extra``. Returns each run's metrics rows. The seed and
-    every run are launched from one process that imported the trainer once
-    (tests/launch.py::fork_train): process start-ups were most of these tests' CPU time."""
-    seed = [
-        *config,
-        "--checkpoint.enable",
-        "--checkpoint.create_seed_checkpoint",
-        "--metrics.no-enable-wandb",
-    ]
-    common = [
-        *config,
-        "--training.steps",
-        str(steps),
-        "--validator.no-enable",
-        "--metrics.no-enable-wandb",
-        "--debug.deterministic",
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_path",
-        str(tmp_path / "seed" / "checkpoint" / "step-0"),
-        *extra,
-    ]
-    launches = [Launch("seed", 1, seed)]
-    launches += [Launch(name, nproc, [*common, *args]) for name, (nproc, args) in runs.items()]
-    print(fork_train(launches, folder=tmp_path))
-    return {name: read_metrics(tmp_path / name) for name in runs}
+# Qwen3.5's debug config unless a caller names another (tests/test_kimi_linear_train.py).
+_seeded_runs = functools.partial(seeded_runs, config=CONFIG)
 
 
 def _assert_same_curve(ref: list[dict], other: list[dict]) -> None:

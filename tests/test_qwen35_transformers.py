@@ -35,7 +35,7 @@ from transformers import (  # noqa: E402
 )
 
 from tests.helpers import unwrapped  # noqa: E402
-from tests.test_qwen35_hf import _load_through_torchtitan  # noqa: E402
+from tests.test_qwen35_hf import _initial_hf_load, _load_through_torchtitan  # noqa: E402
 from torchtitan_cp.models.qwen35 import hf  # noqa: E402
 from torchtitan_cp.models.qwen35.model import qwen35_config  # noqa: E402
 
@@ -323,17 +323,8 @@ def test_mismatch_is_refused_before_launch(tmp_path):
     _transformers_folder(
         tmp_path, rope_parameters={**DEBUG_TEXT["rope_parameters"], "rope_theta": 1e6}
     )
-    argv = [
-        "--config_file",
-        "configs/qwen35_debug_cpu.toml",
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_in_hf",
-        "--checkpoint.initial_load_model_only",
-        "--checkpoint.initial_load_path",
-        str(tmp_path),
-    ]
     with pytest.raises(ConfigError, match=r"rope_parameters.rope_theta is 1000000.0 but"):
-        load_config(argv)
+        load_config(_initial_hf_load(tmp_path))
 
 
 def test_text_layout_weights_are_refused_by_name(tmp_path):

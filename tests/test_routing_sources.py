@@ -19,7 +19,7 @@ from torchtitan_cp.routing.host_metadata import HostMetadata
 ROUTING_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceRouting) if f.type == "Tensor")
 
 
-def preprocessors(rank: int, world: int, balancer: str, device="cpu", block=4):
+def preprocessors(rank: int, world: int, balancer: str, device="cpu", block=4, **options):
     common = dict(
         device=device,
         cp_group=None,
@@ -29,8 +29,8 @@ def preprocessors(rank: int, world: int, balancer: str, device="cpu", block=4):
         ptrr_block_size=block,
     )
     return (
-        SequencePreprocessor(routing_source="host", **common),
-        SequencePreprocessor(routing_source="device_readback", **common),
+        SequencePreprocessor(routing_source="host", **common, **options),
+        SequencePreprocessor(routing_source="device_readback", **common, **options),
     )
 
 
@@ -106,14 +106,7 @@ def test_consecutive_microbatches_share_no_storage():
 
 def test_cache_keys_follow_layout_and_capacity():
     tokens = torch.arange(64).reshape(2, 32)
-    host = SequencePreprocessor(
-        device="cpu",
-        cp_group=None,
-        load_balancer="headtail",
-        cp_rank=0,
-        cp_world_size=2,
-        plan_cache_size=2,
-    )
+    host, _ = preprocessors(0, 2, "headtail", plan_cache_size=2)
     for lengths in ([5], [6], [7], [5], [7]):  # LRU: 5 is evicted by 7, 6 by the second 5
         run(host, tokens, positions_from_lengths(2, 32, lengths))
     assert host.cache.stats() == {

@@ -31,6 +31,17 @@ SMALL = (
     "aot_eager",
 )
 
+# The parts of the one call, in the order it runs them (between its two "call" lines).
+PARTS = (
+    "correctness",
+    "trainer_sync",
+    "timing",
+    "cp_op_ms",
+    "compile",
+    "autotune_reuse",
+    "cuda_tests",
+)
+
 
 def _call(results, *args: str, budget: int = 3000) -> subprocess.CompletedProcess:
     env = dict(
@@ -72,17 +83,7 @@ def test_gpu_check_one_call_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = _rows(results)
     parts = [r["part"] for r in rows]
-    order = [
-        "call",
-        "correctness",
-        "trainer_sync",
-        "timing",
-        "cp_op_ms",
-        "compile",
-        "autotune_reuse",
-        "cuda_tests",
-        "call",
-    ]
+    order = ["call", *PARTS, "call"]
     assert [p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1]] == order
     assert len({r["call"] for r in rows}) == 1 and all(r["ok"] for r in rows)
     by = {(r["part"], r["name"]): r for r in rows}
@@ -156,18 +157,7 @@ def test_gpu_check_parts_keep_to_the_deadline(tmp_path):
     # A part past its box is killed and says so, the next part still starts, and a part with
     # no time left before the deadline is not started: about 15 s of CPU.
     results = tmp_path / "gpu_check.jsonl"
-    skip = [
-        a
-        for p in (
-            "correctness",
-            "trainer_sync",
-            "timing",
-            "cp_op_ms",
-            "autotune_reuse",
-            "cuda_tests",
-        )
-        for a in ("--skip", p)
-    ]
+    skip = [a for p in PARTS if p != "compile" for a in ("--skip", p)]
     proc = _call(results, *SMALL, *skip, "--box-scale", "0.02", budget=600)  # compile: 3 s
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     by = {(r["part"], r["name"]): r for r in _rows(results)}
@@ -178,15 +168,7 @@ def test_gpu_check_parts_keep_to_the_deadline(tmp_path):
     assert proc.returncode == 1
     rows = _rows(results)
     skipped = [r["part"] for r in rows if str(r.get("skipped", "")).startswith("no time left")]
-    assert skipped == [
-        "correctness",
-        "trainer_sync",
-        "timing",
-        "cp_op_ms",
-        "compile",
-        "autotune_reuse",
-        "cuda_tests",
-    ]
+    assert skipped == list(PARTS)
 
 
 def _gpu_check(env_extra: dict[str, str]) -> subprocess.CompletedProcess:

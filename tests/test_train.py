@@ -85,20 +85,26 @@ def seed_checkpoint(tmp_path, *extra: str) -> str:
     return str(dump / "checkpoint" / "step-0")
 
 
-@pytest.mark.parametrize(
-    "pattern, modes", [("KKA", ["all_gather", "pass_kv"]), ("GGA", ["all_gather"])]
-)
-def test_context_parallel_matches_unsharded(tmp_path, pattern, modes):
-    """CP=2 (head-tail) gives the CP=1 loss and grad norm within 1e-5 over 3 AdamW steps, with
-    attention all-gathering K/V and (KKA) passing them (``model.attention_cp``)."""
+def from_seed(tmp_path, pattern: str) -> list[str]:
+    """The arguments of runs of layer pattern ``pattern`` that all start from one seed
+    checkpoint of it (written here)."""
     seed = seed_checkpoint(tmp_path, "--model.layer_pattern", pattern)
-    common = [
+    return [
         "--model.layer_pattern",
         pattern,
         "--checkpoint.enable",
         "--checkpoint.initial_load_path",
         seed,
     ]
+
+
+@pytest.mark.parametrize(
+    "pattern, modes", [("KKA", ["all_gather", "pass_kv"]), ("GGA", ["all_gather"])]
+)
+def test_context_parallel_matches_unsharded(tmp_path, pattern, modes):
+    """CP=2 (head-tail) gives the CP=1 loss and grad norm within 1e-5 over 3 AdamW steps, with
+    attention all-gathering K/V and (KKA) passing them (``model.attention_cp``)."""
+    common = from_seed(tmp_path, pattern)
     runs = fork_steps(tmp_path, {
         "cp1": (1, common),
         **{f"cp2-{mode}": (2, [*common, "--model.attention_cp", mode,
@@ -216,16 +222,7 @@ def test_context_parallel_with_fsdp_matches_fsdp_alone(tmp_path):
     """dp_shard=2 x cp=2 (4 ranks) gives the dp_shard=2 loss and grad norm: CP composes with
     FSDP (gradients reduced over the flattened dp_shard x cp mesh)."""
     pattern = "KGA"
-    seed = seed_checkpoint(tmp_path, "--model.layer_pattern", pattern)
-    common = [
-        "--model.layer_pattern",
-        pattern,
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_path",
-        seed,
-        "--parallelism.data_parallel_shard_degree",
-        "2",
-    ]
+    common = [*from_seed(tmp_path, pattern), "--parallelism.data_parallel_shard_degree", "2"]
     runs = fork_steps(tmp_path, {
         "dp2": (2, common),
         "dp2cp2": (4, [*common, "--parallelism.context_parallel_degree", "2"]),

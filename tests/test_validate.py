@@ -27,6 +27,12 @@ def check(capsys, *args: str, nproc: str = "2") -> tuple[int, str, str]:
     return code, out, err
 
 
+def jsonl_data(path, loader: str = "dataloader") -> list[str]:
+    """The arguments that make ``loader`` (``dataloader``, ``validator.dataloader``) read the
+    jsonl file ``path``."""
+    return [f"--{loader}.dataset", "jsonl", f"--{loader}.dataset_path", str(path)]
+
+
 def assert_one_line(code: int, err: str, *needles: str) -> None:
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("torchtitan_cp.train: error: "), err
@@ -377,15 +383,7 @@ FILE_IDS = [
 def test_bad_data_file_names_file_and_line(capsys, tmp_path, data, message):
     path = tmp_path / "data.jsonl"
     path.write_bytes(data)
-    code, _, err = check(
-        capsys,
-        "--dump_folder",
-        str(tmp_path),
-        "--dataloader.dataset",
-        "jsonl",
-        "--dataloader.dataset_path",
-        str(path),
-    )
+    code, _, err = check(capsys, "--dump_folder", str(tmp_path), *jsonl_data(path))
     assert_one_line(code, err, f"dataloader.dataset_path: {path}{message}")
 
 
@@ -393,13 +391,7 @@ def test_bad_validation_file_is_named_under_its_own_key(capsys, tmp_path):
     path = tmp_path / "val.jsonl"
     path.write_bytes(b'{"text": "a"}\n{"txt": "b"}\n')
     code, _, err = check(
-        capsys,
-        "--dump_folder",
-        str(tmp_path),
-        "--validator.dataloader.dataset",
-        "jsonl",
-        "--validator.dataloader.dataset_path",
-        str(path),
+        capsys, "--dump_folder", str(tmp_path), *jsonl_data(path, "validator.dataloader")
     )
     assert_one_line(code, err, f'validator.dataloader.dataset_path: {path}:2: no "text" key')
 
@@ -420,14 +412,7 @@ def test_bad_validation_file_is_named_under_its_own_key(capsys, tmp_path):
 def test_dataset_too_small_for_the_data_parallel_ranks(capsys, tmp_path, texts, message):
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    args = [
-        "--dump_folder",
-        str(tmp_path),
-        "--dataloader.dataset",
-        "jsonl",
-        "--dataloader.dataset_path",
-        str(path),
-    ]
+    args = ["--dump_folder", str(tmp_path), *jsonl_data(path)]
     code, _, err = check(capsys, *args, nproc="2")
     assert_one_line(code, err, message)
     # With CP = 2 the two processes are one data-parallel rank: the file is enough.
@@ -536,10 +521,7 @@ def test_one_document_on_two_ranks_names_documents_and_ranks(tmp_path):
     path = tmp_path / "one.jsonl"
     path.write_text(json.dumps({"text": "a single document"}) + "\n")
     proc = torchrun(
-        "--dataloader.dataset",
-        "jsonl",
-        "--dataloader.dataset_path",
-        str(path),
+        *jsonl_data(path),
         "--validator.no-enable",
         "--metrics.no-enable-wandb",
         "--dump_folder",
