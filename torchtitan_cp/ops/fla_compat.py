@@ -127,12 +127,49 @@ def _chunk_offsets(cu_seqlens, chunk_size) -> Tensor | None:
     return t.chunk_offsets
 
 
-def _split(k: Tensor, t: _Tables, split_size: int) -> tuple[int, int, Tensor]:
-    """(N, chunk count, split offsets) of fla's state passes, the count from the host."""
-    offsets = _chunk_offsets(t.cu_seqlens, split_size)
+class _StatePass(NamedTuple):
+    """What fla's forward and backward state passes share (``_state_pass``), the split count
+    from the host."""
+
+    N: int  # sequences
+    NS: int  # splits of BS tokens over all sequences
+    state: tuple[int, int]  # one state's shape: (K, V), or (V, K) when V comes first
+    grid: Callable[[dict[str, int]], tuple[int]]
+    launch: dict[str, Any]  # the arguments both kernels take: gates, offsets, sizes, flags
+
+
+def _state_pass(
+    k, v, gates, cu_seqlens, chunk_size, split_size, state_v_first
+) -> _StatePass | None:
+    t = _lookup(cu_seqlens)
+    if t is None:
+        return None
+    T, H, K, V = k.shape[1], k.shape[2], k.shape[3], v.shape[-1]
+    BS = chunk_size if split_size is None else split_size
+    offsets = _chunk_offsets(t.cu_seqlens, BS)
     if offsets is None:
-        offsets = prepare_chunk_offsets(t.cu_seqlens, split_size)  # on the device, no read
-    return t.cu_seqlens.shape[0] - 1, _chunk_count(t, split_size), offsets
+        offsets = prepare_chunk_offsets(t.cu_seqlens, BS)  # on the device, no read
+    N = t.cu_seqlens.shape[0] - 1
+
+    def grid(meta):
+        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
+
+    flags = {f"USE_{name.upper()}": gate is not None for name, gate in gates.items()}
+    launch = dict(
+        **gates,
+        cu_seqlens=cu_seqlens,
+        split_offsets=offsets,
+        T=T,
+        H=H,
+        K=K,
+        V=V,
+        BT=chunk_size,
+        BS=BS,
+        **flags,
+        STATE_V_FIRST=state_v_first,
+    )
+    state = (V, K) if state_v_first else (K, V)
+    return _StatePass(N, _chunk_count(t, BS), state, grid, launch)
 
 
 def _fwd_h(
@@ -151,44 +188,15 @@ def _fwd_h(
     states_in_fp32=False,
 ):
     """fla's ``chunk_fwd_h`` with the chunk count from the host (None: not our offsets)."""
-    t = _lookup(cu_seqlens)
-    if t is None:
+    gates = dict(g=g, g_gamma=g_gamma, gk=gk, gv=gv)
+    sp = _state_pass(k, v, gates, cu_seqlens, chunk_size, split_size, state_v_first)
+    if sp is None:
         return None
-    B, T, H, K, V = *k.shape, v.shape[-1]
-    BS = chunk_size if split_size is None else split_size
-    N, NS, offsets = _split(k, t, BS)
-    shape = (V, K) if state_v_first else (K, V)
-    h = k.new_empty(B, NS, H, *shape, dtype=torch.float if states_in_fp32 else k.dtype)
-    ht = k.new_empty(N, H, *shape, dtype=torch.float) if output_final_state else None
-
-    def grid(meta):
-        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
-
+    B, H = k.shape[0], k.shape[2]
+    h = k.new_empty(B, sp.NS, H, *sp.state, dtype=torch.float if states_in_fp32 else k.dtype)
+    ht = k.new_empty(sp.N, H, *sp.state, dtype=torch.float) if output_final_state else None
     # Looked up at the call (not imported by name), so patched kernel objects are seen.
-    chunk_h.chunk_fwd_kernel_h[grid](
-        k=k,
-        v=v,
-        h=h,
-        g=g,
-        g_gamma=g_gamma,
-        gk=gk,
-        gv=gv,
-        h0=h0,
-        ht=ht,
-        cu_seqlens=cu_seqlens,
-        split_offsets=offsets,
-        T=T,
-        H=H,
-        K=K,
-        V=V,
-        BT=chunk_size,
-        BS=BS,
-        USE_G=g is not None,
-        USE_G_GAMMA=g_gamma is not None,
-        USE_GK=gk is not None,
-        USE_GV=gv is not None,
-        STATE_V_FIRST=state_v_first,
-    )
+    chunk_h.chunk_fwd_kernel_h[sp.grid](k=k, v=v, h=h, h0=h0, ht=ht, **sp.launch)
     return h, ht
 
 
@@ -211,46 +219,15 @@ def _bwd_dh(
     states_in_fp32=False,
 ):
     """fla's ``chunk_bwd_dh`` with the chunk count from the host (None: not our offsets)."""
-    t = _lookup(cu_seqlens)
-    if t is None:
+    gates = dict(g=g, g_gamma=g_gamma, gk=gk, gv=gv)
+    sp = _state_pass(k, v, gates, cu_seqlens, chunk_size, split_size, state_v_first)
+    if sp is None:
         return None
-    B, T, H, K, V = *k.shape, v.shape[-1]
-    HQ = q.shape[2]
-    BS = chunk_size if split_size is None else split_size
-    N, NS, offsets = _split(k, t, BS)
-    shape = (V, K) if state_v_first else (K, V)
-    dh = k.new_empty(B, NS, HQ, *shape, dtype=torch.float if states_in_fp32 else k.dtype)
+    B, H, HQ = k.shape[0], k.shape[2], q.shape[2]
+    dh = k.new_empty(B, sp.NS, HQ, *sp.state, dtype=torch.float if states_in_fp32 else k.dtype)
     dh0 = torch.empty_like(h0, dtype=torch.float) if h0 is not None else None
-
-    def grid(meta):
-        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
-
-    chunk_h.chunk_bwd_kernel_dh[grid](
-        q=q,
-        g=g,
-        g_gamma=g_gamma,
-        gk=gk,
-        gv=gv,
-        do=do,
-        dh=dh,
-        dht=dht,
-        dh0=dh0,
-        cu_seqlens=cu_seqlens,
-        split_offsets=offsets,
-        scale=scale,
-        T=T,
-        HQ=HQ,
-        H=H,
-        K=K,
-        V=V,
-        BT=chunk_size,
-        BS=BS,
-        NG=HQ // H,
-        USE_G=g is not None,
-        USE_G_GAMMA=g_gamma is not None,
-        USE_GK=gk is not None,
-        USE_GV=gv is not None,
-        STATE_V_FIRST=state_v_first,
+    chunk_h.chunk_bwd_kernel_dh[sp.grid](
+        q=q, do=do, dh=dh, dht=dht, dh0=dh0, scale=scale, HQ=HQ, NG=HQ // H, **sp.launch
     )
     return dh, dh0
 

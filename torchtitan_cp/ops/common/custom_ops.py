@@ -37,7 +37,11 @@ from .fla import device_cu_seqlens
 __all__ = [
     "OpArgs",
     "NS",
+    "absent_state",
     "autograd_inside_op",
+    "fla_final_fake",
+    "fla_grads_fake",
+    "fla_state_grad",
     "input_grads",
     "num_seqs",
     "op_args",
@@ -122,6 +126,43 @@ def input_grads(
         [o for o, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True
     )
     return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, got)]
+
+
+# ------------------------------------------------------------------ fla-core kernels as ops
+# fla returns None for a state it was not asked for; an op's schema output cannot be None, so
+# the fla ops of every family return ``[0]`` float32 in its place.
+
+
+def absent_state(like: Tensor) -> Tensor:
+    """The ``[0]`` float32 an fla op returns for a state fla did not compute."""
+    return like.new_empty(0, dtype=torch.float32)
+
+
+def fla_final_fake(q: Tensor, v: Tensor, cu_seqlens: Tensor | None, wanted: bool) -> Tensor:
+    """The fake of an fla forward op's final states: float32 ``[N, HV, K, V]`` when ``wanted``
+    (``output_final_state``), else ``absent_state``."""
+    if not wanted:
+        return absent_state(q)
+    return q.new_empty(
+        num_seqs(cu_seqlens), v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32
+    )
+
+
+def fla_state_grad(dh0: Tensor | None, initial_state: Tensor | None, like: Tensor) -> Tensor:
+    """An fla backward op's entry-state gradient: in the initial state's dtype, or
+    ``absent_state`` when the forward had none."""
+    if dh0 is None or initial_state is None:
+        return absent_state(like)
+    return dh0.to(initial_state.dtype)
+
+
+def fla_grads_fake(inputs: tuple[Tensor, ...], initial_state: Tensor | None) -> tuple[Tensor, ...]:
+    """The fake of an fla backward op: each input's gradient, then ``fla_state_grad``'s."""
+    if initial_state is None:
+        dh0 = absent_state(inputs[0])
+    else:
+        dh0 = initial_state.new_empty(initial_state.shape)
+    return (*(x.new_empty(x.shape) for x in inputs), dh0)
 
 
 # ------------------------------------------------- PyTorch kernels as ops (recompute backward)

@@ -35,6 +35,15 @@ def _dense(t: Tensor) -> Tensor:
     return t.new_empty(t.shape)
 
 
+def _grads_fake(
+    x: Tensor, weight: Tensor, bias: Tensor | None, initial_state: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A backward op's fake: ``(dx, dweight, dbias, dinitial_state)``, ``[0]`` where None."""
+    db = _dense(bias) if bias is not None else x.new_empty(0)
+    dh = _dense(initial_state) if initial_state is not None else x.new_empty(0)
+    return _dense(x), _dense(weight), db, dh
+
+
 # ----------------------------------------------------------------------------- conv, torch
 
 
@@ -91,9 +100,7 @@ def causal_conv1d_torch_bwd_op(
 
 @causal_conv1d_torch_bwd_op.register_fake
 def _(x, weight, bias, initial_state, cu_seqlens_cpu, dy, activation):
-    db = _dense(bias) if bias is not None else x.new_empty(0)
-    dh = _dense(initial_state) if initial_state is not None else x.new_empty(0)
-    return _dense(x), _dense(weight), db, dh
+    return _grads_fake(x, weight, bias, initial_state)
 
 
 def _setup_conv_torch(ctx, inputs, output) -> None:
@@ -196,9 +203,7 @@ def causal_conv1d_fla_bwd_op(
 
 @causal_conv1d_fla_bwd_op.register_fake
 def _(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices, dy, activation):
-    db = _dense(bias) if bias is not None else x.new_empty(0)
-    dh = _dense(initial_state) if initial_state is not None else x.new_empty(0)
-    return _dense(x), _dense(weight), db, dh
+    return _grads_fake(x, weight, bias, initial_state)
 
 
 def _setup_conv_fla(ctx, inputs, output) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "SequenceTables",
     "SummaryRows",
     "TokenPrepared",
+    "qkv_state_shape",
     "recurrence",
     "resolve_state",
     "run_local",
@@ -110,6 +111,13 @@ InitialState = Tensor | Callable[[], Tensor | None] | None
 or a thunk returning either, called once, as late as the kernel can: the CP driver's thunk
 waits for the summaries' all-gather and folds them, so what the kernel computes before calling
 it (everything that does not depend on the state) overlaps the collective."""
+
+
+def qkv_state_shape(inputs: tuple[Tensor, ...]) -> tuple[int, int, int]:
+    """``(HV, K, V)`` for inputs that open with ``(q [1, T, H, K], k, v [1, T, HV, V])``, the
+    FLA convention of every recurrence here with one step per token."""
+    q, _, v = inputs[:3]
+    return v.shape[2], q.shape[3], v.shape[3]
 
 
 class Recurrence(Protocol):

@@ -300,7 +300,7 @@ def delta_rule_fla_op(
         g_cum, o, A, final, _, _ = chunk_gated_delta_rule_fwd(**kw)
         a1, a2 = A, q.new_empty(0)
     if final is None:
-        final = q.new_empty(0, dtype=torch.float32)
+        final = shared.absent_state(q)
     return o.to(q.dtype), final, g_cum, a1, a2
 
 
@@ -319,11 +319,8 @@ def _(
     scale,
     output_final_state,
 ):
-    T, HV, V, K = q.shape[1], v.shape[2], v.shape[3], q.shape[3]
-    if output_final_state:
-        final = q.new_empty(num_seqs(cu_seqlens), HV, K, V, dtype=torch.float32)
-    else:
-        final = q.new_empty(0, dtype=torch.float32)
+    T, HV, V = q.shape[1], v.shape[2], v.shape[3]
+    final = shared.fla_final_fake(q, v, cu_seqlens, output_final_state)
     scores = q.new_empty(1, T, HV, FLA_CHUNK_SIZE, dtype=k.dtype)
     g_cum = g.new_empty(g.shape, dtype=torch.float32)
     a2 = scores.new_empty(scores.shape) if kind == "kda" else q.new_empty(0)
@@ -377,10 +374,7 @@ def delta_rule_fla_bwd_op(
 
         grads = chunk_gated_delta_rule_bwd(**kw, g=g_cumsum, A=a1)
     dq, dk, dv, db, dgate, dh0 = grads[:6]
-    if dh0 is None or initial_state is None:
-        dh0 = q.new_empty(0, dtype=torch.float32)
-    else:
-        dh0 = dh0.to(initial_state.dtype)
+    dh0 = shared.fla_state_grad(dh0, initial_state, q)
     return (
         dq.to(q.dtype),
         dk.to(k.dtype),
@@ -409,19 +403,7 @@ def _(
     kind,
     scale,
 ):
-    dh0 = (
-        initial_state.new_empty(initial_state.shape)
-        if initial_state is not None
-        else q.new_empty(0, dtype=torch.float32)
-    )
-    return (
-        q.new_empty(q.shape),
-        k.new_empty(k.shape),
-        v.new_empty(v.shape),
-        g_cumsum.new_empty(g_cumsum.shape),
-        beta.new_empty(beta.shape),
-        dh0,
-    )
+    return shared.fla_grads_fake((q, k, v, g_cumsum, beta), initial_state)
 
 
 def _setup_delta_rule_fla(ctx, inputs, output) -> None:

@@ -24,7 +24,14 @@ from torch import Tensor
 from ..common import checks, fla_refusals
 from ..common.custom_ops import op_args
 from ..cp.driver import context_parallel_recurrence
-from ..cp.recurrence import InitialState, SequenceTables, SummaryRows, TokenPrepared, resolve_state
+from ..cp.recurrence import (
+    InitialState,
+    SequenceTables,
+    SummaryRows,
+    TokenPrepared,
+    qkv_state_shape,
+    resolve_state,
+)
 from . import custom_ops
 from .fla_kernel import FlaPrepared, summaries_fla
 from .local import chunk_delta_rule
@@ -52,9 +59,7 @@ class DeltaRule:
     scale: float | None = None
     backend: Backend = "auto"
 
-    def state_shape(self, inputs: tuple[Tensor, ...]) -> tuple[int, int, int]:
-        q, _, v = inputs[:3]
-        return v.shape[2], q.shape[3], v.shape[3]
+    state_shape = staticmethod(qkv_state_shape)
 
     def fla_refusal(self) -> str | None:
         # GDN's fla backward (chunk_gated_delta_rule, and the summaries' state backward)

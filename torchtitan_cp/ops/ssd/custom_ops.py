@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..common import custom_ops as shared
-from ..common.custom_ops import NS, num_seqs
+from ..common.custom_ops import NS
 from ..common.fla import FLA_CHUNK_SIZE, chunk_table, contiguous, fla_chunk_indices
 from .torch_kernel import chunk_ssd_torch
 
@@ -169,7 +169,7 @@ def ssd_fla_op(
             )
             o, final = _fla("simple_gla.chunk:chunk_simple_gla_fwd")(q, k, v, g_cum, **kw)
     if final is None:
-        final = q.new_empty(0, dtype=torch.float32)
+        final = shared.absent_state(q)
     return o.to(q.dtype), final, g_cum
 
 
@@ -187,11 +187,7 @@ def _(
     scale,
     output_final_state,
 ):
-    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
-    if output_final_state:
-        final = q.new_empty(num_seqs(cu_seqlens), HV, K, V, dtype=torch.float32)
-    else:
-        final = q.new_empty(0, dtype=torch.float32)
+    final = shared.fla_final_fake(q, v, cu_seqlens, output_final_state)
     return q.new_empty(v.shape), final, g.new_empty(g.shape, dtype=torch.float32)
 
 
@@ -232,10 +228,7 @@ def ssd_fla_bwd_op(
             dg = _fla("utils:chunk_local_cumsum")(
                 dg, chunk_size=FLA_CHUNK_SIZE, reverse=True, cu_seqlens=cu_seqlens, chunk_indices=ci
             )
-    if dh0 is None or initial_state is None:
-        dh0 = q.new_empty(0, dtype=torch.float32)
-    else:
-        dh0 = dh0.to(initial_state.dtype)
+    dh0 = shared.fla_state_grad(dh0, initial_state, q)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.float(), dh0
 
 
@@ -254,18 +247,7 @@ def _(
     dfinal,
     scale,
 ):
-    dh0 = (
-        initial_state.new_empty(initial_state.shape)
-        if initial_state is not None
-        else q.new_empty(0, dtype=torch.float32)
-    )
-    return (
-        q.new_empty(q.shape),
-        k.new_empty(k.shape),
-        v.new_empty(v.shape),
-        g_cumsum.new_empty(g_cumsum.shape),
-        dh0,
-    )
+    return shared.fla_grads_fake((q, k, v, g_cumsum), initial_state)
 
 
 def _setup_ssd_fla(ctx, inputs, output) -> None:

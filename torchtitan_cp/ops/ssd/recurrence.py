@@ -34,7 +34,13 @@ from ..common import checks, fla_refusals
 from ..common.checks import Backend
 from ..common.dtypes import compute_dtype
 from ..cp.driver import context_parallel_recurrence
-from ..cp.recurrence import InitialState, SequenceTables, SummaryRows, TokenPrepared
+from ..cp.recurrence import (
+    InitialState,
+    SequenceTables,
+    SummaryRows,
+    TokenPrepared,
+    qkv_state_shape,
+)
 from .local import chunk_ssd
 from .torch_kernel import chunk_ssd_torch
 
@@ -73,9 +79,7 @@ class SSD:
         g = d.view(1, 1, *d.shape).expand(1, v.shape[1], *d.shape)
         return q, k, v, g.contiguous()  # fla's kernels read the gate densely
 
-    def state_shape(self, inputs: tuple[Tensor, ...]) -> tuple[int, int, int]:
-        q, _, v = inputs[:3]
-        return v.shape[2], q.shape[3], v.shape[3]
+    state_shape = staticmethod(qkv_state_shape)
 
     def fla_refusal(self) -> str | None:
         # A gate per head runs chunk_simple_gla, whose backward calls the gated
