@@ -155,19 +155,8 @@ def _state_pass(
         return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
 
     flags = {f"USE_{name.upper()}": gate is not None for name, gate in gates.items()}
-    launch = dict(
-        **gates,
-        cu_seqlens=cu_seqlens,
-        split_offsets=offsets,
-        T=T,
-        H=H,
-        K=K,
-        V=V,
-        BT=chunk_size,
-        BS=BS,
-        **flags,
-        STATE_V_FIRST=state_v_first,
-    )
+    sizes = dict(T=T, H=H, K=K, V=V, BT=chunk_size, BS=BS, STATE_V_FIRST=state_v_first)
+    launch = dict(**gates, **flags, **sizes, cu_seqlens=cu_seqlens, split_offsets=offsets)
     state = (V, K) if state_v_first else (K, V)
     return _StatePass(N, _chunk_count(t, BS), state, grid, launch)
 
