@@ -44,11 +44,12 @@ kernels under Triton's interpreter (tests/fla_interpreter.py, the ``fla_interpre
 and counts every ``tl.dot`` as ``2 m n k`` of its tile shapes (the kernels' matmul work, masked
 tails included; element-wise work is not counted, as with FlopCounterMode), every launch and its
 programs (grid size). For KDA and GDN at each K = V it counts, forward + backward on ``--tokens``
-tokens of one sequence: the local kernel (fla, with an entry state), and the summary of the
-whole span as a middle rank publishes it, before (fla's full ``chunk_kda`` /
-``chunk_gated_delta_rule`` at value width V + K from ``[0 | I]``, outputs discarded) and now
-(``fla_kernel.summaries_fla``: fla's WY preparation and state kernel only), each backward with
-the cotangent the CP driver sends, ``D [I | hᵀ]``.
+tokens of one sequence: the local kernel (fla, with an entry state); the summary of the whole
+span as a middle rank publishes it through fla's full ``chunk_kda`` / ``chunk_gated_delta_rule``
+at value width V + K from ``[0 | I]`` (outputs discarded; the oldest form); and the CP layer of
+that middle rank (``ops/delta_rule/fla_cp.py``: one WY preparation for the summaries and the
+local kernel, the summary's backward fed the cotangent the CP driver sends, ``D [I | hᵀ]``,
+joined with the local kernel's before one WY backward).
 
 ``--compile-count`` counts the compiled path's summaries on the torch backend: what their custom
 ops run (forward op, then the backward op that recomputes it), before (the local kernel's op pair
@@ -454,7 +455,7 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
     from torchtitan_cp.ops import chunk_delta_rule
     from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
     from torchtitan_cp.ops.cp.recurrence import SequenceTables, SummaryRows
-    from torchtitan_cp.ops.delta_rule.fla_kernel import FlaPrepared, summaries_fla
+    from torchtitan_cp.ops.delta_rule.recurrence import DeltaRule
     from torchtitan_cp.routing import chunk_indices, chunk_offsets
 
     counter = _DotCounter()
@@ -507,21 +508,26 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
             assert fin is not None
             (fin * cot).sum().backward()
             row["summary_before"] = list(counter.take())
-            # Now: the states-only pass the recurrence runs (its backward from the entry h).
-            prepared = FlaPrepared(tuple(xs), tables, {"entry": h})
+            # Now: the CP layer of a middle rank on fla (ops/delta_rule/fla_cp.py): one WY
+            # preparation, the summary of the whole span, the local kernel from h, and one WY
+            # backward for the summary's cotangent (what the driver sends) and the local's.
+            rec = DeltaRule(kind=kind, backend="fla")
+            leaves = tuple(x.detach().requires_grad_(True) for x in xs)
             one = torch.zeros(1, dtype=torch.int32)
-            s = summaries_fla(
-                prepared, SummaryRows(one, one, torch.arange(tokens), tables), kind=kind, scale=None
-            )
-            (s * cot).sum().backward()
-            row["summary_now"] = list(counter.take())
+            counter.take()
+            prepared = rec.prepare(leaves, tables)
+            s = rec.summarize(prepared, SummaryRows(one, one, torch.arange(tokens), tables))
+            o, fin = rec.local(prepared, h, True)
+            assert fin is not None
+            ((o.sum() + (fin * dS).sum()) + (s * cot).sum()).backward()
+            row["cp_layer"] = list(counter.take())
             rows.append(row)
             loc = row["local"][0]
             print(
                 f"{kind} K=V={D} T={tokens}: local {loc / 1e9:.3f} GFLOP "
                 f"({row['local'][1]} launches); summary before "
-                f"{row['summary_before'][0] / 1e9:.3f} ({row['summary_before'][0] / loc:.2f}x), "
-                f"now {row['summary_now'][0] / 1e9:.3f} ({row['summary_now'][0] / loc:.2f}x)",
+                f"{row['summary_before'][0] / 1e9:.3f} ({row['summary_before'][0] / loc:.2f}x); CP layer (local + summary, shared) "
+                f"{row['cp_layer'][0] / 1e9:.3f} ({row['cp_layer'][0] / loc:.2f}x)",
                 flush=True,
             )
     return rows

@@ -37,7 +37,7 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "torchtitan_cp.ops.conv.fla_kernel:causal_conv1d_fla",
     "torchtitan_cp.ops.fla_compat:chunk_kda_indexed",
     "torchtitan_cp.ops.fla_compat:indexed",
-    "torchtitan_cp.ops.fla_compat:delta_rule_summaries_indexed",
+    "torchtitan_cp.ops.delta_rule.fla_cp:prepare",
     "torchtitan_cp.ops.delta_rule.custom_ops:delta_rule_fla_op",  # torch.compile's custom ops
     "torchtitan_cp.ops.conv.custom_ops:causal_conv1d_fla_op",
     "torchtitan_cp.ops.ssd.custom_ops:ssd_fla_op",

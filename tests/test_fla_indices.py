@@ -13,6 +13,7 @@ read (meta tensors have none).
 
 from __future__ import annotations
 
+import collections
 import sys
 from dataclasses import dataclass, field
 
@@ -338,14 +339,59 @@ def test_cp_driver_passes_tables_for_both_passes(fla_recorder, monkeypatch, kind
     checked = check_launches(fla_recorder, [r.cu_seqlens, r.summary_cu_seqlens])
     if kind == "ssd":
         assert checked == {"fwd": SSD_FWD, "bwd": SSD_BWD}
-    for cu in (r.cu_seqlens, r.summary_cu_seqlens):
-        for phase in ("fwd", "bwd"):
+    # The delta rule's summaries are one state pass on the layer's shared WY factors, their
+    # backward joined with the local kernel's (ops/delta_rule/fla_cp.py): no backward launch of
+    # their own.
+    summary_phases = ("fwd", "bwd") if kind == "ssd" else ("fwd",)
+    for cu, phases in ((r.cu_seqlens, ("fwd", "bwd")), (r.summary_cu_seqlens, summary_phases)):
+        for phase in phases:
             hits = [
                 ln for ln in fla_recorder.launches
                 if ln.phase == phase and ln.kwargs.get("cu_seqlens") is cu
-                and "chunk_indices" in ln.kwargs
+                and ("chunk_indices" in ln.kwargs or "chunk_offsets" in ln.kwargs)
             ]  # fmt: skip # a table, laid out by hand to read across
             assert hits, f"no {phase} launch for {'main' if cu is r.cu_seqlens else 'summary'}"
+
+
+# The WY preparation (forward) and the WY backward of the delta rule on fla, by kernel.
+WY_KERNELS = {
+    "kda": (
+        {"fla.ops.kda.chunk_intra.chunk_kda_fwd_kernel_inter_solve_fused"},
+        {"fla.ops.kda.chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused"},
+    ),
+    "gdn": (
+        {"fla.ops.gated_delta_rule.chunk_fwd.chunk_gated_delta_rule_fwd_kkt_solve_kernel"},
+        {
+            "fla.ops.common.chunk_o.chunk_bwd_kernel_dqkwg",
+            "fla.ops.gated_delta_rule.wy_fast.prepare_wy_repr_bwd_kernel",
+        },
+    ),
+}
+STATE_KERNEL = "fla.ops.common.chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64"
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_cp_layer_runs_one_wy_preparation_and_one_wy_backward(fla_recorder, monkeypatch, kind):
+    # A span that publishes a summary and continues a document: the summaries and the local
+    # kernel share the layer's WY preparation, and the summaries' cotangent joins the local
+    # kernel's before one WY backward (issue 36). Two forward state passes: the summary's at
+    # width V + K and the local kernel's from its entry state.
+    monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")
+    torch.manual_seed(0)
+    r = RoutingPlan.build(CU, TABLE, 0).to_device("cpu", chunk_size=FLA_CHUNK_SIZE)
+    assert r.summary_cu_seqlens.numel() > 1 and r.pred_slots.shape[1] > 0
+    q, k, v, g, beta, _ = _inputs(kind, r.num_tokens, 1)
+    o, fin = context_parallel_delta_rule(
+        q, k, v, g, beta, kind=kind, routing=r, group=None, output_final_state=True
+    )
+    fla_recorder.phase = "bwd"
+    _backward(o, fin)
+    runs = collections.Counter((ln.phase, ln.kernel) for ln in fla_recorder.launches)
+    prep, wy_bwd = WY_KERNELS[kind]
+    assert {name: runs["fwd", name] for name in prep} == dict.fromkeys(prep, 1)
+    assert {name: runs["bwd", name] for name in wy_bwd} == dict.fromkeys(wy_bwd, 1)
+    assert not any(runs["bwd", name] for name in prep)
+    assert runs["fwd", STATE_KERNEL] == 2
 
 
 @pytest.mark.parametrize("seed", range(6))

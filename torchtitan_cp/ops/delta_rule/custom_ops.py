@@ -442,9 +442,9 @@ delta_rule_fla_op.register_autograd(_backward_delta_rule_fla, setup_context=_set
 
 
 # --------------------------------------------------------------------- CP summaries, fla
-# The compiled path's states-only summaries on fla (``fla_compat.delta_rule_summaries_fwd``).
-# The eager path's backward reads the local kernel's entry states through a side channel (a
-# ``D [I | hᵀ]`` cotangent at value width V), which does not cross op boundaries; this op's
+# The compiled path's states-only summaries on fla (``fla_cp.summaries_fwd``). The eager path
+# joins the summaries' ``D [I | hᵀ]`` cotangent with the local kernel's inside one layer's
+# autograd nodes (``fla_cp``), which does not cross op boundaries; this op's
 # backward takes the full cotangent ``[dE | dM]`` (what the fold's traced backward gives) and
 # runs the state backward at width V + K from ``[0 | I]``. It recomputes the gate cumsum and
 # the WY preparation rather than returning them from the forward op.
@@ -494,14 +494,14 @@ def delta_rule_summaries_fla_op(
     """fla's states-only pass: ``[N, HV, K, V + K] = [E | M]`` float32 of every packed sequence
     (gate cumsum, WY preparation, the state kernel; no output kernel); the rows marked −1 in
     ``rows_cpu`` (the routing's padding, last) are identities, not computed."""
-    from ..fla_compat import delta_rule_summaries_fwd
+    from .fla_cp import summaries_fwd
 
     st = _live_stream(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices, rows_cpu)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     out = torch.zeros(st.rows, HV, K, V + K, dtype=torch.float32, device=q.device)
     out[..., V:] = torch.eye(K, dtype=torch.float32, device=q.device)
     if st.live:
-        final, _ = delta_rule_summaries_fwd(*st.inputs, kind=kind, scale=scale, **st.idx)
+        final, _ = summaries_fwd(*st.inputs, kind=kind, scale=scale, **st.idx)
         out[: st.live] = final
     return out
 
@@ -529,19 +529,15 @@ def delta_rule_summaries_fla_bwd_op(
     """``(dq, dk, dv, dg, dbeta)`` for the full cotangent ``dS``: the WY preparation again, then
     fla's state backward at value width V + K from ``[0 | I]`` (dq is zeros, and so is every
     gradient of a padding row's tokens)."""
-    from ..fla_compat import delta_rule_summaries_bwd, delta_rule_summaries_fwd
+    from .fla_cp import summaries_bwd, summaries_fwd
 
     grads = [torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)]
     st = _live_stream(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices, rows_cpu)
     if not st.live:
         return tuple(grads)  # type: ignore[return-value]
-    _, saved = delta_rule_summaries_fwd(*st.inputs, kind=kind, scale=scale, **st.idx)
-    ql, kl, vl, _, bl = st.inputs
-    dS_live = dS[: st.live].contiguous()
-    live_grads = delta_rule_summaries_bwd(
-        ql, kl, vl, bl, saved, dS_live, kind=kind, scale=scale, entry=None, **st.idx
-    )
-    end = ql.shape[1]
+    _, prepared = summaries_fwd(*st.inputs, kind=kind, scale=scale, **st.idx)
+    live_grads = summaries_bwd(prepared, dS[: st.live].contiguous())
+    end = st.inputs[0].shape[1]
     for gr, d in zip(grads[1:], live_grads, strict=True):  # dk, dv, dg, dbeta
         gr[:, :end] = d.to(gr.dtype)
     return tuple(grads)  # type: ignore[return-value]

@@ -7,75 +7,11 @@ Triton kernels. The chunk tables come from the routing (``ops/common/fla.py``).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch
 from torch import Tensor
 
-from ..common.fla import fla_chunk_indices, fla_offsets
-from ..cp.recurrence import SequenceTables, SummaryRows
+from ..common.fla import fla_offsets
 
-__all__ = ["FlaPrepared", "chunk_delta_rule_fla", "summaries_fla"]
-
-
-class FlaPrepared(NamedTuple):
-    """``DeltaRule.prepare``'s result on fla (eager): fla's local kernel runs whole, so this keeps
-    the inputs and tables; ``saved["entry"]`` receives the local kernel's entry states (float32
-    ``[N, HV, K, V]`` or None for zeros), which the summaries' backward reads
-    (``summaries_fla``)."""
-
-    inputs: tuple[Tensor, ...]
-    tables: SequenceTables
-    saved: dict
-
-
-def summaries_fla(prepared: FlaPrepared, rows: SummaryRows, *, kind: str, scale: float | None):
-    """``[R, HV, K, V + K]`` summaries ``[E | M]`` of the published rows from fla's states-only
-    pass (``fla_compat.delta_rule_summaries_indexed``: WY preparation and state kernel, no output
-    kernel); their backward runs from the entry state ``local`` recorded for each row."""
-    from ..fla_compat import delta_rule_summaries_indexed
-
-    inputs, _, saved = prepared
-    q, k, v, g, beta = (x.index_select(1, rows.token_index) for x in inputs)
-    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    sub = rows.subsequence
-    tables = rows.tables
-    cu, cu_cpu, _, _ = fla_offsets(
-        q,
-        tables.cu_seqlens,
-        tables.cu_seqlens_cpu,
-        tables.chunk_indices,
-        tables.chunk_offsets,
-        None,
-    )
-    assert cu is not None  # the summary stream is always packed
-    if q.shape[1] == 0:  # every row empty (a capped pass): identities, nothing to differentiate
-        ident = torch.zeros(sub.numel(), HV, K, V + K, device=q.device)
-        ident[..., V:] = torch.eye(K, device=q.device)
-        return ident
-
-    def entry() -> Tensor:
-        if "entry" not in saved:
-            raise RuntimeError("the fla summaries' backward needs the local kernel's forward")
-        h = saved["entry"]
-        if h is None:
-            return torch.zeros(sub.numel(), HV, K, V, device=q.device)
-        picked = h.index_select(0, sub.clamp(min=0).to(torch.int64))
-        return torch.where((sub >= 0).view(-1, 1, 1, 1), picked, torch.zeros_like(picked))
-
-    return delta_rule_summaries_indexed(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        kind=kind,
-        scale=scale,
-        entry=entry,
-        cu_seqlens=cu,
-        chunk_indices=fla_chunk_indices(cu, cu_cpu, tables.chunk_indices, q.shape[1]),
-        chunk_offsets=tables.chunk_offsets,
-    )
+__all__ = ["chunk_delta_rule_fla"]
 
 
 def chunk_delta_rule_fla(

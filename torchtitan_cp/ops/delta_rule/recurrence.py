@@ -6,8 +6,9 @@ torch kernels (eager) the summary composes the chunk maps ``prepare`` already ma
 local kernel (``torch_kernel.compose_chunk_maps``). Elsewhere it comes from one final-state pass
 over the published tokens: values ``[v | 0]`` from the entry state ``[0 | I]``, since the first V
 columns follow E and the last K columns follow M (the same recurrence applied to the identity).
-On fla (eager) that pass is states-only (``fla_kernel.summaries_fla``: fla's WY preparation and
-state kernel, no output kernel); under ``torch.compile`` the states-only pass of either backend is
+On fla (eager) that pass is fla's state kernel on the WY factors the layer prepared once, and its
+cotangent joins the local kernel's before one WY backward (``fla_cp``); under ``torch.compile``
+the states-only pass of either backend is
 its own custom op (``custom_ops.delta_rule_summaries_torch_op`` / ``..._fla_op``).
 The driver (``ops.cp.driver``) does the rest.
 """
@@ -32,8 +33,7 @@ from ..cp.recurrence import (
     qkv_state_shape,
     resolve_state,
 )
-from . import custom_ops
-from .fla_kernel import FlaPrepared, summaries_fla
+from . import custom_ops, fla_cp
 from .local import chunk_delta_rule
 from .torch_kernel import (
     DeltaRuleChunks,
@@ -67,14 +67,14 @@ class DeltaRule:
         return fla_refusals.fla_gated_backward_refusal() if self.kind == "gdn" else None
 
     def prepare(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Any:
-        # The torch kernel splits into a state-independent step and the state scan in eager
-        # mode; fla's kernels and the compiled custom op run whole (their summaries pick tokens;
-        # on fla eagerly with a states-only pass that needs the local kernel's entry states).
+        # Eager, both backends split into a state-independent step (gate scores, the WY solve)
+        # that the summaries and the local kernel share, and the state passes (torch_kernel /
+        # fla_cp); the compiled custom ops run whole (their summaries pick tokens).
         backend = checks.resolve_backend(self.backend, inputs[0])
         if torch.compiler.is_compiling():
             return TokenPrepared(inputs, tables)
         if backend == "fla":
-            return FlaPrepared(inputs, tables, {})
+            return fla_cp.prepare(inputs, tables, kind=self.kind, scale=self.scale)
         q, k, v, g, beta = inputs
         return prepare_delta_rule_torch(
             q,
@@ -93,10 +93,10 @@ class DeltaRule:
     ) -> tuple[Tensor, Tensor | None]:
         if isinstance(prepared, DeltaRuleChunks):
             return local_delta_rule_torch(prepared, initial_state, output_final_state)
-        inputs, tables = prepared[:2]
+        if isinstance(prepared, fla_cp.FlaPrepared):
+            return fla_cp.local(prepared, initial_state, output_final_state)
+        inputs, tables = prepared
         h0 = resolve_state(initial_state)
-        if isinstance(prepared, FlaPrepared):  # what the summaries' backward is applied to
-            prepared.saved["entry"] = None if h0 is None else h0.detach().float()
         return chunk_delta_rule(
             *inputs,
             kind=self.kind,
@@ -119,8 +119,8 @@ class DeltaRule:
             return compose_chunk_maps(
                 prepared, rows.subsequence_cpu.tolist(), rows=rows.subsequence
             )
-        if isinstance(prepared, FlaPrepared):
-            return summaries_fla(prepared, rows, kind=self.kind, scale=self.scale)
+        if isinstance(prepared, fla_cp.FlaPrepared):
+            return fla_cp.summaries(prepared, rows)
         # Under torch.compile (TokenPrepared): the states-only pass as its own custom op, no
         # output kernel; its backward takes the full cotangent [dE | dM] (custom_ops.py). The
         # host row ids tell it which rows are padding (not computed).
