@@ -67,6 +67,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -462,6 +463,23 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
     cu = torch.tensor([0, tokens], dtype=torch.int32)
     ci, co = chunk_indices(cu, FLA_CHUNK_SIZE), chunk_offsets(cu, FLA_CHUNK_SIZE)
     tables = SequenceTables(cu, cu, ci, co)
+
+    def fla_delta_rule(
+        xs: Sequence[torch.Tensor], kind: str, h0: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fla's ``chunk_delta_rule`` on the one sequence from ``h0``: output and final state."""
+        o, fin = chunk_delta_rule(
+            *xs,
+            kind=kind,
+            initial_state=h0,
+            output_final_state=True,
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu,
+            backend="fla",
+        )
+        assert fin is not None
+        return o, fin
+
     rows = []
     for kind in kinds:
         for D in dims:
@@ -473,17 +491,8 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
             row = dict(kind=kind, dim=D, tokens=tokens)
             # Local kernel, fwd + bwd, with an entry state.
             counter.take()
-            o, fin = chunk_delta_rule(
-                *xs,
-                kind=kind,
-                initial_state=h,
-                output_final_state=True,
-                cu_seqlens=cu,
-                cu_seqlens_cpu=cu,
-                backend="fla",
-            )
+            o, fin = fla_delta_rule(xs, kind, h)
             fwd = counter.take()
-            assert fin is not None
             (o.sum() + (fin * dS).sum()).backward()
             bwd = counter.take()
             row["local"] = [a + b for a, b in zip(fwd, bwd, strict=True)]
@@ -492,20 +501,7 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
             vs = torch.cat([v, v.new_zeros(*v.shape[:3], D)], -1)
             h0 = torch.cat([torch.zeros(1, H, D, D), torch.eye(D).expand(1, H, D, D)], -1)
             counter.take()
-            o, fin = chunk_delta_rule(
-                q,
-                k,
-                vs,
-                g,
-                beta,
-                kind=kind,
-                initial_state=h0,
-                output_final_state=True,
-                cu_seqlens=cu,
-                cu_seqlens_cpu=cu,
-                backend="fla",
-            )
-            assert fin is not None
+            o, fin = fla_delta_rule((q, k, vs, g, beta), kind, h0)
             (fin * cot).sum().backward()
             row["summary_before"] = list(counter.take())
             # Now: the CP layer of a middle rank on fla (ops/delta_rule/fla_cp.py): one WY

@@ -203,6 +203,17 @@ SSD_BWD = {
 }
 
 
+def _tables(r, *, indices: bool = True, offsets: bool = False) -> dict[str, torch.Tensor]:
+    """The routing's tables as the fla adapters' keyword arguments: ``cu_seqlens`` and its host
+    copy, then the chunk indices (unless ``indices`` is off) and chunk offsets (with ``offsets``)."""
+    kwargs = dict(cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu)
+    if indices:
+        kwargs["chunk_indices"] = r.chunk_indices
+    if offsets:
+        kwargs["chunk_offsets"] = r.chunk_offsets
+    return kwargs
+
+
 def _backward(*outs: torch.Tensor | None) -> None:
     loss = sum(o.float().nan_to_num().sum() for o in outs if o is not None)
     assert isinstance(loss, torch.Tensor)
@@ -230,10 +241,7 @@ def test_delta_rule_adapter_gets_precomputed_tables(fla_recorder, kind):
         kind=kind,
         initial_state=h0,
         output_final_state=True,
-        cu_seqlens=r.cu_seqlens,
-        cu_seqlens_cpu=r.cu_seqlens_cpu,
-        chunk_indices=r.chunk_indices,
-        chunk_offsets=r.chunk_offsets,
+        **_tables(r, offsets=True),
     )
     fla_recorder.phase = "bwd"
     _backward(o, fin)
@@ -262,15 +270,7 @@ def test_conv_adapter_gets_precomputed_tables(fla_recorder):
     x = torch.randn(1, r.num_tokens, D, requires_grad=True)
     w = torch.randn(D, W, requires_grad=True)
     h0 = torch.randn(N, D, W - 1, requires_grad=True)
-    y = causal_conv1d_fla(
-        x,
-        w,
-        None,
-        cu_seqlens=r.cu_seqlens,
-        cu_seqlens_cpu=r.cu_seqlens_cpu,
-        chunk_indices=r.chunk_indices,
-        initial_state=h0,
-    )
+    y = causal_conv1d_fla(x, w, None, **_tables(r), initial_state=h0)
     fla_recorder.phase = "bwd"
     _backward(y)
     checked = check_launches(fla_recorder, [r.cu_seqlens])
@@ -523,24 +523,14 @@ def test_adapter_rejects_tables_for_another_chunk_size():
     r = RoutingPlan.build(CU, TABLE, 0).to_device("cpu", chunk_size=32)
     q, k, v, g, beta, _ = _inputs("gdn", r.num_tokens, 1)
     with pytest.raises(ValueError, match=r"chunk_indices must be \[\d+, 2\].*chunk size 64"):
-        chunk_delta_rule_fla(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            kind="gdn",
-            cu_seqlens=r.cu_seqlens,
-            cu_seqlens_cpu=r.cu_seqlens_cpu,
-            chunk_indices=r.chunk_indices,
-        )
+        chunk_delta_rule_fla(q, k, v, g, beta, kind="gdn", **_tables(r))
 
 
 @pytest.mark.parametrize("op", ["kda", "gdn", "conv", "ssd"])
 def test_without_tables_fla_builds_its_own(fla_recorder, op):
     # The recorder bites: without the routing's tables each entry point calls fla's host helper.
     r = RoutingPlan.build(CU, TABLE, 0).to_device("cpu")
-    cu = dict(cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu)
+    cu = _tables(r, indices=False)
     with pytest.raises(AssertionError, match="host-index helper prepare_chunk_indices"):
         if op == "conv":
             causal_conv1d_fla(torch.randn(1, r.num_tokens, 8), torch.randn(8, 4), **cu)
@@ -618,14 +608,7 @@ def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
             q, k, v, g, beta, kind=kind, routing=r, group=None, output_final_state=True
         )
         history = context_parallel_conv_history(x, routing=r, group=None)
-        y = causal_conv1d(
-            x,
-            w,
-            cu_seqlens=r.cu_seqlens,
-            cu_seqlens_cpu=r.cu_seqlens_cpu,
-            chunk_indices=r.chunk_indices,
-            initial_state=history,
-        )
+        y = causal_conv1d(x, w, **_tables(r), initial_state=history)
         (o.sum() + fin.sum() + y.sum()).backward()
     assert mode.seen == []
     assert q.grad is not None and x.grad is not None
@@ -635,9 +618,7 @@ def test_no_host_device_transfer_on_meta(fla_recorder, monkeypatch, kind):
     for mod in (sys.modules["fla.ops.gated_delta_rule.chunk"], sys.modules["fla.ops.kda.chunk"]):
         monkeypatch.setattr(mod, "prepare_chunk_indices", REF_CHUNK_INDICES)
     with _Transfers() as mode:
-        chunk_delta_rule_fla(
-            q, k, v, g, beta, kind=kind, cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu
-        )
+        chunk_delta_rule_fla(q, k, v, g, beta, kind=kind, **_tables(r, indices=False))
     assert mode.seen and all("_to_copy" in s for s in mode.seen), mode.seen
 
 
@@ -683,23 +664,8 @@ def test_compiled_path_ops_get_the_routing_table(fla_recorder, kind):
     x, w = torch.randn(1, r.num_tokens, 8), torch.randn(8, 4)
     conv_ops.causal_conv1d_fla_op(x, w, None, None, cu, cu_cpu, ci, "silu")
     fla_recorder.phase = "bwd"
-    custom_ops.delta_rule_fla_bwd_op(
-        q,
-        k,
-        v,
-        beta,
-        g_cum,
-        a1,
-        a2,
-        h0,
-        cu,
-        cu_cpu,
-        ci,
-        torch.zeros_like(o),
-        torch.zeros_like(fin),
-        kind,
-        0.3,
-    )
+    saved = (q, k, v, beta, g_cum, a1, a2, h0, cu, cu_cpu, ci)  # what the op saves for backward
+    custom_ops.delta_rule_fla_bwd_op(*saved, torch.zeros_like(o), torch.zeros_like(fin), kind, 0.3)
     conv_ops.causal_conv1d_fla_bwd_op(x, w, None, None, cu, cu_cpu, ci, torch.zeros_like(x), "silu")
     checked = check_launches(fla_recorder, [cu])
     for phase in ("fwd", "bwd"):
@@ -730,21 +696,13 @@ def test_qwen35_layers_pass_tables(fla_recorder, monkeypatch):
     # Qwen3.5's swapped GDN kernel and conv (unsharded path) hand fla the routing's tables too.
     from torchtitan.distributed.utils import set_spmd_backend
 
-    from torchtitan_cp.models.qwen35.model import qwen35_config
+    from tests.test_qwen35 import recipe_model
     from torchtitan_cp.models.sequence import SequencePreprocessor
     from torchtitan_cp.routing.host_metadata import HostMetadata
 
     set_spmd_backend("partial_dtensor")  # as tests/test_qwen35.py (the trainer sets it)
     monkeypatch.setattr(checks, "resolve_backend", lambda backend, x: "fla")
-    torch.manual_seed(0)
-    model = qwen35_config(
-        "debugmodel",
-        n_layers=2,
-        vocab_size=97,
-        attention_backend="sdpa",
-        linear_attention_backend="torch",
-    ).build()
-    model.init_states()
+    model = recipe_model(2, torch.float32)  # seeded 0: vocabulary 97, torch kernels, sdpa
     positions = torch.cat([torch.arange(n) for n in (70, 1, 129)]).unsqueeze(0)
     tokens = torch.randint(0, 97, (1, 200))
     seq = SequencePreprocessor(device="cpu", cp_group=None, load_balancer="headtail")

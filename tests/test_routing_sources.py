@@ -19,18 +19,22 @@ from torchtitan_cp.routing.host_metadata import HostMetadata
 ROUTING_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceRouting) if f.type == "Tensor")
 
 
-def preprocessors(rank: int, world: int, balancer: str, device="cpu", block=4, **options):
-    common = dict(
-        device=device,
-        cp_group=None,
-        load_balancer=balancer,
-        cp_rank=rank,
-        cp_world_size=world,
-        ptrr_block_size=block,
-    )
-    return (
-        SequencePreprocessor(routing_source="host", **common, **options),
-        SequencePreprocessor(routing_source="device_readback", **common, **options),
+# What every preprocessor pair below shares unless a test says otherwise (CPU, no process group).
+DEFAULTS = dict(device="cpu", cp_group=None, ptrr_block_size=4)
+
+
+def preprocessors(rank: int, world: int, balancer: str, **options):
+    """``(host, device_readback)``: one preprocessor per routing source, otherwise the same."""
+    options = DEFAULTS | options
+    return tuple(
+        SequencePreprocessor(
+            routing_source=source,
+            load_balancer=balancer,
+            cp_rank=rank,
+            cp_world_size=world,
+            **options,
+        )
+        for source in ("host", "device_readback")
     )
 
 
