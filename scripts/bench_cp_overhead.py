@@ -47,7 +47,7 @@ programs (grid size). For KDA and GDN at each K = V it counts, forward + backwar
 tokens of one sequence: the local kernel (fla, with an entry state); the summary of the whole
 span as a middle rank publishes it through fla's full ``chunk_kda`` / ``chunk_gated_delta_rule``
 at value width V + K from ``[0 | I]`` (outputs discarded; the oldest form); and the CP layer of
-that middle rank (``ops/delta_rule/fla_cp.py``: one WY preparation for the summaries and the
+that middle rank (``ops/delta_rule/fla_kernel.py``: one WY preparation for the summaries and the
 local kernel, the summary's backward fed the cotangent the CP driver sends, ``D [I | hᵀ]``,
 joined with the local kernel's before one WY backward).
 
@@ -504,7 +504,7 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
             o, fin = fla_delta_rule((q, k, vs, g, beta), kind, h0)
             (fin * cot).sum().backward()
             row["summary_before"] = list(counter.take())
-            # Now: the CP layer of a middle rank on fla (ops/delta_rule/fla_cp.py): one WY
+            # Now: the CP layer of a middle rank on fla (ops/delta_rule/fla_kernel.py): one WY
             # preparation, the summary of the whole span, the local kernel from h, and one WY
             # backward for the summary's cotangent (what the driver sends) and the local's.
             rec = DeltaRule(kind=kind, backend="fla")

@@ -21,7 +21,8 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
     "fla.modules.causal_conv1d:causal_conv1d",
     "fla.ops.utils.index:prepare_chunk_indices",
-    "fla.ops.kda.chunk_fwd:chunk_kda_fwd",  # fla_compat and the compiled path call the pieces
+    "fla.ops.kda.chunk_fwd:chunk_kda_fwd",  # the compiled path calls the pieces
+    "fla.ops.common.chunk_delta_h:chunk_gated_delta_rule_fwd_h",  # ops/delta_rule/fla_kernel.py
     "fla.ops.simple_gla:chunk_simple_gla",  # Mamba2 (SSD) and retention layers
     "fla.ops.gla:chunk_gla",  # SSD with a gate per key (the registered "gla")
     "fla.ops.common.chunk_h:chunk_fwd_kernel_h",  # launched by fla_compat's chunk-table shim
@@ -35,9 +36,8 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "torchtitan_cp.ops:chunk_delta_rule",
     "torchtitan_cp.ops.delta_rule.fla_kernel:chunk_delta_rule_fla",
     "torchtitan_cp.ops.conv.fla_kernel:causal_conv1d_fla",
-    "torchtitan_cp.ops.fla_compat:chunk_kda_indexed",
     "torchtitan_cp.ops.fla_compat:indexed",
-    "torchtitan_cp.ops.delta_rule.fla_cp:prepare",
+    "torchtitan_cp.ops.delta_rule.fla_kernel:prepare",
     "torchtitan_cp.ops.delta_rule.custom_ops:delta_rule_fla_op",  # torch.compile's custom ops
     "torchtitan_cp.ops.conv.custom_ops:causal_conv1d_fla_op",
     "torchtitan_cp.ops.ssd.custom_ops:ssd_fla_op",

@@ -31,8 +31,8 @@ from torchtitan_cp.ops.conv import custom_ops as conv_ops
 from torchtitan_cp.ops.conv.fla_kernel import causal_conv1d_fla
 from torchtitan_cp.ops.conv.local import causal_conv1d
 from torchtitan_cp.ops.cp.driver import context_parallel_recurrence
-from torchtitan_cp.ops.cp.recurrence import recurrence
-from torchtitan_cp.ops.delta_rule.fla_kernel import chunk_delta_rule_fla
+from torchtitan_cp.ops.cp.recurrence import SequenceTables, recurrence
+from torchtitan_cp.ops.delta_rule import fla_kernel
 from torchtitan_cp.ops.ssd.fla_kernel import chunk_ssd_fla
 from torchtitan_cp.ops.ssd.recurrence import context_parallel_ssd
 from torchtitan_cp.routing import (
@@ -214,6 +214,13 @@ def _tables(r, *, indices: bool = True, offsets: bool = False) -> dict[str, torc
     return kwargs
 
 
+def chunk_delta_rule_fla(q, k, v, g, beta, *, kind, **kwargs):
+    """The eager fla kernel (``fla_kernel.chunk_delta_rule_fla``) with the tables as keywords."""
+    names = ("cu_seqlens", "cu_seqlens_cpu", "chunk_indices", "chunk_offsets")
+    tables = SequenceTables(*(kwargs.pop(n, None) for n in names))
+    return fla_kernel.chunk_delta_rule_fla((q, k, v, g, beta), tables, kind=kind, **kwargs)
+
+
 def _backward(*outs: torch.Tensor | None) -> None:
     loss = sum(o.float().nan_to_num().sum() for o in outs if o is not None)
     assert isinstance(loss, torch.Tensor)
@@ -255,12 +262,11 @@ def test_delta_rule_adapter_gets_precomputed_tables(fla_recorder, kind):
     ]
     storage = r.chunk_indices.untyped_storage().data_ptr()
     assert all(t.untyped_storage().data_ptr() == storage for t in tables)
-    if kind == "kda":  # the shim also hands fla its chunk offsets
-        assert "chunk_gated_delta_rule_fwd_kernel_h_blockdim64:chunk_offsets" in checked["fwd"]
-        assert "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64:chunk_offsets" in checked["bwd"]
-        assert fla_recorder.offsets_calls == []
-    else:  # GDN's public API has no chunk_offsets: fla builds them on the device (no host read)
-        assert set(fla_recorder.offsets_calls) == {"fla.ops.common.chunk_delta_h"}
+    # The state passes get the routing's chunk offsets too (both kinds: fla's pieces take them,
+    # where GDN's public function has no such parameter), so fla derives none.
+    assert "chunk_gated_delta_rule_fwd_kernel_h_blockdim64:chunk_offsets" in checked["fwd"]
+    assert "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64:chunk_offsets" in checked["bwd"]
+    assert fla_recorder.offsets_calls == []
 
 
 def test_conv_adapter_gets_precomputed_tables(fla_recorder):
@@ -340,7 +346,7 @@ def test_cp_driver_passes_tables_for_both_passes(fla_recorder, monkeypatch, kind
     if kind == "ssd":
         assert checked == {"fwd": SSD_FWD, "bwd": SSD_BWD}
     # The delta rule's summaries are one state pass on the layer's shared WY factors, their
-    # backward joined with the local kernel's (ops/delta_rule/fla_cp.py): no backward launch of
+    # backward joined with the local kernel's (ops/delta_rule/fla_kernel.py): no backward launch of
     # their own.
     summary_phases = ("fwd", "bwd") if kind == "ssd" else ("fwd",)
     for cu, phases in ((r.cu_seqlens, ("fwd", "bwd")), (r.summary_cu_seqlens, summary_phases)):

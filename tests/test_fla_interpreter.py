@@ -160,6 +160,34 @@ def test_routing_tables_give_fla_results_bitwise(case):
     print(f"[fla_interpreter] {case.id} varlen routing tables vs fla's own: bitwise")
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("kda", "gdn")], ids=lambda c: c.id)
+def test_eager_delta_rule_is_fla_public_function_bitwise(case):
+    """The eager delta rule on fla is fla's pieces under our autograd nodes, the ones the CP layer
+    shares (ops/delta_rule/fla_kernel.py). It equals fla's own ``chunk_kda`` /
+    ``chunk_gated_delta_rule`` bit for bit: outputs, final states and every gradient (packed,
+    grouped value heads, an entry state)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+
+    o, fin, grads = recurrence(case.id, "varlen", "fla", tables=True)
+    leaves = [x.clone().requires_grad_(True) for x in _inputs(case, "varlen")]
+    cu_t = torch.tensor(CU, dtype=torch.int32)
+    public = chunk_kda if case.name == "kda" else chunk_gated_delta_rule
+    o_own, fin_own = public(
+        *leaves[:-1],
+        initial_state=leaves[-1],
+        output_final_state=True,
+        cu_seqlens=cu_t,
+        cu_seqlens_cpu=cu_t,
+    )
+    do, dfinal = _cotangents(o_own, fin_own)
+    grads_own = torch.autograd.grad((o_own * do).sum() + (fin_own * dfinal).sum(), leaves)
+    assert torch.equal(o, o_own.detach()) and torch.equal(fin, fin_own.detach())
+    for name, a, b in zip([*case.names, "h0"], grads, grads_own, strict=True):
+        assert torch.equal(a, b), f"d{name}"
+    print(f"[fla_interpreter] {case.id} varlen eager kernel vs fla's {public.__name__}: bitwise")
+
+
 @functools.cache
 def conv(layout: str, backend: str, tables: bool = False):
     cu = LAYOUTS[layout]

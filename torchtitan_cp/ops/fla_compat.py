@@ -23,7 +23,7 @@ below are replaced in every loaded fla module, and put back on exit:
   chunk count from the host offsets instead of ``.item()``.
 
 The delta rule's CP layer on fla composes fla's internal pieces under its own autograd nodes
-(``ops/delta_rule/fla_cp.py``); that is the delta rule's kernel, not a shim, so it lives with
+(``ops/delta_rule/fla_kernel.py``); that is the delta rule's kernel, not a shim, so it lives with
 the delta rule.
 
 A new fla-backed recurrence needs no edit here: its eager adapter calls
@@ -50,10 +50,9 @@ from torch import Tensor
 
 from torchtitan_cp.routing import device_chunk_tables
 
-from .common.fla import FLA_CHUNK_SIZE, contiguous
+from .common.fla import FLA_CHUNK_SIZE
 
 __all__ = [
-    "chunk_kda_indexed",
     "chunk_tables",
     "indexed",
 ]
@@ -320,40 +319,3 @@ def indexed(
             return fn(*args, **kwargs)
     o, final = _Indexed.apply(fn, tables, len(args), names, options, *tensors)
     return o, final
-
-
-def chunk_kda_indexed(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    scale: float | None,
-    initial_state: Tensor | None,
-    output_final_state: bool,
-    cu_seqlens: Tensor,
-    cu_seqlens_cpu: Tensor | None,
-    chunk_indices: Tensor,
-    chunk_offsets: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """``chunk_kda`` (pre-computed natural-log gate, post-sigmoid beta, normalised q/k) over
-    packed sequences with the caller's chunk tables: ``indexed(chunk_kda, ...)``, kept by name
-    for ``ops/delta_rule/fla_kernel.py``. Shapes as ``chunk_kda``."""
-    from fla.ops.kda import chunk_kda
-
-    # Contiguous before fla's forward (which saves them for its backward); v is usually a
-    # split view of the conv output.
-    q, k, v, g, beta, initial_state = contiguous(q, k, v, g, beta, initial_state)
-    return indexed(
-        chunk_kda,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        tables=(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets),
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-    )

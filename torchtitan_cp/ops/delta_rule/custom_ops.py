@@ -442,9 +442,9 @@ delta_rule_fla_op.register_autograd(_backward_delta_rule_fla, setup_context=_set
 
 
 # --------------------------------------------------------------------- CP summaries, fla
-# The compiled path's states-only summaries on fla (``fla_cp.summaries_fwd``). The eager path
+# The compiled path's states-only summaries on fla (``fla_kernel.summaries_fwd``). The eager path
 # joins the summaries' ``D [I | hᵀ]`` cotangent with the local kernel's inside one layer's
-# autograd nodes (``fla_cp``), which does not cross op boundaries; this op's
+# autograd nodes (``fla_kernel``), which does not cross op boundaries; this op's
 # backward takes the full cotangent ``[dE | dM]`` (what the fold's traced backward gives) and
 # runs the state backward at width V + K from ``[0 | I]``. It recomputes the gate cumsum and
 # the WY preparation rather than returning them from the forward op.
@@ -494,7 +494,7 @@ def delta_rule_summaries_fla_op(
     """fla's states-only pass: ``[N, HV, K, V + K] = [E | M]`` float32 of every packed sequence
     (gate cumsum, WY preparation, the state kernel; no output kernel); the rows marked −1 in
     ``rows_cpu`` (the routing's padding, last) are identities, not computed."""
-    from .fla_cp import summaries_fwd
+    from .fla_kernel import summaries_fwd
 
     st = _live_stream(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices, rows_cpu)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
@@ -529,7 +529,7 @@ def delta_rule_summaries_fla_bwd_op(
     """``(dq, dk, dv, dg, dbeta)`` for the full cotangent ``dS``: the WY preparation again, then
     fla's state backward at value width V + K from ``[0 | I]`` (dq is zeros, and so is every
     gradient of a padding row's tokens)."""
-    from .fla_cp import summaries_bwd, summaries_fwd
+    from .fla_kernel import summaries_bwd, summaries_fwd
 
     grads = [torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)]
     st = _live_stream(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, chunk_indices, rows_cpu)

@@ -17,7 +17,8 @@ from torch import Tensor
 from ..common import checks
 from ..common.checks import Backend, TokenInput
 from ..common.custom_ops import op_args
-from . import custom_ops
+from ..cp.recurrence import SequenceTables
+from . import custom_ops, fla_kernel
 from .torch_kernel import chunk_delta_rule_torch
 
 Kind = Literal["kda", "gdn"]
@@ -104,7 +105,23 @@ def chunk_delta_rule(
                 q, k, v, g, beta, a.initial_state, a.cu_seqlens_cpu, kind, a.scale
             )
         return o, (final if output_final_state else None)
-    common = dict(
+    if call.backend == "fla":
+        # No offsets (None, None): one dense sequence, as fla takes it.
+        tables = SequenceTables(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets)  # pyrefly: ignore[bad-argument-type]
+        return fla_kernel.chunk_delta_rule_fla(
+            (q, k, v, g, beta),
+            tables,
+            kind=kind,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+        )
+    return chunk_delta_rule_torch(
+        q,
+        k,
+        v,
+        g,
+        beta,
         kind=kind,
         scale=scale,
         initial_state=initial_state,
@@ -112,10 +129,3 @@ def chunk_delta_rule(
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
     )
-    if call.backend == "fla":
-        from .fla_kernel import chunk_delta_rule_fla
-
-        return chunk_delta_rule_fla(
-            q, k, v, g, beta, **common, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets
-        )
-    return chunk_delta_rule_torch(q, k, v, g, beta, **common)

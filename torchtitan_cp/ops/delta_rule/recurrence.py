@@ -7,7 +7,7 @@ local kernel (``torch_kernel.compose_chunk_maps``). Elsewhere it comes from one 
 over the published tokens: values ``[v | 0]`` from the entry state ``[0 | I]``, since the first V
 columns follow E and the last K columns follow M (the same recurrence applied to the identity).
 On fla (eager) that pass is fla's state kernel on the WY factors the layer prepared once, and its
-cotangent joins the local kernel's before one WY backward (``fla_cp``); under ``torch.compile``
+cotangent joins the local kernel's before one WY backward (``fla_kernel``); under ``torch.compile``
 the states-only pass of either backend is
 its own custom op (``custom_ops.delta_rule_summaries_torch_op`` / ``..._fla_op``).
 The driver (``ops.cp.driver``) does the rest.
@@ -33,7 +33,7 @@ from ..cp.recurrence import (
     qkv_state_shape,
     resolve_state,
 )
-from . import custom_ops, fla_cp
+from . import custom_ops, fla_kernel
 from .local import chunk_delta_rule
 from .torch_kernel import (
     DeltaRuleChunks,
@@ -69,12 +69,12 @@ class DeltaRule:
     def prepare(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Any:
         # Eager, both backends split into a state-independent step (gate scores, the WY solve)
         # that the summaries and the local kernel share, and the state passes (torch_kernel /
-        # fla_cp); the compiled custom ops run whole (their summaries pick tokens).
+        # fla_kernel); the compiled custom ops run whole (their summaries pick tokens).
         backend = checks.resolve_backend(self.backend, inputs[0])
         if torch.compiler.is_compiling():
             return TokenPrepared(inputs, tables)
         if backend == "fla":
-            return fla_cp.prepare(inputs, tables, kind=self.kind, scale=self.scale)
+            return fla_kernel.prepare(inputs, tables, kind=self.kind, scale=self.scale)
         q, k, v, g, beta = inputs
         return prepare_delta_rule_torch(
             q,
@@ -93,8 +93,8 @@ class DeltaRule:
     ) -> tuple[Tensor, Tensor | None]:
         if isinstance(prepared, DeltaRuleChunks):
             return local_delta_rule_torch(prepared, initial_state, output_final_state)
-        if isinstance(prepared, fla_cp.FlaPrepared):
-            return fla_cp.local(prepared, initial_state, output_final_state)
+        if isinstance(prepared, fla_kernel.FlaPrepared):
+            return fla_kernel.local(prepared, initial_state, output_final_state)
         inputs, tables = prepared
         h0 = resolve_state(initial_state)
         return chunk_delta_rule(
@@ -119,8 +119,8 @@ class DeltaRule:
             return compose_chunk_maps(
                 prepared, rows.subsequence_cpu.tolist(), rows=rows.subsequence
             )
-        if isinstance(prepared, fla_cp.FlaPrepared):
-            return fla_cp.summaries(prepared, rows)
+        if isinstance(prepared, fla_kernel.FlaPrepared):
+            return fla_kernel.summaries(prepared, rows)
         # Under torch.compile (TokenPrepared): the states-only pass as its own custom op, no
         # output kernel; its backward takes the full cotangent [dE | dM] (custom_ops.py). The
         # host row ids tell it which rows are padding (not computed).
