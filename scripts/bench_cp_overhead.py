@@ -49,7 +49,10 @@ span as a middle rank publishes it through fla's full ``chunk_kda`` / ``chunk_ga
 at value width V + K from ``[0 | I]`` (outputs discarded; the oldest form); and the CP layer of
 that middle rank (``ops/delta_rule/fla_kernel.py``: one WY preparation for the summaries and the
 local kernel, the summary's backward fed the cotangent the CP driver sends, ``D [I | hᵀ]``,
-joined with the local kernel's before one WY backward).
+joined with the local kernel's before one WY backward); and the compiled path's custom ops
+on the same tokens (``delta_rule_fla_prepare`` once, then ``delta_rule_fla_local`` and
+``delta_rule_summaries_fla`` on its factors, forward + backward; the summaries' backward takes
+the full cotangent ``[dE | dM]``).
 
 ``--compile-count`` counts the compiled path's summaries on the torch backend: what their custom
 ops run (forward op, then the backward op that recomputes it), before (the local kernel's op pair
@@ -456,6 +459,11 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
     from torchtitan_cp.ops import chunk_delta_rule
     from torchtitan_cp.ops.common.fla import FLA_CHUNK_SIZE
     from torchtitan_cp.ops.cp.recurrence import SequenceTables, SummaryRows
+    from torchtitan_cp.ops.delta_rule.custom_ops import (
+        delta_rule_fla_local_op,
+        delta_rule_fla_prepare_op,
+        delta_rule_summaries_fla_op,
+    )
     from torchtitan_cp.ops.delta_rule.recurrence import DeltaRule
     from torchtitan_cp.routing import chunk_indices, chunk_offsets
 
@@ -517,13 +525,27 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
             assert fin is not None
             ((o.sum() + (fin * dS).sum()) + (s * cot).sum()).backward()
             row["cp_layer"] = list(counter.take())
+            # Under torch.compile the CP layer is custom ops (DeltaRule.prepare): the preparation
+            # op once, the local op pair and the summaries op pair of the whole span on its
+            # factors (the summaries' backward takes the cotangent the fold's traced backward
+            # gives, at width V + K).
+            leaves = tuple(x.detach().requires_grad_(True) for x in xs)
+            counter.take()
+            ins = (x.detach() for x in xs)  # the preparation op has no backward (custom_ops.py)
+            factors = delta_rule_fla_prepare_op(*ins, cu, cu, ci, kind, D**-0.5)
+            o, fin = delta_rule_fla_local_op(*leaves, factors, h, cu, cu, ci, kind, D**-0.5, True)
+            no_scores = [f[:0] if i == 2 else f for i, f in enumerate(factors)]
+            s = delta_rule_summaries_fla_op(*leaves, no_scores, cu, cu, ci, one, kind, D**-0.5)
+            ((o.sum() + (fin * dS).sum()) + (s * cot).sum()).backward()
+            row["compiled"] = list(counter.take())
             rows.append(row)
             loc = row["local"][0]
             print(
                 f"{kind} K=V={D} T={tokens}: local {loc / 1e9:.3f} GFLOP "
                 f"({row['local'][1]} launches); summary before "
                 f"{row['summary_before'][0] / 1e9:.3f} ({row['summary_before'][0] / loc:.2f}x); CP layer (local + summary, shared) "
-                f"{row['cp_layer'][0] / 1e9:.3f} ({row['cp_layer'][0] / loc:.2f}x)",
+                f"{row['cp_layer'][0] / 1e9:.3f} ({row['cp_layer'][0] / loc:.2f}x); compiled op "
+                f"pairs {row['compiled'][0] / 1e9:.3f} ({row['compiled'][0] / loc:.2f}x)",
                 flush=True,
             )
     return rows

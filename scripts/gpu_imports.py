@@ -38,7 +38,7 @@ CUDA_PATH_IMPORTS: tuple[str, ...] = (
     "torchtitan_cp.ops.conv.fla_kernel:causal_conv1d_fla",
     "torchtitan_cp.ops.fla_compat:indexed",
     "torchtitan_cp.ops.delta_rule.fla_kernel:prepare",
-    "torchtitan_cp.ops.delta_rule.custom_ops:delta_rule_fla_op",  # torch.compile's custom ops
+    "torchtitan_cp.ops.delta_rule.custom_ops:delta_rule_fla_local_op",  # torch.compile's ops
     "torchtitan_cp.ops.conv.custom_ops:causal_conv1d_fla_op",
     "torchtitan_cp.ops.ssd.custom_ops:ssd_fla_op",
     "torchtitan_cp.ops.ssd.fla_kernel:chunk_ssd_fla",

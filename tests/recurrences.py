@@ -82,6 +82,15 @@ def _rep(*xs: Tensor) -> list[Tensor]:
 # ----------------------------------------------------------------------------- delta rule
 
 
+def _delta_rule_fla_op(xs, h0, offsets, kind: str, scale: float) -> OpCall:
+    """The delta rule's local op on fla as torch.compile calls it: on the factors of its
+    preparation op (run here, on the detached inputs), ``offsets`` = (cu, cu_cpu, table)."""
+    from torchtitan_cp.ops.delta_rule import custom_ops
+
+    prep = custom_ops.delta_rule_fla_prepare_op(*(x.detach() for x in xs), *offsets, kind, scale)
+    return custom_ops.delta_rule_fla_local_op, (*xs, prep, h0, *offsets, kind, scale, True)
+
+
 def _delta_rule(kind: str) -> RecurrenceCase:
     def inputs(
         T: int, seed: int, dtype: torch.dtype = torch.float64, *, K: int = K, V: int = V
@@ -115,9 +124,7 @@ def _delta_rule(kind: str) -> RecurrenceCase:
         return delta_rule_torch_op, (*xs, h0, cu_cpu, kind, scale)
 
     def fla_op(xs, h0, cu, cu_cpu, chunk_indices, chunk_offsets, scale) -> OpCall:
-        from torchtitan_cp.ops.delta_rule.custom_ops import delta_rule_fla_op
-
-        return delta_rule_fla_op, (*xs, h0, cu, cu_cpu, chunk_indices, kind, scale, True)
+        return _delta_rule_fla_op(xs, h0, (cu, cu_cpu, chunk_indices), kind, scale)
 
     return RecurrenceCase(
         kind, kind, inputs, ("q", "k", "v", "g", "beta"), oracle, fla_naive, torch_op, fla_op
@@ -157,12 +164,11 @@ def _delta_product(n: int) -> RecurrenceCase:
 
     def fla_op(xs, h0, cu, cu_cpu, chunk_indices, chunk_offsets, scale) -> OpCall:
         from torchtitan_cp.ops.cp.recurrence import SequenceTables
-        from torchtitan_cp.ops.delta_rule.custom_ops import delta_rule_fla_op
         from torchtitan_cp.ops.delta_rule.product import step_stream
 
         t = SequenceTables(cu, cu_cpu, chunk_indices, chunk_offsets).expanded(n, xs[0].shape[1])
         stream = (t.cu_seqlens, t.cu_seqlens_cpu, t.chunk_indices)
-        return delta_rule_fla_op, (*step_stream(xs), h0, *stream, "gdn", scale, True)
+        return _delta_rule_fla_op(step_stream(xs), h0, stream, "gdn", scale)
 
     return RecurrenceCase(
         f"gdp{n}",

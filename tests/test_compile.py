@@ -227,23 +227,26 @@ def test_fla_fake_impls_give_fla_shapes(case: RecurrenceCase):
         for name, x in zip(case.names, case.inputs(T, 0))
     ]
     h0 = torch.zeros(3, HV, K, V)
-    op, args = case.fla_op(xs, h0, CU, CU, None, None, 0.3)
     with FakeTensorMode() as mode:
-        args = [
-            mode.from_tensor(a).requires_grad_(True)
-            if isinstance(a, torch.Tensor) and a.is_floating_point()
-            else mode.from_tensor(a)
-            if isinstance(a, torch.Tensor)
-            else a
-            for a in args
-        ]
-        o, fin, g_cum, *scores = op(*args)
+
+        def fake(a: torch.Tensor) -> torch.Tensor:
+            f = mode.from_tensor(a)
+            return f.requires_grad_(True) if a.is_floating_point() else f
+
+        # Inside the mode: an op that takes another op's results (the delta rule's local op
+        # on its preparation's factors) gets them from that op's fake.
+        op, args = case.fla_op([fake(x) for x in xs], fake(h0), fake(CU), fake(CU), None, None, 0.3)
+        o, fin, *rest = op(*args)
         stream = T * case.steps
         assert (o.shape, o.dtype) == ((1, stream, HV, V), torch.bfloat16)
         assert (fin.shape, fin.dtype) == ((3, HV, K, V), torch.float32)
+        prepared = next((a for a in args if isinstance(a, list)), None)
+        # The cumulative gate and the delta rule's chunk scores: further outputs of the op, or
+        # the factors of the preparation it takes (the gate cumsum, the WY matrix, KDA's Aqk).
+        g_cum, *scores = rest if prepared is None else prepared[:3]
         gate = args[3]  # every family's fla op takes (q, k, v, gate, ...)
         assert (g_cum.shape, g_cum.dtype) == (gate.shape, torch.float32)
-        if scores:  # the delta rule saves its chunk scores [1, T, HV, 64] (KDA: two of them)
+        if scores:  # the delta rule's chunk scores [1, T, HV, 64] (KDA: two of them)
             a1, a2 = scores
             assert a1.shape == (1, stream, HV, FLA_CHUNK_SIZE)
             assert a2.shape == (a1.shape if gate.dim() == 4 else (0,))

@@ -664,12 +664,14 @@ def test_compiled_path_ops_get_the_routing_table(fla_recorder, kind):
     N = cu.numel() - 1
     assert ci.shape[0] == chunk_bound(r.num_tokens, N, FLA_CHUNK_SIZE)  # padded
     q, k, v, g, beta, h0 = (t.detach() for t in _inputs(kind, r.num_tokens, N))
-    o, fin, g_cum, a1, a2 = custom_ops.delta_rule_fla_op(
-        q, k, v, g, beta, h0, cu, cu_cpu, ci, kind, 0.3, True
-    )
+    factors = custom_ops.delta_rule_fla_prepare_op(q, k, v, g, beta, cu, cu_cpu, ci, kind, 0.3)
+    local = custom_ops.delta_rule_fla_local_op
+    o, fin = local(q, k, v, g, beta, factors, h0, cu, cu_cpu, ci, kind, 0.3, True)
     x, w = torch.randn(1, r.num_tokens, 8), torch.randn(8, 4)
     conv_ops.causal_conv1d_fla_op(x, w, None, None, cu, cu_cpu, ci, "silu")
     fla_recorder.phase = "bwd"
+    g_cum, A, Aqk = factors[:3]
+    a1, a2 = (Aqk, A) if kind == "kda" else (A, Aqk)
     saved = (q, k, v, beta, g_cum, a1, a2, h0, cu, cu_cpu, ci)  # what the op saves for backward
     custom_ops.delta_rule_fla_bwd_op(*saved, torch.zeros_like(o), torch.zeros_like(fin), kind, 0.3)
     conv_ops.causal_conv1d_fla_bwd_op(x, w, None, None, cu, cu_cpu, ci, torch.zeros_like(x), "silu")

@@ -20,6 +20,7 @@ bf16, autotuned configs (one per kernel here), fast math, pinned memory, streams
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import pytest
@@ -243,8 +244,9 @@ def _fla_op(case: RecurrenceCase):
 @ids
 def test_fla_op_writes_every_output_element(case, monkeypatch):
     """Every allocation fla makes is NaN-filled: finite outputs mean each element the op returns
-    was written (an op returning uninitialised memory differs from run to run)."""
-    op, args = _fla_op(case)
+    was written (an op returning uninitialised memory differs from run to run). An op that
+    takes another op's results (the delta rule's preparation, run by ``case.fla_op``) has
+    those checked too."""
     for name in ("empty", "empty_like"):
         real = getattr(torch, name)
 
@@ -253,10 +255,14 @@ def test_fla_op_writes_every_output_element(case, monkeypatch):
             return t.fill_(float("nan")) if t.is_floating_point() else t
 
         monkeypatch.setattr(torch, name, poisoned)
+    op, args = _fla_op(case)
     args = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args)
+    prepared = [x for arg in args if isinstance(arg, list) for x in arg]
     outs = op(*args)
     for name, out in zip(("o", "final", "g_cumsum", "A1", "A2"), outs):
         assert torch.isfinite(out).all(), f"{case.id} {name}: {int(out.isnan().sum())} unwritten"
+    for i, x in enumerate(prepared):
+        assert torch.isfinite(x).all(), f"{case.id} prepared[{i}]: {int(x.isnan().sum())} unwritten"
 
 
 @ids
@@ -280,9 +286,14 @@ def test_fla_summaries_op_matches_torch_and_opchecks(case):
 
     xs, cu, kind = _summaries_op_args(case)
     ci = chunk_indices(cu, 64)
+    # The factors as the CP layer hands them over: the preparation op's, query scores left out.
+    factors = custom_ops.delta_rule_fla_prepare_op(
+        *(x.detach() for x in xs), cu, cu, ci, kind, K**-0.5
+    )
+    factors[2] = factors[2][:0]
     # The last row marked padding (the routing's capped stream): identity, zero gradients.
     rows = torch.tensor([0, 1, 2, -1], dtype=torch.int32)
-    S = custom_ops.delta_rule_summaries_fla_op(*xs, cu, cu, ci, rows, kind, K**-0.5)
+    S = custom_ops.delta_rule_summaries_fla_op(*xs, factors, cu, cu, ci, rows, kind, K**-0.5)
     ref_xs = [x.detach().double().requires_grad_(True) for x in xs]
     S_ref = custom_ops.delta_rule_summaries_torch_op(*ref_xs, cu, rows, kind, K**-0.5)
     dS = torch.randn(S.shape, generator=torch.Generator().manual_seed(3))
@@ -292,7 +303,31 @@ def test_fla_summaries_op_matches_torch_and_opchecks(case):
     for name, a, b in zip(case.names, grads, ref, strict=True):
         report(f"{case.id} summaries op d{name} vs torch", rel_err(a, b), TOL)
     op = custom_ops.delta_rule_summaries_fla_op
-    torch.library.opcheck(op, (*xs, cu, cu, ci, rows, kind, K**-0.5))
+    torch.library.opcheck(op, (*xs, factors, cu, cu, ci, rows, kind, K**-0.5))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("kda", "gdn")], ids=lambda c: c.id)
+def test_fla_op_pair_is_the_eager_kernel_bitwise(case):
+    """The compiled local kernel on fla, the preparation op then the local op on its factors
+    (the factors a CP layer's summaries op shares), gives the eager kernel's outputs and
+    gradients bit for bit (the eager kernel is fla's own functions bitwise, above)."""
+    from torchtitan_cp.ops.delta_rule.fla_kernel import chunk_delta_rule_fla
+
+    op, args = _fla_op(case)
+    xs, (_, h0, cu, cu_cpu, ci, kind, scale, _) = list(args[:5]), args[5:]
+    o, fin = op(*args)
+    do, dfinal = _cotangents(o, fin)
+    leaves = [*xs, h0]
+    got = torch.autograd.grad((o * do).sum() + (fin * dfinal).sum(), leaves)
+    tables = SequenceTables(cu, cu_cpu, ci, None)
+    o2, fin2 = chunk_delta_rule_fla(
+        tuple(xs), tables, kind=kind, scale=scale, initial_state=h0, output_final_state=True
+    )
+    assert fin2 is not None
+    want = torch.autograd.grad((o2 * do).sum() + (fin2 * dfinal).sum(), leaves)
+    assert torch.equal(o, o2) and torch.equal(fin, fin2)
+    for name, a, b in zip([*case.names, "h0"], got, want, strict=True):
+        assert torch.equal(a, b), f"d{name}"
 
 
 def test_fla_conv_op_opcheck():
@@ -449,6 +484,57 @@ def test_compiled_out_of_order_span_on_fla_matches_torch(case):
     """The same span compiled (aot_eager): fla's local kernel and the states-only summaries as
     custom ops (the summaries' backward from the full cotangent, at width V + K)."""
     _out_of_order_span(case, compiled=True)
+
+
+# The recorder's aot_eager returns an unboxed function (a debugging backend's choice).
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd:UserWarning")
+def test_compiled_cp_layer_on_fla_prepares_once_without_recompiles():
+    """GDN (the ops and their wiring are the same for KDA, whose compiled CP layer the
+    out-of-order span checks), compiled (aot_eager, capped routing): a CP layer on fla runs
+    fla's preparation once: the
+    traced graph calls ``delta_rule_fla_prepare`` once and the local op and the summaries op
+    take its factors (no second preparation, forward or backward). A second layout under the
+    same caps reuses the graph, and both match the eager layer."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    from tests.dist_utils import device_routing, loose_caps, span_index
+    from torchtitan_cp.ops.cp.driver import context_parallel_recurrence
+
+    case = CASE["gdn"]
+    caps = loose_caps(SPAN_CU, SPAN_TABLE)
+    rec = registered(case.name, backend="fla", **case.options)
+
+    def layer(*xs, routing):
+        return context_parallel_recurrence(rec, xs, routing=routing, group=None)[0]
+
+    torch._dynamo.reset()
+    graphs = AotEagerAndRecordGraphs()
+    compiled = torch.compile(layer, backend=graphs, fullgraph=True)
+    for cu in (SPAN_CU, [0, 60, 150]):  # the second: other documents, the same fragments
+        routing = device_routing(cu, SPAN_TABLE, 0, caps=caps)
+        span = torch.tensor(span_index(SPAN_TABLE[0]), dtype=torch.int64)
+        full = case.inputs(cu[-1], len(cu), torch.float32, K=K, V=V)
+        outs = []
+        for fn in (compiled, layer):
+            xs = [x.index_select(1, span).requires_grad_(True) for x in full]
+            o = fn(*xs, routing=routing)
+            outs.append([o.detach(), *torch.autograd.grad(o.square().sum(), xs)])
+        for name, a, b in zip(["o", *("d" + n for n in case.names)], *outs, strict=True):
+            report(
+                f"{case.id} compiled CP layer layout {len(cu) - 1} docs {name}",
+                rel_err(a, b),
+                COMPILE_TOL,
+            )
+    assert len(graphs.graphs) == 1, f"{len(graphs.graphs)} graphs: a layout recompiled"
+    ops = collections.Counter(
+        str(n.target) for n in graphs.graphs[0].graph.nodes if n.op == "call_function"
+    )
+    calls = {op: n for op, n in ops.items() if op.startswith("torchtitan_cp.")}
+    assert calls == {
+        "torchtitan_cp.delta_rule_fla_prepare.default": 1,
+        "torchtitan_cp.delta_rule_fla_local.default": 1,
+        "torchtitan_cp.delta_rule_summaries_fla.default": 1,
+    }, calls
 
 
 # ----------------------------------------------------------------------------- CP driver

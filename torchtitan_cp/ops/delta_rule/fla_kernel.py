@@ -58,10 +58,15 @@ from ..common.fla import (
 from ..cp.recurrence import InitialState, SequenceTables, SummaryRows, resolve_state
 
 __all__ = [
+    "FACTORS",
     "FlaPrepared",
+    "check_head_dim",
     "chunk_delta_rule_fla",
     "local",
+    "local_fwd",
+    "op_state",
     "prepare",
+    "prepared_factors",
     "summaries",
     "summaries_bwd",
     "summaries_fwd",
@@ -392,42 +397,48 @@ def _local_backward(st: FlaState, f: Any, do: Tensor | None, dfinal: Tensor | No
     st.local_grads = lg
 
 
+def _local_fwd(st: FlaState, f: Any, output_final_state: bool) -> tuple[Tensor, Tensor | None]:
+    """fla's state kernel from ``st.h0`` and its output kernel on the prepared factors:
+    ``(o in q's dtype, final | None)``."""
+    h, v_new, final = _states(st, f, st.h0, output_final_state)
+    q = st.inputs[0]
+    if st.kind == "kda":
+        o = f.chunk_gla_fwd_o_gk(
+            q=q,
+            v=v_new,
+            g=st.fwd["g_cs"],
+            A=st.fwd["Aqk"],
+            h=h,
+            scale=st.scale,
+            chunk_size=FLA_CHUNK_SIZE,
+            **_tab(st),
+        )
+    else:
+        o = f.chunk_fwd_o(
+            q=q,
+            k=st.inputs[1],
+            v=v_new,
+            h=h,
+            g=st.fwd["g_cs"],
+            scale=st.scale,
+            chunk_size=FLA_CHUNK_SIZE,
+            **_tab(st),
+        )
+    return o.to(q.dtype), final
+
+
 class _Local(torch.autograd.Function):
     @staticmethod
     def forward(  # pyrefly: ignore[bad-override]
         ctx, token: Tensor, h0: Tensor | None, st: FlaState, output_final_state: bool
     ):
-        f = _fla()
         st.h0 = None if h0 is None else h0.detach().float().contiguous()
-        h, v_new, final = _states(st, f, st.h0, output_final_state)
-        q = st.inputs[0]
-        if st.kind == "kda":
-            o = f.chunk_gla_fwd_o_gk(
-                q=q,
-                v=v_new,
-                g=st.fwd["g_cs"],
-                A=st.fwd["Aqk"],
-                h=h,
-                scale=st.scale,
-                chunk_size=FLA_CHUNK_SIZE,
-                **_tab(st),
-            )
-        else:
-            o = f.chunk_fwd_o(
-                q=q,
-                k=st.inputs[1],
-                v=v_new,
-                h=h,
-                g=st.fwd["g_cs"],
-                scale=st.scale,
-                chunk_size=FLA_CHUNK_SIZE,
-                **_tab(st),
-            )
+        o, final = _local_fwd(st, _fla(), output_final_state)
         for name in ("w", "u", "qg", "kg"):  # rebuilt in the backward (_wy), as fla does
             st.fwd.pop(name, None)
         ctx.st, ctx.has_h0 = st, h0 is not None
         ctx.h0_dtype = None if h0 is None else h0.dtype
-        return o.to(q.dtype), final
+        return o, final
 
     @staticmethod
     def backward(ctx, do: Tensor, dfinal: Tensor | None):  # pyrefly: ignore[bad-override]
@@ -439,12 +450,17 @@ class _Local(torch.autograd.Function):
         return torch.zeros(0, dtype=do.dtype, device=do.device), dh0, None, None
 
 
+def check_head_dim(K: int) -> None:
+    """fla's delta-rule kernels take key heads of at most 256 channels."""
+    if K > 256:
+        raise ValueError(f"fla's delta-rule kernels support head dim K <= 256, got K={K}")
+
+
 def prepare(inputs: tuple[Tensor, ...], tables: SequenceTables, *, kind: str, scale: float | None):
     """The layer's gate cumsum and WY preparation on fla, once (``FlaPrepared``)."""
     q, k, v, g, beta = inputs
     K = q.shape[-1]
-    if K > 256:
-        raise ValueError(f"fla's delta-rule kernels support head dim K <= 256, got K={K}")
+    check_head_dim(K)
     cu, cu_cpu, _, _ = fla_offsets(q, *tables, None)
     ci = fla_chunk_indices(cu, cu_cpu, tables.chunk_indices, q.shape[1])
     st = FlaState(
@@ -495,29 +511,68 @@ def chunk_delta_rule_fla(
     return local(prepared, initial_state, output_final_state)
 
 
-# ----------------------------------------------------------------- the compiled path's summaries
-# Under torch.compile the summaries are their own custom op pair
-# (``custom_ops.delta_rule_summaries_fla_op``), whose backward takes the full cotangent
-# ``[dE | dM]``: it cannot lean on the local kernel's trajectory, so it runs the state backward
-# at value width V + K from ``[0 | I]`` with values ``[u | 0]``, on the same pieces.
+# ------------------------------------------------------------------------- the compiled path
+# Under torch.compile the CP layer is three custom op pairs on these pieces
+# (``custom_ops.delta_rule_fla_prepare`` / ``_local`` / ``delta_rule_summaries_fla``): the
+# preparation runs once, as its own op, and the other two take its factors. Ops cannot share
+# one layer's state across their backward, so the summaries op's backward takes the full
+# cotangent ``[dE | dM]`` and runs the state backward at value width V + K from ``[0 | I]``
+# with values ``[u | 0]``, on the same pieces.
+
+# The factors the compiled ops pass, in order (``prepared_factors``): the gate cumsum, the WY
+# matrix, KDA's query scores, the WY factors and KDA's gated keys (an absent one is [0]).
+FACTORS = ("g_cs", "A", "Aqk", "w", "u", "kg")
 
 
-def summaries_fwd(
-    q, k, v, g, beta, *, kind, scale, cu_seqlens, chunk_indices, chunk_offsets=None
-) -> tuple[Tensor, FlaState]:
-    """The states-only pass on contiguous inputs: ``(final [N, HV, K, V + K] = [E | M] float32,
-    state)``; ``state`` is what :func:`summaries_bwd` reads (the prepared WY factors)."""
-    f = _fla()
-    idx = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
-    st = FlaState(kind=kind, scale=scale, inputs=(q, k, v, g, beta), idx=idx, g_dtype=g.dtype)
-    _prepare_fwd(st, f)
-    n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return _summary_pass(st, f, None, idx, n), st
+def op_state(
+    inputs: tuple[Tensor, ...], factors: dict[str, Tensor], *, kind: str, scale: float, idx: dict
+) -> FlaState:
+    """A layer state over contiguous ``inputs`` from a preparation made elsewhere: ``factors``
+    by name (``FACTORS``; the gate cumsum and the WY matrix at least: the WY factors are
+    rebuilt from it when absent, ``recompute_w_u_fwd``)."""
+    st = FlaState(kind=kind, scale=scale, inputs=inputs, idx=idx, g_dtype=inputs[3].dtype)
+    wy = "Akk" if kind == "kda" else "A"
+    st.fwd.update(g_cs=factors["g_cs"], **{wy: factors["A"]})
+    if kind == "kda" and "Aqk" in factors:
+        st.fwd["Aqk"] = factors["Aqk"]
+    if "w" in factors:
+        st.fwd.update(w=factors["w"], u=factors["u"])
+        if kind == "kda":
+            st.fwd["kg"] = factors["kg"]
+        else:  # GDN's state passes read the keys and queries themselves (``_prepare_fwd``)
+            st.fwd.update(kg=inputs[1], qg=inputs[0])
+    else:
+        _wy(st, _fla(), need_q=False)
+    return st
+
+
+def prepared_factors(st: FlaState) -> list[Tensor]:
+    """``_prepare_fwd``'s result in ``FACTORS`` order (``[0]`` for what a kind has not)."""
+    _prepare_fwd(st, _fla())
+    fw, q = st.fwd, st.inputs[0]
+    kda = st.kind == "kda"
+    names = ("g_cs", "Akk" if kda else "A", "Aqk", "w", "u", "kg")
+    # A custom op's outputs may not alias each other: one [0] per absent factor.
+    return [fw[n] if (kda or n not in ("Aqk", "kg")) else q.new_zeros(0) for n in names]
+
+
+def local_fwd(st: FlaState, h0: Tensor | None, output_final_state: bool):
+    """The local kernel on a prepared state (``op_state``): ``(o, final | None)``."""
+    st.h0 = h0
+    return _local_fwd(st, _fla(), output_final_state)
+
+
+def summaries_fwd(st: FlaState) -> Tensor:
+    """The states-only pass of a prepared summary stream: ``[N, HV, K, V + K] = [E | M]``
+    float32, one row per sequence."""
+    cu = st.idx["cu_seqlens"]
+    n = st.inputs[0].shape[0] if cu is None else cu.shape[0] - 1
+    return _summary_pass(st, _fla(), None, st.idx, n)
 
 
 def summaries_bwd(st: FlaState, dS: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dk, dv, dg, dbeta)`` (dg of the natural-log gate) of :func:`summaries_fwd`'s output
-    for any cotangent ``dS [N, HV, K, V + K]``: fla's state backward at width V + K with no
+    (``st`` from :func:`op_state`: its backward rebuilds the state trajectory) for any cotangent ``dS [N, HV, K, V + K]``: fla's state backward at width V + K with no
     output cotangent, then its WY backward (no ``dAv`` / ``dv_local``)."""
     f = _fla()
     q, k, v, g, beta = st.inputs

@@ -86,24 +86,14 @@ def chunk_delta_rule(
             call.backend, call.K, scale, cu_seqlens, cu_seqlens_cpu, initial_state, q.device
         )
         if call.backend == "fla":
-            o, final, *_ = custom_ops.delta_rule_fla_op(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                a.initial_state,
-                a.cu_seqlens,
-                a.cu_seqlens_cpu,
-                chunk_indices,
-                kind,
-                a.scale,
-                output_final_state,
+            inputs = (q, k, v, g, beta)
+            factors = custom_ops.prepare_op_call(inputs, a, chunk_indices, kind)
+            return custom_ops.local_op_call(
+                inputs, factors, a, chunk_indices, kind, output_final_state
             )
-        else:
-            o, final = custom_ops.delta_rule_torch_op(
-                q, k, v, g, beta, a.initial_state, a.cu_seqlens_cpu, kind, a.scale
-            )
+        o, final = custom_ops.delta_rule_torch_op(
+            q, k, v, g, beta, a.initial_state, a.cu_seqlens_cpu, kind, a.scale
+        )
         return o, (final if output_final_state else None)
     if call.backend == "fla":
         # No offsets (None, None): one dense sequence, as fla takes it.

@@ -16,14 +16,14 @@ The driver (``ops.cp.driver``) does the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..common import checks, fla_refusals
-from ..common.custom_ops import op_args
+from ..common.custom_ops import OpArgs, op_args
 from ..cp.driver import context_parallel_recurrence
 from ..cp.recurrence import (
     InitialState,
@@ -50,6 +50,16 @@ if TYPE_CHECKING:
 __all__ = ["DeltaRule", "context_parallel_delta_rule"]
 
 
+class FlaOpPrepared(NamedTuple):
+    """``DeltaRule.prepare``'s result on fla under ``torch.compile``: the inputs, their tables
+    and ``delta_rule_fla_prepare``'s factors (``fla_kernel.FACTORS``), which the local op and
+    the summaries op take."""
+
+    inputs: tuple[Tensor, ...]
+    tables: SequenceTables
+    factors: list[Tensor]
+
+
 @dataclass(frozen=True)
 class DeltaRule:
     """KDA (per-channel gate) or GDN (scalar gate); inputs ``(q, k, v, g, beta)`` with the shapes
@@ -67,11 +77,14 @@ class DeltaRule:
         return fla_refusals.fla_gated_backward_refusal() if self.kind == "gdn" else None
 
     def prepare(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> Any:
-        # Eager, both backends split into a state-independent step (gate scores, the WY solve)
-        # that the summaries and the local kernel share, and the state passes (torch_kernel /
-        # fla_kernel); the compiled custom ops run whole (their summaries pick tokens).
+        # Both backends split into a state-independent step (gate scores, the WY solve) that
+        # the summaries and the local kernel share, and the state passes (torch_kernel /
+        # fla_kernel). Under torch.compile fla's step is its own custom op; the torch
+        # backend's ops run whole (their summaries pick tokens).
         backend = checks.resolve_backend(self.backend, inputs[0])
         if torch.compiler.is_compiling():
+            if backend == "fla":
+                return self._prepare_op(inputs, tables)
             return TokenPrepared(inputs, tables)
         if backend == "fla":
             return fla_kernel.prepare(inputs, tables, kind=self.kind, scale=self.scale)
@@ -88,9 +101,25 @@ class DeltaRule:
             cu_seqlens_cpu=tables.cu_seqlens_cpu,
         )
 
+    def _prepare_op(self, inputs: tuple[Tensor, ...], tables: SequenceTables) -> FlaOpPrepared:
+        fla_kernel.check_head_dim(inputs[0].shape[3])
+        a = self._op_args(inputs[0], tables, None)
+        factors = custom_ops.prepare_op_call(inputs, a, tables.chunk_indices, self.kind)
+        return FlaOpPrepared(inputs, tables, factors)
+
+    def _op_args(self, q: Tensor, tables: SequenceTables, h0: Tensor | None) -> OpArgs:
+        backend = checks.resolve_backend(self.backend, q)
+        cu, cu_cpu = tables.cu_seqlens, tables.cu_seqlens_cpu
+        return op_args(backend, q.shape[3], self.scale, cu, cu_cpu, h0, q.device)
+
     def local(
         self, prepared: Any, initial_state: InitialState, output_final_state: bool
     ) -> tuple[Tensor, Tensor | None]:
+        if isinstance(prepared, FlaOpPrepared):
+            inputs, tables, factors = prepared
+            a = self._op_args(inputs[0], tables, resolve_state(initial_state))
+            ci = tables.chunk_indices
+            return custom_ops.local_op_call(inputs, factors, a, ci, self.kind, output_final_state)
         if isinstance(prepared, DeltaRuleChunks):
             return local_delta_rule_torch(prepared, initial_state, output_final_state)
         if isinstance(prepared, fla_kernel.FlaPrepared):
@@ -121,23 +150,18 @@ class DeltaRule:
             )
         if isinstance(prepared, fla_kernel.FlaPrepared):
             return fla_kernel.summaries(prepared, rows)
-        # Under torch.compile (TokenPrepared): the states-only pass as its own custom op, no
-        # output kernel; its backward takes the full cotangent [dE | dM] (custom_ops.py). The
-        # host row ids tell it which rows are padding (not computed).
-        inputs, _ = prepared
+        # Under torch.compile: the states-only pass as its own custom op, no output kernel;
+        # its backward takes the full cotangent [dE | dM] (custom_ops.py). The host row ids
+        # tell it which rows are padding (not computed).
+        inputs, tables = prepared[0], rows.tables
         q, k, v, g, beta = (x.index_select(1, rows.token_index) for x in inputs)
-        tables = rows.tables
-        backend = checks.resolve_backend(self.backend, q)
-        a = op_args(
-            backend,
-            q.shape[3],
-            self.scale,
-            tables.cu_seqlens,
-            tables.cu_seqlens_cpu,
-            None,
-            q.device,
-        )
-        if backend == "fla":
+        a = self._op_args(q, tables, None)
+        if isinstance(prepared, FlaOpPrepared):
+            # The preparation's factors of the published tokens (the query scores not needed).
+            factors = [
+                f.index_select(1, rows.token_index) if f.dim() > 1 and name != "Aqk" else f[:0]
+                for name, f in zip(fla_kernel.FACTORS, prepared.factors, strict=True)
+            ]
             assert a.cu_seqlens is not None  # the summary stream is always packed
             return custom_ops.delta_rule_summaries_fla_op(
                 q,
@@ -145,6 +169,7 @@ class DeltaRule:
                 v,
                 g,
                 beta,
+                factors,
                 a.cu_seqlens,
                 a.cu_seqlens_cpu,
                 tables.chunk_indices,
