@@ -7,10 +7,11 @@ local kernel (``torch_kernel.compose_chunk_maps``). Elsewhere it comes from one 
 over the published tokens: values ``[v | 0]`` from the entry state ``[0 | I]``, since the first V
 columns follow E and the last K columns follow M (the same recurrence applied to the identity).
 On fla (eager) that pass is fla's state kernel on the WY factors the layer prepared once, and its
-cotangent joins the local kernel's before one WY backward (``fla_kernel``); under ``torch.compile``
-the states-only pass of either backend is
-its own custom op (``custom_ops.delta_rule_summaries_torch_op`` / ``..._fla_op``).
-The driver (``ops.cp.driver``) does the rest.
+cotangent joins the local kernel's before one WY backward (``fla_kernel``). Under
+``torch.compile`` the states-only pass of either backend is its own custom op
+(``custom_ops.delta_rule_summaries_torch_op`` / ``..._fla_op``); on fla it and the local op take
+the factors of one preparation op (``FlaOpPrepared``), whose cotangent they cannot join across
+op boundaries, so its backward runs at width V + K. The driver (``ops.cp.driver``) does the rest.
 """
 
 from __future__ import annotations
