@@ -52,7 +52,8 @@ local kernel, the summary's backward fed the cotangent the CP driver sends, ``D 
 joined with the local kernel's before one WY backward); and the compiled path's custom ops
 on the same tokens (``delta_rule_fla_prepare`` once, then ``delta_rule_fla_local`` and
 ``delta_rule_summaries_fla`` on its factors, forward + backward; the summaries' backward takes
-the full cotangent ``[dE | dM]``).
+the full cotangent ``[dE | dM]``). The JSON rows also split the local kernel, the CP layer and
+the compiled ops by fla kernel name (``*_kernels``: FLOPs by the kernel that ran each dot).
 
 ``--compile-count`` counts the compiled path's summaries on the torch backend: what their custom
 ops run (forward op, then the backward op that recomputes it), before (the local kernel's op pair
@@ -73,6 +74,7 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 if os.environ.get("BENCH_SOURCE"):
     sys.path.insert(0, os.environ["BENCH_SOURCE"])
@@ -412,13 +414,15 @@ def markdown(rows: list[dict], before: dict | None = None) -> str:
 
 
 class _DotCounter:
-    """Counts, under Triton's interpreter, every launch (kernel, programs) and ``tl.dot`` FLOPs."""
+    """Counts, under Triton's interpreter, every launch (kernel, programs) and ``tl.dot`` FLOPs,
+    in all and by kernel name (``by_kernel``)."""
 
     def __init__(self) -> None:
         from triton.runtime import interpreter
 
         self.flops = 0
         self.launches: list[tuple[str, int]] = []
+        self.by_kernel: dict[str, int] = {}
         builder, grid_exec = interpreter.InterpreterBuilder, interpreter.GridExecutor
         dot, call, set_grid = builder.create_dot, grid_exec.__call__, builder.set_grid_dim
         counter = self
@@ -428,7 +432,10 @@ class _DotCounter:
             batch = 1
             for n_ in a.data.shape[:-2]:
                 batch *= n_
-            counter.flops += 2 * batch * m * k * bb.data.shape[-1]
+            flops = 2 * batch * m * k * bb.data.shape[-1]
+            counter.flops += flops
+            name = counter.launches[-1][0] if counter.launches else "?"
+            counter.by_kernel[name] = counter.by_kernel.get(name, 0) + flops
             return dot(b, a, bb, d, *rest)
 
         def grid_call(ge, *args, **kwargs):
@@ -447,6 +454,12 @@ class _DotCounter:
         """(FLOPs, launches, programs) since the last take."""
         out = (self.flops, len(self.launches), sum(p for _, p in self.launches))
         self.flops, self.launches = 0, []
+        return out
+
+    def take_kernels(self) -> dict[str, int]:
+        """FLOPs by kernel name since the last call, largest first."""
+        out = dict(sorted(self.by_kernel.items(), key=lambda kv: -kv[1]))
+        self.by_kernel = {}
         return out
 
 
@@ -496,14 +509,16 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
             h = torch.randn(1, H, D, D, generator=gen) * 0.1  # the entry state
             dS = torch.randn(1, H, D, D, generator=gen)  # D: the final state's cotangent
             cot = torch.cat([dS, dS @ h.transpose(-1, -2)], -1)  # what the driver sends
-            row = dict(kind=kind, dim=D, tokens=tokens)
+            row: dict[str, Any] = dict(kind=kind, dim=D, tokens=tokens)
             # Local kernel, fwd + bwd, with an entry state.
             counter.take()
+            counter.take_kernels()
             o, fin = fla_delta_rule(xs, kind, h)
             fwd = counter.take()
             (o.sum() + (fin * dS).sum()).backward()
             bwd = counter.take()
             row["local"] = [a + b for a, b in zip(fwd, bwd, strict=True)]
+            row["local_kernels"] = counter.take_kernels()
             # Before: fla's full forward and backward at value width V + K, outputs discarded.
             q, k, v, g, beta = xs
             vs = torch.cat([v, v.new_zeros(*v.shape[:3], D)], -1)
@@ -512,6 +527,7 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
             o, fin = fla_delta_rule((q, k, vs, g, beta), kind, h0)
             (fin * cot).sum().backward()
             row["summary_before"] = list(counter.take())
+            counter.take_kernels()
             # Now: the CP layer of a middle rank on fla (ops/delta_rule/fla_kernel.py): one WY
             # preparation, the summary of the whole span, the local kernel from h, and one WY
             # backward for the summary's cotangent (what the driver sends) and the local's.
@@ -525,6 +541,7 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
             assert fin is not None
             ((o.sum() + (fin * dS).sum()) + (s * cot).sum()).backward()
             row["cp_layer"] = list(counter.take())
+            row["cp_layer_kernels"] = counter.take_kernels()
             # Under torch.compile the CP layer is custom ops (DeltaRule.prepare): the preparation
             # op once, the local op pair and the summaries op pair of the whole span on its
             # factors (the summaries' backward takes the cotangent the fold's traced backward
@@ -538,6 +555,7 @@ def fla_count(kinds: list[str], dims: list[int], tokens: int) -> list[dict]:
             s = delta_rule_summaries_fla_op(*leaves, no_scores, cu, cu, ci, one, kind, D**-0.5)
             ((o.sum() + (fin * dS).sum()) + (s * cot).sum()).backward()
             row["compiled"] = list(counter.take())
+            row["compiled_kernels"] = counter.take_kernels()
             rows.append(row)
             loc = row["local"][0]
             print(

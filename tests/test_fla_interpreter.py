@@ -694,3 +694,27 @@ def test_trainer_fla_matches_torch_at_cp2(tmp_path):
         abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"],
         TRAIN_GRAD_NORM_TOL,
     )
+
+
+def test_fla_count_bench_splits_flops_by_kernel_and_eager_cp_adds_no_wy_backward():
+    """``bench_cp_overhead.py --fla-count``'s rows by kernel (docs/PERFORMANCE.md): each split
+    sums to its row's total, and the eager CP layer's excess over the local kernel is only the
+    summaries' state kernel and one state backward: its WY preparation and WY backward are the
+    local kernel's own, run once (issue 36, point 1)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_cp_overhead.py"
+    spec = importlib.util.spec_from_file_location("bench_cp_overhead_count", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for row in bench.fla_count(["kda", "gdn"], [32], 128):
+        for name in ("local", "cp_layer", "compiled"):
+            assert sum(row[f"{name}_kernels"].values()) == row[name][0], name
+        local, cp = row["local_kernels"], row["cp_layer_kernels"]
+        grew = {k for k in cp if cp[k] != local.get(k, 0)}
+        assert grew == {
+            "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+            "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64",
+        }, (row["kind"], grew)
